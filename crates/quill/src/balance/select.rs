@@ -1,0 +1,439 @@
+//! Choosing a server for a new connection, with Pen's semantics.
+//!
+//! Order of decisions for a client that passed the client ACL:
+//! 1. Tracking (unless `roundrobin` or `hash_only`): a known client goes back to its last
+//!    server if that server is available for it *below the hard limit*.
+//! 2. Otherwise the policy picks among servers available *below the soft limit*:
+//!    `prio` (lowest value with capacity), `weight` (fewest connections per unit of weight),
+//!    `hash` (the client's hash slot, then onwards), or round robin (the server after the
+//!    most recently chosen one).
+//! 3. `stubborn`: if the initial choice is unavailable (or its connect fails), give up
+//!    instead of trying another server.
+//!
+//! "Available" means: has an address, is not blacklisted, its server ACL permits the
+//! client, and it is below the limit that applies. Nothing here blocks or allocates per
+//! server beyond one small bitmap of tried servers for failover.
+
+use std::hash::{Hash, Hasher};
+use std::net::{IpAddr, SocketAddr};
+use std::sync::atomic::{AtomicUsize, Ordering::Relaxed};
+
+use super::servers::ServerTable;
+use super::tracking::ClientTable;
+use crate::settings::Settings;
+
+/// The outcome of a selection.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Choice {
+    /// Connect to server N.
+    Server(usize),
+    /// Nothing available: use the emergency server (if configured) or close.
+    NoServer,
+}
+
+/// One selection (and its failovers) for one client connection.
+pub struct Selector<'a> {
+    settings: &'a Settings,
+    servers: &'a ServerTable,
+    clients: &'a ClientTable,
+    cursor: &'a AtomicUsize,
+    client: SocketAddr,
+    now: u64,
+    /// Servers already tried for this connection (failover never retries one).
+    tried: Vec<bool>,
+    /// The first choice has been made (later calls are failovers).
+    started: bool,
+}
+
+impl<'a> Selector<'a> {
+    pub fn new(
+        settings: &'a Settings,
+        servers: &'a ServerTable,
+        clients: &'a ClientTable,
+        cursor: &'a AtomicUsize,
+        client: SocketAddr,
+        now: u64,
+    ) -> Selector<'a> {
+        Selector {
+            settings,
+            servers,
+            clients,
+            cursor,
+            client,
+            now,
+            tried: Vec::new(),
+            started: false,
+        }
+    }
+
+    fn ip(&self) -> IpAddr {
+        self.client.ip().to_canonical()
+    }
+
+    /// Whether server `i` can take this client now; `returning` selects the hard limit.
+    fn available(&self, i: usize, returning: bool) -> bool {
+        if self.tried.get(i).copied().unwrap_or(false) {
+            return false;
+        }
+        let Some(conf) = self.settings.servers.get(i) else {
+            return false;
+        };
+        if conf.addr().is_none() {
+            return false;
+        }
+        let Some(state) = self.servers.get(i) else {
+            return false;
+        };
+        if state.is_blacklisted(self.now) {
+            return false;
+        }
+        if let Some(acl) = conf.acl {
+            if !self.settings.acls[acl.index()].permits(self.ip()) {
+                return false;
+            }
+        }
+        let limit = if returning {
+            conf.hard_limit()
+        } else {
+            conf.max
+        };
+        limit == 0 || state.conns.load(Relaxed) < limit
+    }
+
+    /// The first choice for this connection.
+    pub fn initial(&mut self) -> Choice {
+        self.started = true;
+        let policy = self.settings.policy;
+        if !policy.roundrobin && !policy.hash_only {
+            let tracking_ms = self.settings.tracking.saturating_mul(1000);
+            if let Some(i) = self.clients.lookup(self.ip(), self.now, tracking_ms) {
+                if self.available(i, true) {
+                    return Choice::Server(i);
+                }
+                if policy.stubborn {
+                    return Choice::NoServer;
+                }
+            }
+        }
+        if policy.prio {
+            return self.by_prio();
+        }
+        if policy.weight {
+            return self.by_weight();
+        }
+        if policy.hash {
+            let n = self.settings.servers.len();
+            if n == 0 {
+                return Choice::NoServer;
+            }
+            let start = self.hash_slot(n);
+            if policy.stubborn {
+                return if self.available(start, false) {
+                    Choice::Server(start)
+                } else {
+                    Choice::NoServer
+                };
+            }
+            return self.scan_from(start);
+        }
+        self.by_roundrobin()
+    }
+
+    /// After server `failed` could not be reached: the next choice, or `NoServer` when
+    /// stubborn or when every server has been tried.
+    pub fn failover(&mut self, failed: usize) -> Choice {
+        if self.settings.policy.stubborn || !self.started {
+            return Choice::NoServer;
+        }
+        let n = self.settings.servers.len();
+        if self.tried.len() < n {
+            self.tried.resize(n, false);
+        }
+        if let Some(t) = self.tried.get_mut(failed) {
+            *t = true;
+        }
+        self.initial()
+    }
+
+    /// Whether the chosen server should be remembered for this client.
+    pub fn tracks(&self) -> bool {
+        !self.settings.policy.roundrobin && !self.settings.policy.hash_only
+    }
+
+    fn hash_slot(&self, n: usize) -> usize {
+        // SipHash with fixed keys: stable across restarts and well mixed, so that clients
+        // with consecutive addresses or ports do not fall on the same server (a linear hash
+        // like crc32 keeps low bits constant over even ports).
+        #[allow(deprecated)]
+        let mut h = std::hash::SipHasher::new_with_keys(0x7175_696c_6c21, 0x7065_6e21);
+        self.ip().hash(&mut h);
+        if self.settings.policy.roundrobin {
+            // As Pen: with round robin on, the hash covers the client port too.
+            self.client.port().hash(&mut h);
+        }
+        (h.finish() % n as u64) as usize
+    }
+
+    /// First available server at or after `start`, wrapping around.
+    fn scan_from(&self, start: usize) -> Choice {
+        let n = self.settings.servers.len();
+        (0..n)
+            .map(|k| (start + k) % n)
+            .find(|&i| self.available(i, false))
+            .map_or(Choice::NoServer, Choice::Server)
+    }
+
+    fn by_roundrobin(&self) -> Choice {
+        let n = self.settings.servers.len();
+        if n == 0 {
+            return Choice::NoServer;
+        }
+        // The server after the most recently chosen one. The cursor is shared by all event
+        // loops; a lost race only means two loops pick the same next server once.
+        let last = self.cursor.load(Relaxed);
+        let choice = self.scan_from(last.wrapping_add(1) % n);
+        if let Choice::Server(i) = choice {
+            self.cursor.store(i, Relaxed);
+        }
+        choice
+    }
+
+    fn by_prio(&self) -> Choice {
+        let servers = &self.settings.servers;
+        let best = (0..servers.len())
+            .filter(|&i| self.available(i, false))
+            .min_by_key(|&i| (servers[i].prio, self.conns(i), i));
+        best.map_or(Choice::NoServer, Choice::Server)
+    }
+
+    fn by_weight(&self) -> Choice {
+        let servers = &self.settings.servers;
+        let mut best: Option<(usize, u64, u64)> = None;
+        for (i, conf) in servers.iter().enumerate() {
+            let weight = u64::from(conf.weight);
+            if weight == 0 || !self.available(i, false) {
+                continue;
+            }
+            // Compare conns_i / weight_i < conns_b / weight_b without division; ties go to
+            // the heavier server, then to the lower number.
+            let conns = u64::from(self.conns(i));
+            let better = match best {
+                None => true,
+                Some((_, bc, bw)) => {
+                    let (l, r) = (
+                        u128::from(conns) * u128::from(bw),
+                        u128::from(bc) * u128::from(weight),
+                    );
+                    l < r || (l == r && weight > bw)
+                }
+            };
+            if better {
+                best = Some((i, conns, weight));
+            }
+        }
+        best.map_or(Choice::NoServer, |(i, _, _)| Choice::Server(i))
+    }
+
+    fn conns(&self, i: usize) -> u32 {
+        self.servers.get(i).map_or(0, |s| s.conns.load(Relaxed))
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::command::Command;
+
+    struct World {
+        settings: Settings,
+        servers: ServerTable,
+        clients: ClientTable,
+        cursor: AtomicUsize,
+    }
+
+    impl World {
+        fn new(lines: &[&str]) -> World {
+            let mut settings = Settings::default();
+            for l in lines {
+                settings.apply(&l.parse::<Command>().unwrap()).unwrap();
+            }
+            World {
+                settings,
+                servers: ServerTable::default(),
+                clients: ClientTable::new(64),
+                cursor: AtomicUsize::new(usize::MAX),
+            }
+        }
+
+        fn pick(&self, client: &str) -> Choice {
+            let addr: SocketAddr = client.parse().unwrap();
+            let mut s = Selector::new(
+                &self.settings,
+                &self.servers,
+                &self.clients,
+                &self.cursor,
+                addr,
+                1000,
+            );
+            let c = s.initial();
+            if let (Choice::Server(i), true) = (c, s.tracks()) {
+                self.clients.record(addr.ip(), i, 1000);
+            }
+            c
+        }
+
+        fn hold(&self, i: usize, n: u32) {
+            self.servers.get(i).unwrap().conns.fetch_add(n, Relaxed);
+        }
+    }
+
+    const TWO: [&str; 2] = [
+        "server 0 address 127.0.0.1 port 1",
+        "server 1 address 127.0.0.1 port 2",
+    ];
+
+    #[test]
+    fn round_robin_alternates() {
+        let w = World::new(&[TWO[0], TWO[1], "roundrobin"]);
+        let picks: Vec<_> = (0..4).map(|_| w.pick("10.0.0.1:1000")).collect();
+        assert_eq!(
+            picks,
+            [
+                Choice::Server(0),
+                Choice::Server(1),
+                Choice::Server(0),
+                Choice::Server(1)
+            ]
+        );
+    }
+
+    #[test]
+    fn tracking_sends_a_client_back() {
+        let w = World::new(&TWO);
+        assert_eq!(w.pick("10.0.0.1:1000"), Choice::Server(0));
+        assert_eq!(w.pick("10.0.0.2:1000"), Choice::Server(1));
+        assert_eq!(w.pick("10.0.0.1:1001"), Choice::Server(0));
+        assert_eq!(w.pick("10.0.0.1:1002"), Choice::Server(0));
+    }
+
+    #[test]
+    fn soft_limit_for_new_clients_hard_limit_for_known_ones() {
+        let w = World::new(&["server 0 address 127.0.0.1 port 1 max 2 hard 4", TWO[1]]);
+        assert_eq!(w.pick("10.0.0.1:1"), Choice::Server(0));
+        w.hold(0, 2);
+        assert_eq!(
+            w.pick("10.0.0.9:1"),
+            Choice::Server(1),
+            "new client skips a full server"
+        );
+        assert_eq!(
+            w.pick("10.0.0.1:2"),
+            Choice::Server(0),
+            "known client may exceed the soft limit"
+        );
+        w.hold(0, 2);
+        assert_ne!(
+            w.pick("10.0.0.1:3"),
+            Choice::Server(0),
+            "but not the hard limit"
+        );
+    }
+
+    #[test]
+    fn blacklisted_servers_are_skipped_and_stubborn_gives_up() {
+        let w = World::new(&TWO);
+        assert_eq!(w.pick("10.0.0.1:1"), Choice::Server(0));
+        w.servers.get(0).unwrap().blacklist(1000, 30);
+        assert_eq!(w.pick("10.0.0.1:2"), Choice::Server(1));
+        let s = World::new(&[TWO[0], TWO[1], "stubborn"]);
+        assert_eq!(s.pick("10.0.0.1:1"), Choice::Server(0));
+        s.servers.get(0).unwrap().blacklist(1000, 30);
+        assert_eq!(s.pick("10.0.0.1:2"), Choice::NoServer);
+    }
+
+    #[test]
+    fn hash_is_stable_per_client() {
+        let w = World::new(&[
+            TWO[0],
+            TWO[1],
+            "server 2 address 127.0.0.1 port 3",
+            "hash_only",
+        ]);
+        for n in 1..50 {
+            let a = w.pick(&format!("10.0.{n}.1:1000"));
+            let b = w.pick(&format!("10.0.{n}.1:2000"));
+            assert_eq!(a, b);
+        }
+    }
+
+    #[test]
+    fn hash_spreads_clients() {
+        let w = World::new(&[TWO[0], TWO[1], "hash", "hash_only"]);
+        let zeros = (0..100)
+            .filter(|n| w.pick(&format!("10.0.0.{n}:1")) == Choice::Server(0))
+            .count();
+        assert!((25..=75).contains(&zeros), "{zeros} of 100 on server 0");
+    }
+
+    #[test]
+    fn weight_is_least_connections_per_weight() {
+        let w = World::new(&[
+            "server 0 address 127.0.0.1 port 1 weight 1",
+            "server 1 address 127.0.0.1 port 2 weight 3",
+            "weight",
+            "roundrobin",
+        ]);
+        let mut counts = [0u32; 2];
+        for _ in 0..400 {
+            if let Choice::Server(i) = w.pick("10.0.0.1:1") {
+                counts[i] += 1;
+                w.hold(i, 1);
+            }
+        }
+        assert_eq!(counts, [100, 300]);
+    }
+
+    #[test]
+    fn prio_fills_the_lowest_value_first() {
+        let w = World::new(&[
+            "server 0 address 127.0.0.1 port 1 prio 2",
+            "server 1 address 127.0.0.1 port 2 prio 1 max 3",
+            "prio",
+            "roundrobin",
+        ]);
+        for _ in 0..3 {
+            assert_eq!(w.pick("10.0.0.1:1"), Choice::Server(1));
+            w.hold(1, 1);
+        }
+        assert_eq!(w.pick("10.0.0.1:1"), Choice::Server(0));
+    }
+
+    #[test]
+    fn server_acl_excludes_clients() {
+        let w = World::new(&[
+            TWO[0],
+            TWO[1],
+            "acl 3 deny 10.0.0.5",
+            "server 0 acl 3",
+            "roundrobin",
+        ]);
+        for _ in 0..4 {
+            assert_eq!(w.pick("10.0.0.5:1"), Choice::Server(1));
+        }
+    }
+
+    #[test]
+    fn failover_tries_each_server_once() {
+        let w = World::new(&TWO);
+        let addr = "10.0.0.1:1".parse().unwrap();
+        let mut s = Selector::new(&w.settings, &w.servers, &w.clients, &w.cursor, addr, 1000);
+        let Choice::Server(first) = s.initial() else {
+            panic!()
+        };
+        let Choice::Server(second) = s.failover(first) else {
+            panic!()
+        };
+        assert_ne!(first, second);
+        assert_eq!(s.failover(second), Choice::NoServer);
+    }
+}

@@ -1,0 +1,959 @@
+//! The command language: one line of text <-> one [`Command`].
+//!
+//! Every way of configuring quill (command-line flags, `-O`/`-o`, config files, the control
+//! socket) ends up here, so there is exactly one grammar. Invariant, checked by a property
+//! test: for every command `c`, `c.to_string().parse::<Command>() == Ok(c)`. That is what lets
+//! `write FILE` print the running configuration as commands that rebuild it.
+//!
+//! Parsing is purely syntactic: numbers, addresses and keywords are checked here, while
+//! anything that needs the current configuration (does server N exist, can a host name be
+//! resolved) is checked by [`crate::settings::Settings::apply`].
+
+use std::fmt;
+use std::net::{IpAddr, Ipv4Addr, Ipv6Addr};
+use std::str::FromStr;
+
+use crate::acl::{AclAction, AclId, AclMatch, AclRule};
+
+/// Highest server number `server N ...` accepts (exclusive). Servers live in a fixed table
+/// of runtime counters so that the data plane never reallocates it.
+pub const MAX_SERVERS: usize = 1024;
+
+/// One line of the command language.
+#[derive(Debug, Clone, PartialEq, Eq)]
+#[non_exhaustive]
+pub enum Command {
+    /// `server N field value ...`: change fields of server N (created if new).
+    Server {
+        index: usize,
+        fields: Vec<ServerField>,
+    },
+    /// `roundrobin` / `no roundrobin`: select without looking up the client tracking table.
+    RoundRobin(bool),
+    /// `hash` / `no hash`: initial choice by a hash of the client address.
+    Hash(bool),
+    /// `hash_only` / `no hash_only` (extension, Pen's `-N`): hash without saving clients.
+    HashOnly(bool),
+    /// `stubborn` / `no stubborn`: never fail over from the initial choice.
+    Stubborn(bool),
+    /// `weight` / `no weight`: least connections relative to weight.
+    Weight(bool),
+    /// `prio` / `no prio`: lowest priority value that has capacity.
+    Prio(bool),
+    /// `tracking [N]`: seconds a client is remembered (0 = forever); no argument asks.
+    Tracking(Option<u64>),
+    /// `blacklist [N]`: seconds a failed server is avoided; no argument asks.
+    Blacklist(Option<u64>),
+    /// `timeout [N]`: connect timeout in seconds; no argument asks.
+    Timeout(Option<u64>),
+    /// `conn_max [N]`: maximum simultaneous client connections; no argument asks.
+    ConnMax(Option<usize>),
+    /// `clients_max [N]`: size of the client tracking table; no argument asks.
+    ClientsMax(Option<usize>),
+    /// `acl N permit|deny ADDR [MASK]` / `acl N permit|deny ADDR6[/LEN]`: append a rule.
+    Acl { list: AclId, rule: AclRule },
+    /// `no acl N`: empty list N (it then permits everything).
+    NoAcl(AclId),
+    /// `client_acl N`: check connecting clients against list N.
+    ClientAcl(AclId),
+    /// `tcp_nodelay` / `no tcp_nodelay`.
+    TcpNodelay(bool),
+    /// `tcp_fastclose up|down|both|off`.
+    TcpFastclose(FastClose),
+    /// `keepalive` / `no keepalive` (SO_KEEPALIVE on both sockets).
+    Keepalive(bool),
+    /// `idle_timeout N`: close connections silent for N seconds (0 = never).
+    IdleTimeout(u64),
+    /// `pending_max N`: upstream connects allowed in progress at once.
+    PendingMax(usize),
+    /// `source IP`: local address for upstream connections.
+    Source(IpAddr),
+    /// `no source` (extension): let the kernel choose the upstream source address.
+    NoSource,
+    /// `dummy` / `no dummy`: answer HTTP requests ourselves instead of proxying.
+    Dummy(bool),
+    /// `debug [N]`: log verbosity; no argument asks.
+    Debug(Option<u32>),
+    /// `epoll`, `poll`, `select`, `kqueue`: Pen's event-engine choice; quill accepts and
+    /// ignores it (its runtime always uses the best mechanism of the platform).
+    EventEngine(EventEngine),
+    /// `block`, `delayed_forward`, `ascii` and their `no` forms: obsolete or debug-only in
+    /// Pen; accepted so that old scripts keep working.
+    Compat(CompatWord, bool),
+    /// `emergency HOST:PORT` / `no emergency` (extension, Pen's `-e`).
+    Emergency(Option<HostPort>),
+    /// `abuse HOST:PORT` / `no abuse` (extension, Pen's `-B`).
+    Abuse(Option<HostPort>),
+    /// `multi_accept N` (extension, Pen's `-m`): connections accepted per wake-up.
+    MultiAccept(usize),
+    /// `backlog N` (extension, Pen's `-q`): listen queue length.
+    Backlog(u32),
+    /// `workers N` (extension): event loops (threads); 0 = one per available core.
+    Workers(usize),
+}
+
+/// One `field value` pair of `server N ...`.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum ServerField {
+    /// `acl A`: only clients permitted by list A may use this server.
+    Acl(AclId),
+    /// `address A`: host name or IP address (resolved when applied).
+    Address(Host),
+    /// `port P`.
+    Port(u16),
+    /// `max M`: soft limit of simultaneous connections (0 = unlimited).
+    Max(u32),
+    /// `hard H`: limit for returning clients (0 = same as `max`).
+    Hard(u32),
+    /// `weight W`.
+    Weight(u32),
+    /// `prio P`: lower is preferred.
+    Prio(u32),
+    /// `blacklist T`: avoid the server for T seconds; 0 whitelists it.
+    Blacklist(u64),
+}
+
+/// A host as written by the user: an IP literal or a DNS name, checked for syntax only.
+#[derive(Debug, Clone, PartialEq, Eq, Hash)]
+pub struct Host(String);
+
+impl Host {
+    /// Checks that `s` is an IP literal or a plausible DNS name.
+    pub fn new(s: &str) -> Result<Host, ParseError> {
+        let bad = || ParseError::InvalidHost(s.to_string());
+        if s.is_empty() || s.len() > 253 {
+            return Err(bad());
+        }
+        if s.parse::<IpAddr>().is_ok() {
+            return Ok(Host(s.to_string()));
+        }
+        // Something that looks like dotted decimal but is no IPv4 address (300.1.1.1) is a
+        // typo, not a host name: refuse it rather than send it to the resolver.
+        if s.bytes().all(|b| b.is_ascii_digit() || b == b'.') || s.contains(':') {
+            return Err(bad());
+        }
+        let label_ok = |l: &str| {
+            !l.is_empty()
+                && l.len() <= 63
+                && l.bytes()
+                    .all(|b| b.is_ascii_alphanumeric() || b == b'-' || b == b'_')
+                && !l.starts_with('-')
+        };
+        if s.trim_end_matches('.').split('.').all(label_ok) {
+            Ok(Host(s.to_string()))
+        } else {
+            Err(bad())
+        }
+    }
+
+    /// The host as written.
+    pub fn as_str(&self) -> &str {
+        &self.0
+    }
+
+    /// The IP address, when the host is a literal.
+    pub fn ip(&self) -> Option<IpAddr> {
+        self.0.parse().ok()
+    }
+}
+
+impl From<IpAddr> for Host {
+    fn from(ip: IpAddr) -> Host {
+        Host(ip.to_string())
+    }
+}
+
+impl fmt::Display for Host {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.write_str(&self.0)
+    }
+}
+
+/// `host:port`, with IPv6 literals in brackets (`[::1]:80`).
+#[derive(Debug, Clone, PartialEq, Eq, Hash)]
+pub struct HostPort {
+    pub host: Host,
+    pub port: u16,
+}
+
+impl HostPort {
+    /// Parses `host:port` / `[v6]:port`; without a port, `default_port` is used if given.
+    pub fn parse(s: &str, default_port: Option<u16>) -> Result<HostPort, ParseError> {
+        let (host, port) = split_host_port(s)?;
+        let port = match (port, default_port) {
+            (Some(p), _) => parse_port(p)?,
+            (None, Some(p)) => p,
+            (None, None) => return Err(ParseError::MissingPort(s.to_string())),
+        };
+        Ok(HostPort {
+            host: Host::new(host)?,
+            port,
+        })
+    }
+}
+
+impl fmt::Display for HostPort {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        match self.host.ip() {
+            Some(IpAddr::V6(_)) => write!(f, "[{}]:{}", self.host, self.port),
+            _ => write!(f, "{}:{}", self.host, self.port),
+        }
+    }
+}
+
+/// Splits `host[:port]`, `[v6][:port]` or a bare IPv6 literal into host and optional port.
+pub fn split_host_port(s: &str) -> Result<(&str, Option<&str>), ParseError> {
+    if let Some(rest) = s.strip_prefix('[') {
+        let (host, after) = rest
+            .split_once(']')
+            .ok_or_else(|| ParseError::InvalidHost(s.to_string()))?;
+        return match after {
+            "" => Ok((host, None)),
+            _ => match after.strip_prefix(':') {
+                Some(port) => Ok((host, Some(port))),
+                None => Err(ParseError::InvalidHost(s.to_string())),
+            },
+        };
+    }
+    if s.parse::<Ipv6Addr>().is_ok() {
+        return Ok((s, None));
+    }
+    match s.rsplit_once(':') {
+        Some((host, port)) => Ok((host, Some(port))),
+        None => Ok((s, None)),
+    }
+}
+
+/// Parses a TCP/UDP port number (1..=65535), or a service name from /etc/services.
+pub fn parse_port(s: &str) -> Result<u16, ParseError> {
+    if s.bytes().all(|b| b.is_ascii_digit()) && !s.is_empty() {
+        return match s.parse::<u32>() {
+            Ok(p @ 1..=65535) => Ok(p as u16),
+            _ => Err(ParseError::InvalidPort(s.to_string())),
+        };
+    }
+    crate::net::services::lookup(s).ok_or_else(|| ParseError::InvalidPort(s.to_string()))
+}
+
+/// Pen's `tcp_fastclose` modes: which side's close also closes the other side at once.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+pub enum FastClose {
+    /// Half-close is passed on; the connection ends when both sides are done.
+    #[default]
+    Off,
+    /// Close both when the server (upstream) closes.
+    Up,
+    /// Close both when the client (downstream) closes.
+    Down,
+    /// Close both when either closes.
+    Both,
+}
+
+impl FastClose {
+    fn word(self) -> &'static str {
+        match self {
+            FastClose::Off => "off",
+            FastClose::Up => "up",
+            FastClose::Down => "down",
+            FastClose::Both => "both",
+        }
+    }
+}
+
+/// Pen's event-engine words.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum EventEngine {
+    Epoll,
+    Poll,
+    Select,
+    Kqueue,
+}
+
+impl EventEngine {
+    fn word(self) -> &'static str {
+        match self {
+            EventEngine::Epoll => "epoll",
+            EventEngine::Poll => "poll",
+            EventEngine::Select => "select",
+            EventEngine::Kqueue => "kqueue",
+        }
+    }
+}
+
+/// Pen words kept only so that old scripts parse.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum CompatWord {
+    Block,
+    DelayedForward,
+    Ascii,
+}
+
+impl CompatWord {
+    fn word(self) -> &'static str {
+        match self {
+            CompatWord::Block => "block",
+            CompatWord::DelayedForward => "delayed_forward",
+            CompatWord::Ascii => "ascii",
+        }
+    }
+}
+
+/// Why a line is not a valid command. Each variant names the offending word.
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+#[non_exhaustive]
+pub enum ParseError {
+    #[error("empty command")]
+    Empty,
+    #[error("unknown command '{0}'")]
+    Unknown(String),
+    #[error("'{command}' needs {what}")]
+    Missing {
+        command: &'static str,
+        what: &'static str,
+    },
+    #[error("'{command}': unexpected '{word}'")]
+    Unexpected { command: &'static str, word: String },
+    #[error("'{command}': '{value}' is not a valid {what}")]
+    Invalid {
+        command: &'static str,
+        what: &'static str,
+        value: String,
+    },
+    #[error("'{0}' is not a valid host name or address")]
+    InvalidHost(String),
+    #[error("'{0}' is not a valid port (1-65535 or a service name)")]
+    InvalidPort(String),
+    #[error("'{0}' has no port and none can be implied")]
+    MissingPort(String),
+    #[error("server number {0} is out of range (0-{max})", max = MAX_SERVERS - 1)]
+    ServerIndex(usize),
+    #[error("access list number '{0}' is out of range (0-9)")]
+    AclIndex(String),
+}
+
+/// Reads whitespace-separated words with the context needed for good errors.
+struct Words<'a> {
+    command: &'static str,
+    iter: std::str::SplitWhitespace<'a>,
+}
+
+impl<'a> Words<'a> {
+    fn next(&mut self, what: &'static str) -> Result<&'a str, ParseError> {
+        self.iter.next().ok_or(ParseError::Missing {
+            command: self.command,
+            what,
+        })
+    }
+
+    fn number<T: FromStr>(&mut self, what: &'static str) -> Result<T, ParseError> {
+        let w = self.next(what)?;
+        parse_number(self.command, what, w)
+    }
+
+    fn optional_number<T: FromStr>(&mut self, what: &'static str) -> Result<Option<T>, ParseError> {
+        match self.iter.next() {
+            None => Ok(None),
+            Some(w) => parse_number(self.command, what, w).map(Some),
+        }
+    }
+
+    fn acl_id(&mut self) -> Result<AclId, ParseError> {
+        let w = self.next("an access list number (0-9)")?;
+        AclId::from_str(w).map_err(|_| ParseError::AclIndex(w.to_string()))
+    }
+
+    fn end(mut self) -> Result<(), ParseError> {
+        match self.iter.next() {
+            None => Ok(()),
+            Some(w) => Err(ParseError::Unexpected {
+                command: self.command,
+                word: w.to_string(),
+            }),
+        }
+    }
+}
+
+fn parse_number<T: FromStr>(
+    command: &'static str,
+    what: &'static str,
+    w: &str,
+) -> Result<T, ParseError> {
+    // Only plain decimal digits: "+5", "0x10" or "-1" are mistakes worth reporting.
+    if w.is_empty() || !w.bytes().all(|b| b.is_ascii_digit()) {
+        return Err(ParseError::Invalid {
+            command,
+            what,
+            value: w.to_string(),
+        });
+    }
+    w.parse().map_err(|_| ParseError::Invalid {
+        command,
+        what,
+        value: w.to_string(),
+    })
+}
+
+/// The static name of a command word, for error messages.
+fn command_name(word: &str) -> Option<&'static str> {
+    const NAMES: &[&str] = &[
+        "server",
+        "roundrobin",
+        "hash",
+        "hash_only",
+        "stubborn",
+        "weight",
+        "prio",
+        "tracking",
+        "blacklist",
+        "timeout",
+        "conn_max",
+        "clients_max",
+        "acl",
+        "client_acl",
+        "tcp_nodelay",
+        "tcp_fastclose",
+        "keepalive",
+        "idle_timeout",
+        "pending_max",
+        "source",
+        "dummy",
+        "debug",
+        "epoll",
+        "poll",
+        "select",
+        "kqueue",
+        "block",
+        "delayed_forward",
+        "ascii",
+        "emergency",
+        "abuse",
+        "multi_accept",
+        "backlog",
+        "workers",
+    ];
+    NAMES.iter().copied().find(|n| *n == word)
+}
+
+impl FromStr for Command {
+    type Err = ParseError;
+
+    fn from_str(line: &str) -> Result<Command, ParseError> {
+        let mut iter = line.split_whitespace();
+        let first = iter.next().ok_or(ParseError::Empty)?;
+        let (negated, word) = if first == "no" {
+            (
+                true,
+                iter.next().ok_or(ParseError::Missing {
+                    command: "no",
+                    what: "a command",
+                })?,
+            )
+        } else {
+            (false, first)
+        };
+        let command = command_name(word).ok_or_else(|| ParseError::Unknown(word.to_string()))?;
+        let mut w = Words { command, iter };
+        let cmd = if negated {
+            parse_negated(command, &mut w)?
+        } else {
+            parse_positive(command, &mut w)?
+        };
+        w.end()?;
+        Ok(cmd)
+    }
+}
+
+fn parse_negated(command: &'static str, w: &mut Words<'_>) -> Result<Command, ParseError> {
+    Ok(match command {
+        "roundrobin" => Command::RoundRobin(false),
+        "hash" => Command::Hash(false),
+        "hash_only" => Command::HashOnly(false),
+        "stubborn" => Command::Stubborn(false),
+        "weight" => Command::Weight(false),
+        "prio" => Command::Prio(false),
+        "tcp_nodelay" => Command::TcpNodelay(false),
+        "keepalive" => Command::Keepalive(false),
+        "dummy" => Command::Dummy(false),
+        "source" => Command::NoSource,
+        "emergency" => Command::Emergency(None),
+        "abuse" => Command::Abuse(None),
+        "block" => Command::Compat(CompatWord::Block, false),
+        "delayed_forward" => Command::Compat(CompatWord::DelayedForward, false),
+        "ascii" => Command::Compat(CompatWord::Ascii, false),
+        "acl" => Command::NoAcl(w.acl_id()?),
+        _ => return Err(ParseError::Unknown(format!("no {command}"))),
+    })
+}
+
+fn parse_positive(command: &'static str, w: &mut Words<'_>) -> Result<Command, ParseError> {
+    Ok(match command {
+        "server" => parse_server(w)?,
+        "roundrobin" => Command::RoundRobin(true),
+        "hash" => Command::Hash(true),
+        "hash_only" => Command::HashOnly(true),
+        "stubborn" => Command::Stubborn(true),
+        "weight" => Command::Weight(true),
+        "prio" => Command::Prio(true),
+        "tracking" => Command::Tracking(w.optional_number("number of seconds")?),
+        "blacklist" => Command::Blacklist(w.optional_number("number of seconds")?),
+        "timeout" => {
+            let t = w.optional_number::<u64>("number of seconds")?;
+            if t == Some(0) {
+                return Err(ParseError::Invalid {
+                    command,
+                    what: "timeout (at least 1 second)",
+                    value: "0".into(),
+                });
+            }
+            Command::Timeout(t)
+        }
+        "conn_max" => Command::ConnMax(w.optional_number("number of connections")?),
+        "clients_max" => Command::ClientsMax(w.optional_number("number of clients")?),
+        "acl" => parse_acl(w)?,
+        "client_acl" => Command::ClientAcl(w.acl_id()?),
+        "tcp_nodelay" => Command::TcpNodelay(true),
+        "tcp_fastclose" => Command::TcpFastclose(match w.next("up, down, both or off")? {
+            "up" => FastClose::Up,
+            "down" => FastClose::Down,
+            "both" => FastClose::Both,
+            "off" => FastClose::Off,
+            other => {
+                return Err(ParseError::Invalid {
+                    command,
+                    what: "mode (up, down, both, off)",
+                    value: other.into(),
+                })
+            }
+        }),
+        "keepalive" => Command::Keepalive(true),
+        "idle_timeout" => Command::IdleTimeout(w.number("number of seconds")?),
+        "pending_max" => {
+            let n: usize = w.number("number of connections")?;
+            if n == 0 {
+                return Err(ParseError::Invalid {
+                    command,
+                    what: "limit (at least 1)",
+                    value: "0".into(),
+                });
+            }
+            Command::PendingMax(n)
+        }
+        "source" => {
+            let s = w.next("an IP address")?;
+            Command::Source(s.parse().map_err(|_| ParseError::Invalid {
+                command,
+                what: "IP address",
+                value: s.into(),
+            })?)
+        }
+        "dummy" => Command::Dummy(true),
+        "debug" => Command::Debug(w.optional_number("debug level")?),
+        "epoll" => Command::EventEngine(EventEngine::Epoll),
+        "poll" => Command::EventEngine(EventEngine::Poll),
+        "select" => Command::EventEngine(EventEngine::Select),
+        "kqueue" => Command::EventEngine(EventEngine::Kqueue),
+        "block" => Command::Compat(CompatWord::Block, true),
+        "delayed_forward" => Command::Compat(CompatWord::DelayedForward, true),
+        "ascii" => Command::Compat(CompatWord::Ascii, true),
+        "emergency" => Command::Emergency(Some(HostPort::parse(w.next("host:port")?, None)?)),
+        "abuse" => Command::Abuse(Some(HostPort::parse(w.next("host:port")?, None)?)),
+        "multi_accept" => {
+            let n: usize = w.number("number of connections")?;
+            if n == 0 {
+                return Err(ParseError::Invalid {
+                    command,
+                    what: "count (at least 1)",
+                    value: "0".into(),
+                });
+            }
+            Command::MultiAccept(n)
+        }
+        "backlog" => Command::Backlog(w.number("queue length")?),
+        "workers" => Command::Workers(w.number("number of workers")?),
+        _ => return Err(ParseError::Unknown(command.to_string())),
+    })
+}
+
+fn parse_server(w: &mut Words<'_>) -> Result<Command, ParseError> {
+    let index: usize = w.number("a server number")?;
+    if index >= MAX_SERVERS {
+        return Err(ParseError::ServerIndex(index));
+    }
+    let mut fields = Vec::new();
+    while let Some(name) = w.iter.next() {
+        let field = match name {
+            "acl" => ServerField::Acl(w.acl_id()?),
+            "address" => ServerField::Address(Host::new(w.next("an address")?)?),
+            "port" => ServerField::Port(parse_port(w.next("a port")?)?),
+            "max" => ServerField::Max(w.number("connection limit")?),
+            "hard" => ServerField::Hard(w.number("connection limit")?),
+            "weight" => ServerField::Weight(w.number("weight")?),
+            "prio" => ServerField::Prio(w.number("priority")?),
+            "blacklist" => ServerField::Blacklist(w.number("number of seconds")?),
+            other => {
+                return Err(ParseError::Invalid {
+                    command: "server",
+                    what: "field",
+                    value: other.into(),
+                })
+            }
+        };
+        fields.push(field);
+    }
+    if fields.is_empty() {
+        return Err(ParseError::Missing {
+            command: "server",
+            what: "a field (acl, address, port, max, hard, weight, prio, blacklist)",
+        });
+    }
+    Ok(Command::Server { index, fields })
+}
+
+fn parse_acl(w: &mut Words<'_>) -> Result<Command, ParseError> {
+    let list = w.acl_id()?;
+    let action = match w.next("permit or deny")? {
+        "permit" => AclAction::Permit,
+        "deny" => AclAction::Deny,
+        other => {
+            return Err(ParseError::Invalid {
+                command: "acl",
+                what: "action (permit or deny)",
+                value: other.into(),
+            })
+        }
+    };
+    let addr = w.next("an address")?;
+    let invalid = |what, v: &str| ParseError::Invalid {
+        command: "acl",
+        what,
+        value: v.to_string(),
+    };
+    let matcher = if addr == "country" {
+        let cc = w.next("a two-letter country code")?;
+        let bytes = cc.as_bytes();
+        if bytes.len() != 2 || !bytes.iter().all(u8::is_ascii_alphabetic) {
+            return Err(invalid("country code", cc));
+        }
+        AclMatch::Country([bytes[0].to_ascii_uppercase(), bytes[1].to_ascii_uppercase()])
+    } else if addr.contains(':') {
+        let (ip, len) = match addr.split_once('/') {
+            Some((ip, len)) => (ip, parse_number::<u8>("acl", "prefix length", len)?),
+            None => (addr, 128),
+        };
+        if len > 128 {
+            return Err(invalid("prefix length (0-128)", addr));
+        }
+        let ip: Ipv6Addr = ip.parse().map_err(|_| invalid("IPv6 address", addr))?;
+        AclMatch::V6 {
+            addr: ip,
+            prefix: len,
+        }
+    } else {
+        let ip: Ipv4Addr = addr.parse().map_err(|_| invalid("IPv4 address", addr))?;
+        let mask = match w.iter.next() {
+            Some(m) => m.parse::<Ipv4Addr>().map_err(|_| invalid("IPv4 mask", m))?,
+            None => Ipv4Addr::BROADCAST,
+        };
+        AclMatch::V4 { addr: ip, mask }
+    };
+    Ok(Command::Acl {
+        list,
+        rule: AclRule { action, matcher },
+    })
+}
+
+fn on_off(f: &mut fmt::Formatter<'_>, on: bool, word: &str) -> fmt::Result {
+    if on {
+        f.write_str(word)
+    } else {
+        write!(f, "no {word}")
+    }
+}
+
+fn with_optional<T: fmt::Display>(
+    f: &mut fmt::Formatter<'_>,
+    word: &str,
+    v: &Option<T>,
+) -> fmt::Result {
+    match v {
+        Some(v) => write!(f, "{word} {v}"),
+        None => f.write_str(word),
+    }
+}
+
+impl fmt::Display for ServerField {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        match self {
+            ServerField::Acl(a) => write!(f, "acl {a}"),
+            ServerField::Address(h) => write!(f, "address {h}"),
+            ServerField::Port(p) => write!(f, "port {p}"),
+            ServerField::Max(m) => write!(f, "max {m}"),
+            ServerField::Hard(h) => write!(f, "hard {h}"),
+            ServerField::Weight(w) => write!(f, "weight {w}"),
+            ServerField::Prio(p) => write!(f, "prio {p}"),
+            ServerField::Blacklist(t) => write!(f, "blacklist {t}"),
+        }
+    }
+}
+
+impl fmt::Display for Command {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        match self {
+            Command::Server { index, fields } => {
+                write!(f, "server {index}")?;
+                for field in fields {
+                    write!(f, " {field}")?;
+                }
+                Ok(())
+            }
+            Command::RoundRobin(on) => on_off(f, *on, "roundrobin"),
+            Command::Hash(on) => on_off(f, *on, "hash"),
+            Command::HashOnly(on) => on_off(f, *on, "hash_only"),
+            Command::Stubborn(on) => on_off(f, *on, "stubborn"),
+            Command::Weight(on) => on_off(f, *on, "weight"),
+            Command::Prio(on) => on_off(f, *on, "prio"),
+            Command::Tracking(v) => with_optional(f, "tracking", v),
+            Command::Blacklist(v) => with_optional(f, "blacklist", v),
+            Command::Timeout(v) => with_optional(f, "timeout", v),
+            Command::ConnMax(v) => with_optional(f, "conn_max", v),
+            Command::ClientsMax(v) => with_optional(f, "clients_max", v),
+            Command::Acl { list, rule } => write!(f, "acl {list} {rule}"),
+            Command::NoAcl(list) => write!(f, "no acl {list}"),
+            Command::ClientAcl(list) => write!(f, "client_acl {list}"),
+            Command::TcpNodelay(on) => on_off(f, *on, "tcp_nodelay"),
+            Command::TcpFastclose(mode) => write!(f, "tcp_fastclose {}", mode.word()),
+            Command::Keepalive(on) => on_off(f, *on, "keepalive"),
+            Command::IdleTimeout(n) => write!(f, "idle_timeout {n}"),
+            Command::PendingMax(n) => write!(f, "pending_max {n}"),
+            Command::Source(ip) => write!(f, "source {ip}"),
+            Command::NoSource => f.write_str("no source"),
+            Command::Dummy(on) => on_off(f, *on, "dummy"),
+            Command::Debug(v) => with_optional(f, "debug", v),
+            Command::EventEngine(e) => f.write_str(e.word()),
+            Command::Compat(w, on) => on_off(f, *on, w.word()),
+            Command::Emergency(Some(hp)) => write!(f, "emergency {hp}"),
+            Command::Emergency(None) => f.write_str("no emergency"),
+            Command::Abuse(Some(hp)) => write!(f, "abuse {hp}"),
+            Command::Abuse(None) => f.write_str("no abuse"),
+            Command::MultiAccept(n) => write!(f, "multi_accept {n}"),
+            Command::Backlog(n) => write!(f, "backlog {n}"),
+            Command::Workers(n) => write!(f, "workers {n}"),
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn parse(s: &str) -> Result<Command, ParseError> {
+        s.parse()
+    }
+
+    #[test]
+    fn server_fields_parse_in_order() {
+        let c = parse(
+            "server 2 address 10.0.0.1 port 80 max 10 hard 20 weight 3 prio 1 acl 4 blacklist 0",
+        );
+        assert_eq!(
+            c,
+            Ok(Command::Server {
+                index: 2,
+                fields: vec![
+                    ServerField::Address(Host("10.0.0.1".into())),
+                    ServerField::Port(80),
+                    ServerField::Max(10),
+                    ServerField::Hard(20),
+                    ServerField::Weight(3),
+                    ServerField::Prio(1),
+                    ServerField::Acl(AclId::new(4).unwrap_or_default()),
+                    ServerField::Blacklist(0),
+                ]
+            })
+        );
+    }
+
+    #[test]
+    fn acl_defaults_mask_and_prefix() {
+        let Ok(Command::Acl { rule, .. }) = parse("acl 1 deny 10.1.2.3") else {
+            panic!("no acl")
+        };
+        assert_eq!(
+            rule.matcher,
+            AclMatch::V4 {
+                addr: Ipv4Addr::new(10, 1, 2, 3),
+                mask: Ipv4Addr::BROADCAST
+            }
+        );
+        let Ok(Command::Acl { rule, .. }) = parse("acl 1 permit ::1") else {
+            panic!("no acl")
+        };
+        assert_eq!(
+            rule.matcher,
+            AclMatch::V6 {
+                addr: Ipv6Addr::LOCALHOST,
+                prefix: 128
+            }
+        );
+    }
+
+    #[test]
+    fn errors_name_the_offending_word() {
+        assert_eq!(
+            parse("frobnicate 3"),
+            Err(ParseError::Unknown("frobnicate".into()))
+        );
+        assert!(parse("server 0 max abc")
+            .unwrap_err()
+            .to_string()
+            .contains("abc"));
+        assert!(parse("acl 10 deny 1.2.3.4")
+            .unwrap_err()
+            .to_string()
+            .contains("10"));
+        assert!(parse("timeout 5 6").unwrap_err().to_string().contains('6'));
+        assert!(parse("tracking -1").unwrap_err().to_string().contains("-1"));
+        assert_eq!(parse("   "), Err(ParseError::Empty));
+        assert!(parse("server 0 address 300.1.1.1").is_err());
+        assert!(parse("no timeout").is_err());
+    }
+
+    #[test]
+    fn host_port_forms() {
+        assert_eq!(split_host_port("[::1]:80"), Ok(("::1", Some("80"))));
+        assert_eq!(split_host_port("::1"), Ok(("::1", None)));
+        assert_eq!(split_host_port(":::8080"), Ok(("::", Some("8080"))));
+        assert_eq!(split_host_port("a.b:9"), Ok(("a.b", Some("9"))));
+        assert_eq!(
+            HostPort::parse("[::1]:80", None).map(|h| h.to_string()),
+            Ok("[::1]:80".into())
+        );
+        assert!(HostPort::parse("h:0", None).is_err());
+        assert!(HostPort::parse("h:65536", None).is_err());
+    }
+}
+
+#[cfg(test)]
+mod roundtrip {
+    //! Property: printing a command and parsing it back gives the same command.
+    use super::*;
+    use proptest::prelude::*;
+
+    fn acl_id() -> impl Strategy<Value = AclId> {
+        (0u8..10).prop_map(|n| AclId::new(n).unwrap_or_default())
+    }
+
+    fn host() -> impl Strategy<Value = Host> {
+        prop_oneof![
+            any::<[u8; 4]>().prop_map(|b| Host::from(IpAddr::from(b))),
+            any::<[u16; 8]>().prop_map(|s| Host::from(IpAddr::from(Ipv6Addr::from(s)))),
+            "[a-z][a-z0-9-]{0,10}(\\.[a-z][a-z0-9]{0,5}){0,3}".prop_map(Host),
+        ]
+    }
+
+    fn host_port() -> impl Strategy<Value = HostPort> {
+        (host(), 1u16..).prop_map(|(host, port)| HostPort { host, port })
+    }
+
+    fn acl_rule() -> impl Strategy<Value = AclRule> {
+        let action = prop_oneof![Just(AclAction::Permit), Just(AclAction::Deny)];
+        let matcher = prop_oneof![
+            (any::<[u8; 4]>(), any::<[u8; 4]>()).prop_map(|(a, m)| AclMatch::V4 {
+                addr: a.into(),
+                mask: m.into()
+            }),
+            (any::<[u16; 8]>(), 0u8..=128).prop_map(|(a, p)| AclMatch::V6 {
+                addr: a.into(),
+                prefix: p
+            }),
+            "[A-Z]{2}".prop_map(|c| {
+                let b = c.as_bytes();
+                AclMatch::Country([b[0], b[1]])
+            }),
+        ];
+        (action, matcher).prop_map(|(action, matcher)| AclRule { action, matcher })
+    }
+
+    fn server_field() -> impl Strategy<Value = ServerField> {
+        prop_oneof![
+            acl_id().prop_map(ServerField::Acl),
+            host().prop_map(ServerField::Address),
+            (1u16..).prop_map(ServerField::Port),
+            any::<u32>().prop_map(ServerField::Max),
+            any::<u32>().prop_map(ServerField::Hard),
+            any::<u32>().prop_map(ServerField::Weight),
+            any::<u32>().prop_map(ServerField::Prio),
+            any::<u64>().prop_map(ServerField::Blacklist),
+        ]
+    }
+
+    fn command() -> impl Strategy<Value = Command> {
+        prop_oneof![
+            (0..MAX_SERVERS, prop::collection::vec(server_field(), 1..6))
+                .prop_map(|(index, fields)| Command::Server { index, fields }),
+            any::<bool>().prop_map(Command::RoundRobin),
+            any::<bool>().prop_map(Command::Hash),
+            any::<bool>().prop_map(Command::HashOnly),
+            any::<bool>().prop_map(Command::Stubborn),
+            any::<bool>().prop_map(Command::Weight),
+            any::<bool>().prop_map(Command::Prio),
+            any::<Option<u64>>().prop_map(Command::Tracking),
+            any::<Option<u64>>().prop_map(Command::Blacklist),
+            proptest::option::of(1u64..).prop_map(Command::Timeout),
+            any::<Option<usize>>().prop_map(Command::ConnMax),
+            any::<Option<usize>>().prop_map(Command::ClientsMax),
+            (acl_id(), acl_rule()).prop_map(|(list, rule)| Command::Acl { list, rule }),
+            acl_id().prop_map(Command::NoAcl),
+            acl_id().prop_map(Command::ClientAcl),
+            any::<bool>().prop_map(Command::TcpNodelay),
+            prop_oneof![
+                Just(FastClose::Off),
+                Just(FastClose::Up),
+                Just(FastClose::Down),
+                Just(FastClose::Both)
+            ]
+            .prop_map(Command::TcpFastclose),
+            any::<bool>().prop_map(Command::Keepalive),
+            any::<u64>().prop_map(Command::IdleTimeout),
+            (1usize..).prop_map(Command::PendingMax),
+            any::<IpAddr>().prop_map(Command::Source),
+            Just(Command::NoSource),
+            any::<bool>().prop_map(Command::Dummy),
+            any::<Option<u32>>().prop_map(Command::Debug),
+            prop_oneof![
+                Just(EventEngine::Epoll),
+                Just(EventEngine::Poll),
+                Just(EventEngine::Select),
+                Just(EventEngine::Kqueue)
+            ]
+            .prop_map(Command::EventEngine),
+            (
+                prop_oneof![
+                    Just(CompatWord::Block),
+                    Just(CompatWord::DelayedForward),
+                    Just(CompatWord::Ascii)
+                ],
+                any::<bool>()
+            )
+                .prop_map(|(w, on)| Command::Compat(w, on)),
+            proptest::option::of(host_port()).prop_map(Command::Emergency),
+            proptest::option::of(host_port()).prop_map(Command::Abuse),
+            (1usize..).prop_map(Command::MultiAccept),
+            any::<u32>().prop_map(Command::Backlog),
+            any::<usize>().prop_map(Command::Workers),
+        ]
+    }
+
+    proptest! {
+        #[test]
+        fn print_then_parse_is_identity(cmd in command()) {
+            let line = cmd.to_string();
+            prop_assert_eq!(line.parse::<Command>(), Ok(cmd), "line: {}", line);
+        }
+
+        #[test]
+        fn arbitrary_lines_never_panic(line in "\\PC{0,80}") {
+            let _ = line.parse::<Command>();
+        }
+    }
+}

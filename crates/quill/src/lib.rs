@@ -1,0 +1,17 @@
+//! quill: a fast, memory-safe TCP load balancer, command-line compatible with Pen.
+//!
+//! The spine is the command language ([`command`]): flags, `-O` options and (later) config
+//! files and the control socket all become [`command::Command`]s applied by
+//! [`settings::Settings::apply`]. The result is published as an immutable snapshot in
+//! [`state::State`], beside the runtime tables the data plane ([`proxy`]) updates.
+
+pub mod acl;
+pub mod balance;
+pub mod cli;
+pub mod command;
+pub mod daemon;
+pub mod demo;
+pub mod net;
+pub mod proxy;
+pub mod settings;
+pub mod state;

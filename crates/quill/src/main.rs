@@ -1,0 +1,36 @@
+//! `quill`: argv -> settings -> daemon. Errors are turned into words here, once.
+
+use std::process::ExitCode;
+
+use quill::cli::{self, Parsed};
+
+fn main() -> ExitCode {
+    match cli::parse(std::env::args_os().skip(1)) {
+        Ok(Parsed::Help) => {
+            print!("{}", cli::USAGE);
+            ExitCode::SUCCESS
+        }
+        Ok(Parsed::Version) => {
+            println!("quill {}", env!("CARGO_PKG_VERSION"));
+            ExitCode::SUCCESS
+        }
+        Ok(Parsed::Demo) => match quill::demo::run() {
+            Ok(()) => ExitCode::SUCCESS,
+            Err(e) => {
+                eprintln!("quill demo: {e}");
+                ExitCode::FAILURE
+            }
+        },
+        Ok(Parsed::Run(inv)) => match quill::daemon::run(inv) {
+            Ok(()) => ExitCode::SUCCESS,
+            Err(e) => {
+                eprintln!("quill: {e}");
+                ExitCode::from(e.exit_code())
+            }
+        },
+        Err(e) => {
+            eprintln!("quill: {e}");
+            ExitCode::from(2)
+        }
+    }
+}

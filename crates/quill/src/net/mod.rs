@@ -1,0 +1,7 @@
+//! Sockets: listening addresses and listeners, upstream connects, service names.
+
+pub mod connect;
+pub mod listen;
+pub mod services;
+
+pub use listen::{ListenAddr, Listener};

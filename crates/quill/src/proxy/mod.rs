@@ -1,0 +1,6 @@
+//! Data planes that own connections. They read the settings snapshot and the shared tables,
+//! never parse configuration text, and never block.
+
+pub mod dummy;
+pub mod relay;
+pub mod tcp;

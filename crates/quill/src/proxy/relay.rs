@@ -1,0 +1,268 @@
+//! The byte pump between a client and a server socket.
+//!
+//! No buffer belongs to an idle connection: data is read into a per-thread scratch buffer
+//! when a socket is readable and written straight on to the other socket. Only when the
+//! receiving peer is slow does the unwritten rest get copied into a buffer owned by the
+//! connection, which is freed again as soon as it has been flushed. While that buffer is
+//! non-empty, the direction stops reading (backpressure), so memory per connection is bounded
+//! by one scratch-sized read.
+//!
+//! Invariants: bytes are forwarded in order and never dropped; an EOF is passed on with
+//! `shutdown(SHUT_WR)` only after everything read before it was written; the relay ends when
+//! both directions are done, on an error, on `tcp_fastclose`, or when idle too long.
+
+use std::cell::RefCell;
+use std::future::{poll_fn, Future};
+use std::io::{self, ErrorKind};
+use std::net::Shutdown;
+use std::pin::Pin;
+use std::task::{ready, Context, Poll};
+use std::time::Duration;
+
+use tokio::io::Interest;
+use tokio::net::{TcpStream, UnixStream};
+use tokio::time::{Instant, Sleep};
+
+use crate::command::FastClose;
+
+/// Bytes read per system call; also the most a slow peer can make a connection buffer.
+pub const SCRATCH_SIZE: usize = 64 * 1024;
+
+/// Reads in one direction before yielding to other connections of the same event loop.
+const BUDGET: usize = 32;
+
+thread_local! {
+    static SCRATCH: RefCell<Box<[u8]>> = RefCell::new(vec![0; SCRATCH_SIZE].into_boxed_slice());
+}
+
+/// What the relay needs from a socket: readiness, non-blocking reads and writes, and
+/// half-close. Implemented for TCP and Unix-domain streams.
+pub trait Stream {
+    fn poll_read_ready(&self, cx: &mut Context<'_>) -> Poll<io::Result<()>>;
+    fn poll_write_ready(&self, cx: &mut Context<'_>) -> Poll<io::Result<()>>;
+    fn try_read(&self, buf: &mut [u8]) -> io::Result<usize>;
+    fn try_write(&self, buf: &[u8]) -> io::Result<usize>;
+    fn shutdown_write(&self) -> io::Result<()>;
+}
+
+macro_rules! impl_stream {
+    ($t:ty) => {
+        impl Stream for $t {
+            fn poll_read_ready(&self, cx: &mut Context<'_>) -> Poll<io::Result<()>> {
+                <$t>::poll_read_ready(self, cx)
+            }
+            fn poll_write_ready(&self, cx: &mut Context<'_>) -> Poll<io::Result<()>> {
+                <$t>::poll_write_ready(self, cx)
+            }
+            fn try_read(&self, buf: &mut [u8]) -> io::Result<usize> {
+                // A short read means the receive queue is empty right now. Reporting
+                // WouldBlock to tokio from inside `try_io` clears the readiness it cached,
+                // which saves the extra read() that would otherwise only return EAGAIN.
+                // tokio only clears it if no new readiness event arrived meanwhile.
+                let len = buf.len();
+                let mut got = None;
+                let result = self.try_io(Interest::READABLE, || {
+                    let n = rustix::io::read(self, &mut *buf).map_err(io::Error::from)?;
+                    got = Some(n);
+                    if n > 0 && n < len {
+                        Err(ErrorKind::WouldBlock.into())
+                    } else {
+                        Ok(n)
+                    }
+                });
+                match (result, got) {
+                    (Err(e), Some(n)) if e.kind() == ErrorKind::WouldBlock => Ok(n),
+                    (result, _) => result,
+                }
+            }
+            fn try_write(&self, buf: &[u8]) -> io::Result<usize> {
+                <$t>::try_write(self, buf)
+            }
+            fn shutdown_write(&self) -> io::Result<()> {
+                socket2::SockRef::from(self).shutdown(Shutdown::Write)
+            }
+        }
+    };
+}
+
+impl_stream!(TcpStream);
+impl_stream!(UnixStream);
+
+/// Per-connection relay settings, copied from the settings snapshot.
+#[derive(Debug, Clone, Copy)]
+pub struct RelayOptions {
+    pub fastclose: FastClose,
+    /// Close after this much silence in both directions.
+    pub idle_timeout: Option<Duration>,
+}
+
+/// Why a relay ended.
+#[derive(Debug)]
+pub enum End {
+    /// Both sides closed (their EOFs were passed on).
+    Closed,
+    /// One side closed and `tcp_fastclose` closed the other.
+    FastClose,
+    /// Nothing moved for `idle_timeout`.
+    Idle,
+    /// A socket error (reset, broken pipe...).
+    Error(io::Error),
+}
+
+/// Totals of one relay.
+#[derive(Debug)]
+pub struct Outcome {
+    /// Bytes from the client to the server.
+    pub up: u64,
+    /// Bytes from the server to the client.
+    pub down: u64,
+    pub end: End,
+}
+
+/// One direction of the relay.
+#[derive(Default)]
+struct Pipe {
+    /// Bytes read but not yet written (only while the receiver is slow).
+    pending: Vec<u8>,
+    /// How much of `pending` has been written.
+    written: usize,
+    /// The source reached EOF.
+    eof: bool,
+    /// The EOF has been passed on; this direction is finished.
+    done: bool,
+    bytes: u64,
+}
+
+impl Pipe {
+    /// Moves bytes from `src` to `dst` until both would block, the budget is spent, or the
+    /// direction is finished. `Ready(Ok)` means finished.
+    fn poll<S: Stream + ?Sized, D: Stream + ?Sized>(
+        &mut self,
+        cx: &mut Context<'_>,
+        src: &S,
+        dst: &D,
+        active: &mut bool,
+    ) -> Poll<io::Result<()>> {
+        let mut budget = BUDGET;
+        loop {
+            while self.written < self.pending.len() {
+                ready!(dst.poll_write_ready(cx))?;
+                match dst.try_write(&self.pending[self.written..]) {
+                    Ok(n) => {
+                        self.written += n;
+                        *active = true;
+                    }
+                    Err(e) if e.kind() == ErrorKind::WouldBlock => continue,
+                    Err(e) => return Poll::Ready(Err(e)),
+                }
+            }
+            if !self.pending.is_empty() {
+                // Flushed: give the memory back rather than keep it for an idle connection.
+                self.pending = Vec::new();
+                self.written = 0;
+            }
+            if self.eof {
+                if !self.done {
+                    self.done = true;
+                    match dst.shutdown_write() {
+                        Ok(()) => {}
+                        // The peer is already gone; the other direction will notice.
+                        Err(e) if e.kind() == ErrorKind::NotConnected => {}
+                        Err(e) => return Poll::Ready(Err(e)),
+                    }
+                }
+                return Poll::Ready(Ok(()));
+            }
+            if budget == 0 {
+                cx.waker().wake_by_ref();
+                return Poll::Pending;
+            }
+            budget -= 1;
+            ready!(src.poll_read_ready(cx))?;
+            let step = SCRATCH.with(|scratch| {
+                let mut buf = scratch.borrow_mut();
+                let n = match src.try_read(&mut buf) {
+                    Ok(0) => {
+                        self.eof = true;
+                        return Ok(());
+                    }
+                    Ok(n) => n,
+                    Err(e) => return Err(e),
+                };
+                self.bytes += n as u64;
+                *active = true;
+                let written = match dst.try_write(&buf[..n]) {
+                    Ok(w) => w,
+                    Err(e) if e.kind() == ErrorKind::WouldBlock => 0,
+                    Err(e) => return Err(e),
+                };
+                if written < n {
+                    self.pending = buf[written..n].to_vec();
+                }
+                Ok(())
+            });
+            match step {
+                Ok(()) => {}
+                Err(e) if e.kind() == ErrorKind::WouldBlock => {}
+                Err(e) => return Poll::Ready(Err(e)),
+            }
+        }
+    }
+}
+
+/// Relays between `client` and `server` until the connection ends.
+pub async fn relay<C: Stream + ?Sized, S: Stream + ?Sized>(
+    client: &C,
+    server: &S,
+    opts: RelayOptions,
+) -> Outcome {
+    let mut up = Pipe::default();
+    let mut down = Pipe::default();
+    let mut active = false;
+    // The timer is allocated only when an idle timeout is configured. It is not reset on
+    // every read: when it fires after activity it is re-armed, so silence is detected
+    // between one and two timeouts after the last byte, at the cost of one timer per period.
+    let mut idle: Option<(Duration, Pin<Box<Sleep>>)> = opts
+        .idle_timeout
+        .map(|d| (d, Box::pin(tokio::time::sleep(d))));
+    let end = poll_fn(|cx| {
+        if !up.done {
+            if let Poll::Ready(Err(e)) = up.poll(cx, client, server, &mut active) {
+                return Poll::Ready(End::Error(e));
+            }
+        }
+        if !down.done {
+            if let Poll::Ready(Err(e)) = down.poll(cx, server, client, &mut active) {
+                return Poll::Ready(End::Error(e));
+            }
+        }
+        let fast = match opts.fastclose {
+            FastClose::Off => false,
+            FastClose::Up => down.eof,
+            FastClose::Down => up.eof,
+            FastClose::Both => up.eof || down.eof,
+        };
+        if fast {
+            return Poll::Ready(End::FastClose);
+        }
+        if up.done && down.done {
+            return Poll::Ready(End::Closed);
+        }
+        if let Some((period, sleep)) = idle.as_mut() {
+            while sleep.as_mut().poll(cx).is_ready() {
+                if !active {
+                    return Poll::Ready(End::Idle);
+                }
+                active = false;
+                sleep.as_mut().reset(Instant::now() + *period);
+            }
+        }
+        Poll::Pending
+    })
+    .await;
+    Outcome {
+        up: up.bytes,
+        down: down.bytes,
+        end,
+    }
+}

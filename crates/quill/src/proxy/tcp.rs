@@ -1,0 +1,268 @@
+//! The TCP data plane: accept -> conn_max -> client ACL -> select -> connect (timeout,
+//! failover) -> relay -> close.
+//!
+//! One instance of [`serve`] runs per event loop, each on its own listener. A connection
+//! task holds only the two sockets and a few words of state while it relays; the selection
+//! and connect phase is boxed so that its larger state is freed once the relay starts.
+
+use std::io;
+use std::net::{IpAddr, Ipv4Addr, SocketAddr};
+use std::sync::atomic::{AtomicUsize, Ordering::Relaxed};
+use std::sync::Arc;
+use std::time::Duration;
+
+use tokio::net::{TcpListener, TcpStream, UnixListener};
+use tokio::sync::watch;
+
+use super::relay::{self, relay, RelayOptions, Stream};
+use crate::balance::{clock, Choice, Selector, ServerState};
+use crate::net::connect::{apply_options, connect, SocketOptions};
+use crate::net::Listener;
+use crate::settings::Settings;
+use crate::state::State;
+
+/// The address Unix-domain clients are treated as having, for ACLs and tracking.
+const UNIX_CLIENT: SocketAddr = SocketAddr::new(IpAddr::V4(Ipv4Addr::LOCALHOST), 0);
+
+/// Pause after an accept error such as EMFILE, so a full fd table does not spin a core.
+const ACCEPT_BACKOFF: Duration = Duration::from_millis(50);
+
+/// Accepts and serves connections on `listener` until `shutdown` turns true.
+pub async fn serve(
+    state: Arc<State>,
+    listener: Listener,
+    mut shutdown: watch::Receiver<bool>,
+) -> io::Result<()> {
+    match listener {
+        Listener::Tcp(l) => {
+            let local_port = l.local_addr()?.port();
+            let l = TcpListener::from_std(l)?;
+            let mut streak = 0usize;
+            loop {
+                tokio::select! {
+                    biased;
+                    _ = shutdown.changed() => return Ok(()),
+                    r = l.accept() => match r {
+                        Ok((sock, peer)) => {
+                            tokio::task::spawn_local(handle(state.clone(), sock, peer, local_port));
+                            streak = yield_every(streak, &state).await;
+                        }
+                        Err(e) => accept_failed(e).await,
+                    },
+                }
+            }
+        }
+        Listener::Unix(l) => {
+            let l = UnixListener::from_std(l)?;
+            let mut streak = 0usize;
+            loop {
+                tokio::select! {
+                    biased;
+                    _ = shutdown.changed() => return Ok(()),
+                    r = l.accept() => match r {
+                        Ok((sock, _)) => {
+                            tokio::task::spawn_local(handle(state.clone(), sock, UNIX_CLIENT, 0));
+                            streak = yield_every(streak, &state).await;
+                        }
+                        Err(e) => accept_failed(e).await,
+                    },
+                }
+            }
+        }
+    }
+}
+
+/// Pen's `multi_accept`: after that many accepts in a row, let connections run.
+async fn yield_every(streak: usize, state: &State) -> usize {
+    let streak = streak + 1;
+    if streak >= state.settings().multi_accept {
+        tokio::task::yield_now().await;
+        return 0;
+    }
+    streak
+}
+
+async fn accept_failed(e: io::Error) {
+    tracing::warn!("accept failed: {e}");
+    tokio::time::sleep(ACCEPT_BACKOFF).await;
+}
+
+/// A client-side socket: TCP or Unix.
+trait ClientStream: Stream + tokio::io::AsyncRead + tokio::io::AsyncWrite + Unpin + 'static {
+    fn set_options(&self, opts: SocketOptions);
+}
+
+impl ClientStream for TcpStream {
+    fn set_options(&self, opts: SocketOptions) {
+        if let Err(e) = apply_options(self, opts) {
+            tracing::debug!("client socket options: {e}");
+        }
+    }
+}
+
+impl ClientStream for tokio::net::UnixStream {
+    fn set_options(&self, _: SocketOptions) {}
+}
+
+/// Decrements a counter when dropped: every exit path releases what it took.
+struct Held<'a>(&'a AtomicUsize);
+
+impl Drop for Held<'_> {
+    fn drop(&mut self) {
+        self.0.fetch_sub(1, Relaxed);
+    }
+}
+
+/// A connection slot held on one upstream (server, emergency or abuse).
+struct Lease<'a> {
+    server: &'a ServerState,
+    index: Option<usize>,
+}
+
+impl<'a> Lease<'a> {
+    fn take(server: &'a ServerState, index: Option<usize>) -> Lease<'a> {
+        server.conns.fetch_add(1, Relaxed);
+        Lease { server, index }
+    }
+}
+
+impl Drop for Lease<'_> {
+    fn drop(&mut self) {
+        self.server.conns.fetch_sub(1, Relaxed);
+    }
+}
+
+async fn handle<C: ClientStream>(state: Arc<State>, client: C, peer: SocketAddr, local_port: u16) {
+    let settings = state.settings();
+    state.counters.accepted.fetch_add(1, Relaxed);
+    let active = state.active.fetch_add(1, Relaxed) + 1;
+    let _active = Held(&state.active);
+    if active > settings.conn_max {
+        state.counters.refused_conn_max.fetch_add(1, Relaxed);
+        tracing::debug!(%peer, "refused: conn_max {} reached", settings.conn_max);
+        return;
+    }
+    if settings.dummy {
+        super::dummy::serve(client, local_port).await;
+        return;
+    }
+    let opts = SocketOptions {
+        nodelay: settings.tcp_nodelay,
+        keepalive: settings.keepalive,
+    };
+    client.set_options(opts);
+
+    let ip = peer.ip().to_canonical();
+    let permitted = settings.acls[settings.client_acl.index()].permits(ip);
+    let upstream = if permitted {
+        Box::pin(choose_and_connect(&state, &settings, peer, opts)).await
+    } else {
+        match &settings.abuse {
+            Some(abuse) => {
+                tracing::debug!(%peer, "denied by client_acl {}: sent to the abuse server", settings.client_acl);
+                let lease = Lease::take(&state.abuse, None);
+                match connect(abuse.addr, settings.source, timeout(&settings), opts).await {
+                    Ok(s) => Some((s, lease)),
+                    Err(e) => {
+                        tracing::warn!(%peer, "abuse server {}: {e}", abuse.name);
+                        None
+                    }
+                }
+            }
+            None => {
+                state.counters.refused_acl.fetch_add(1, Relaxed);
+                tracing::debug!(%peer, "denied by client_acl {}", settings.client_acl);
+                None
+            }
+        }
+    };
+    let Some((server, lease)) = upstream else {
+        return;
+    };
+    let relay_opts = RelayOptions {
+        fastclose: settings.fastclose,
+        idle_timeout: (settings.idle_timeout > 0)
+            .then(|| Duration::from_secs(settings.idle_timeout)),
+    };
+    // The relay may last for hours: do not pin the settings snapshot that long.
+    drop(settings);
+    let outcome = relay(&client, &server, relay_opts).await;
+    lease.server.bytes_to.fetch_add(outcome.up, Relaxed);
+    lease.server.bytes_from.fetch_add(outcome.down, Relaxed);
+    if let relay::End::Error(e) = &outcome.end {
+        tracing::debug!(%peer, server = ?lease.index, "connection ended: {e}");
+    }
+}
+
+fn timeout(settings: &Settings) -> Duration {
+    Duration::from_secs(settings.timeout.max(1))
+}
+
+/// Selection with transparent failover, then the emergency server as a last resort.
+async fn choose_and_connect<'s>(
+    state: &'s State,
+    settings: &Settings,
+    peer: SocketAddr,
+    opts: SocketOptions,
+) -> Option<(TcpStream, Lease<'s>)> {
+    if state.pending.fetch_add(1, Relaxed) >= settings.pending_max {
+        state.pending.fetch_sub(1, Relaxed);
+        tracing::debug!(%peer, "refused: pending_max {} reached", settings.pending_max);
+        return None;
+    }
+    let _pending = Held(&state.pending);
+    let mut selector = Selector::new(
+        settings,
+        &state.servers,
+        &state.clients,
+        &state.cursor,
+        peer,
+        clock::now_ms(),
+    );
+    let mut choice = selector.initial();
+    while let Choice::Server(index) = choice {
+        let (Some(addr), Some(server)) = (
+            settings.servers.get(index).and_then(|s| s.addr()),
+            state.servers.get(index),
+        ) else {
+            choice = selector.failover(index);
+            continue;
+        };
+        let lease = Lease::take(server, Some(index));
+        match connect(addr, settings.source, timeout(settings), opts).await {
+            Ok(stream) => {
+                server.total.fetch_add(1, Relaxed);
+                if selector.tracks() {
+                    state
+                        .clients
+                        .record(peer.ip().to_canonical(), index, clock::now_ms());
+                }
+                tracing::debug!(%peer, "server {index} ({addr})");
+                return Some((stream, lease));
+            }
+            Err(e) => {
+                drop(lease);
+                tracing::info!(
+                    "server {index} ({addr}) failed: {e}; blacklisted for {} s",
+                    settings.blacklist
+                );
+                state.server_failed(index, settings.blacklist);
+                choice = selector.failover(index);
+            }
+        }
+    }
+    if let Some(em) = &settings.emergency {
+        let lease = Lease::take(&state.emergency, None);
+        match connect(em.addr, settings.source, timeout(settings), opts).await {
+            Ok(stream) => {
+                tracing::debug!(%peer, "emergency server {}", em.name);
+                state.emergency.total.fetch_add(1, Relaxed);
+                return Some((stream, lease));
+            }
+            Err(e) => tracing::warn!("emergency server {} failed: {e}", em.name),
+        }
+    }
+    state.counters.no_server.fetch_add(1, Relaxed);
+    tracing::debug!(%peer, "no server available: closing the client");
+    None
+}

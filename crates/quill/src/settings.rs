@@ -1,0 +1,563 @@
+//! The configuration model and [`Settings::apply`], the only code that changes it.
+//!
+//! A `Settings` value is immutable once published: the daemon builds a new one by applying
+//! commands to a copy and swaps it in atomically, so a data plane reads one consistent
+//! snapshot per connection. Runtime state (connection counts, blacklist deadlines, the client
+//! table) is not here; commands that touch it return an [`Action`] for the caller to carry
+//! out on the runtime, which keeps this module free of shared mutable state.
+
+use std::net::{IpAddr, SocketAddr, ToSocketAddrs};
+
+use crate::acl::{Acl, AclId, ACL_LISTS};
+use crate::command::{Command, FastClose, Host, HostPort, ServerField, MAX_SERVERS};
+
+/// One backend server slot. A slot without an address is unused and never selected.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct ServerConf {
+    /// The host as the user wrote it (kept for printing the configuration back).
+    pub host: Option<Host>,
+    /// The resolved address; `None` for an unused slot.
+    pub ip: Option<IpAddr>,
+    pub port: u16,
+    /// Soft limit: new clients are not sent here at or above it (0 = unlimited).
+    pub max: u32,
+    /// Hard limit for returning (tracked) clients (0 = same as `max`).
+    pub hard: u32,
+    pub weight: u32,
+    pub prio: u32,
+    /// Only clients permitted by this list may be sent here.
+    pub acl: Option<AclId>,
+}
+
+impl Default for ServerConf {
+    fn default() -> ServerConf {
+        ServerConf {
+            host: None,
+            ip: None,
+            port: 0,
+            max: 0,
+            hard: 0,
+            weight: 1,
+            prio: 0,
+            acl: None,
+        }
+    }
+}
+
+impl ServerConf {
+    /// The address to connect to, when the slot is in use.
+    pub fn addr(&self) -> Option<SocketAddr> {
+        match self.ip {
+            Some(ip) if self.port != 0 => Some(SocketAddr::new(ip, self.port)),
+            _ => None,
+        }
+    }
+
+    /// The connection limit for a client that has used this server before.
+    pub fn hard_limit(&self) -> u32 {
+        if self.hard == 0 {
+            self.max
+        } else {
+            self.hard
+        }
+    }
+}
+
+/// A resolved upstream that is not part of the server table (emergency, abuse servers).
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Upstream {
+    pub name: HostPort,
+    pub addr: SocketAddr,
+}
+
+/// Which server-selection behaviours are on.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+pub struct Policy {
+    pub roundrobin: bool,
+    pub hash: bool,
+    pub hash_only: bool,
+    pub stubborn: bool,
+    pub weight: bool,
+    pub prio: bool,
+}
+
+/// The whole configuration of a running quill.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Settings {
+    /// Server table; the index is the server number of `server N`.
+    pub servers: Vec<ServerConf>,
+    pub policy: Policy,
+    /// Seconds a tracked client is remembered (0 = until evicted).
+    pub tracking: u64,
+    /// Seconds a failed server is avoided.
+    pub blacklist: u64,
+    /// Connect timeout in seconds (at least 1).
+    pub timeout: u64,
+    /// Maximum simultaneous client connections.
+    pub conn_max: usize,
+    /// Size of the client tracking table.
+    pub clients_max: usize,
+    /// Upstream connects allowed in progress at once.
+    pub pending_max: usize,
+    pub acls: [Acl; ACL_LISTS],
+    pub client_acl: AclId,
+    pub tcp_nodelay: bool,
+    pub fastclose: FastClose,
+    pub keepalive: bool,
+    /// Seconds of silence after which a connection is closed (0 = never).
+    pub idle_timeout: u64,
+    pub source: Option<IpAddr>,
+    pub dummy: bool,
+    pub debug: u32,
+    pub emergency: Option<Upstream>,
+    pub abuse: Option<Upstream>,
+    pub multi_accept: usize,
+    pub backlog: u32,
+    /// Event loops; 0 = one per available core. Read at start-up only.
+    pub workers: usize,
+    /// The words of the Pen compatibility no-ops, so that `write` can print them back.
+    pub compat: Vec<Command>,
+}
+
+/// Connections a process can hold with its file-descriptor limit: two descriptors per
+/// proxied connection, with some kept back for listeners, logs and the control socket.
+pub fn default_conn_max() -> usize {
+    let limit = rustix::process::getrlimit(rustix::process::Resource::Nofile);
+    let fds = limit.current.unwrap_or(1 << 20).min(1 << 24) as usize;
+    (fds.saturating_sub(64) / 2).max(16)
+}
+
+impl Default for Settings {
+    fn default() -> Settings {
+        Settings {
+            servers: Vec::new(),
+            policy: Policy::default(),
+            tracking: 0,
+            blacklist: 30,
+            timeout: 5,
+            conn_max: default_conn_max(),
+            clients_max: 2048,
+            pending_max: 100,
+            acls: Default::default(),
+            client_acl: AclId::default(),
+            tcp_nodelay: false,
+            fastclose: FastClose::Off,
+            keepalive: false,
+            idle_timeout: 0,
+            source: None,
+            dummy: false,
+            debug: 0,
+            emergency: None,
+            abuse: None,
+            multi_accept: 64,
+            backlog: 1024,
+            workers: 0,
+            compat: Vec::new(),
+        }
+    }
+}
+
+/// The answer to a command.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum Reply {
+    /// Done, nothing to say.
+    Done,
+    /// A value the command asked for.
+    Value(String),
+}
+
+/// Something the caller must do to the runtime state after the new settings are published.
+#[derive(Debug, Clone, PartialEq, Eq)]
+#[non_exhaustive]
+pub enum Action {
+    /// Blacklist server `index` for `seconds` (0 = whitelist now).
+    Blacklist { index: usize, seconds: u64 },
+    /// The client table must be resized to the new `clients_max`.
+    ResizeClients(usize),
+}
+
+/// The outcome of a successful [`Settings::apply`].
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Applied {
+    pub reply: Reply,
+    pub actions: Vec<Action>,
+}
+
+impl Applied {
+    fn done() -> Applied {
+        Applied {
+            reply: Reply::Done,
+            actions: Vec::new(),
+        }
+    }
+
+    fn value(v: impl ToString) -> Applied {
+        Applied {
+            reply: Reply::Value(v.to_string()),
+            actions: Vec::new(),
+        }
+    }
+
+    fn action(a: Action) -> Applied {
+        Applied {
+            reply: Reply::Done,
+            actions: vec![a],
+        }
+    }
+}
+
+/// Why a command could not be applied. Nothing was changed.
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+#[non_exhaustive]
+pub enum ApplyError {
+    #[error("cannot resolve host '{host}': {reason}")]
+    Resolve { host: String, reason: String },
+    #[error("server {0} has no address; set 'address' before blacklisting it")]
+    NoSuchServer(usize),
+    #[error("'{0}' must be at least 1")]
+    TooSmall(&'static str),
+    #[error("GeoIP country rules need a GeoIP database, which this build does not support yet")]
+    NoGeoIp,
+}
+
+/// Resolves a host to one address (the first the resolver gives), at configuration time.
+pub fn resolve(host: &Host) -> Result<IpAddr, ApplyError> {
+    if let Some(ip) = host.ip() {
+        return Ok(ip);
+    }
+    let err = |reason: String| ApplyError::Resolve {
+        host: host.to_string(),
+        reason,
+    };
+    let mut addrs = (host.as_str(), 0)
+        .to_socket_addrs()
+        .map_err(|e| err(e.to_string()))?;
+    addrs
+        .next()
+        .map(|a| a.ip())
+        .ok_or_else(|| err("no address found".to_string()))
+}
+
+fn upstream(hp: &HostPort) -> Result<Upstream, ApplyError> {
+    let ip = resolve(&hp.host)?;
+    Ok(Upstream {
+        name: hp.clone(),
+        addr: SocketAddr::new(ip, hp.port),
+    })
+}
+
+impl Settings {
+    /// Applies one command. On error nothing is changed.
+    pub fn apply(&mut self, cmd: &Command) -> Result<Applied, ApplyError> {
+        let p = &mut self.policy;
+        Ok(match cmd {
+            Command::Server { index, fields } => return self.apply_server(*index, fields),
+            Command::RoundRobin(on) => set(&mut p.roundrobin, *on),
+            Command::Hash(on) => set(&mut p.hash, *on),
+            Command::HashOnly(on) => {
+                p.hash_only = *on;
+                let hash = *on || p.hash;
+                set(&mut p.hash, hash)
+            }
+            Command::Stubborn(on) => set(&mut p.stubborn, *on),
+            Command::Weight(on) => set(&mut p.weight, *on),
+            Command::Prio(on) => set(&mut p.prio, *on),
+            Command::Tracking(v) => query_or_set(&mut self.tracking, *v),
+            Command::Blacklist(v) => query_or_set(&mut self.blacklist, *v),
+            Command::Timeout(v) => query_or_set(&mut self.timeout, *v),
+            Command::ConnMax(v) => query_or_set(&mut self.conn_max, *v),
+            Command::ClientsMax(None) => Applied::value(self.clients_max),
+            Command::ClientsMax(Some(n)) => {
+                if *n == 0 {
+                    return Err(ApplyError::TooSmall("clients_max"));
+                }
+                self.clients_max = *n;
+                Applied::action(Action::ResizeClients(*n))
+            }
+            Command::Acl { list, rule } => {
+                if matches!(rule.matcher, crate::acl::AclMatch::Country(_)) {
+                    return Err(ApplyError::NoGeoIp);
+                }
+                self.acls[list.index()].push(*rule);
+                Applied::done()
+            }
+            Command::NoAcl(list) => {
+                self.acls[list.index()].clear();
+                Applied::done()
+            }
+            Command::ClientAcl(list) => set(&mut self.client_acl, *list),
+            Command::TcpNodelay(on) => set(&mut self.tcp_nodelay, *on),
+            Command::TcpFastclose(mode) => set(&mut self.fastclose, *mode),
+            Command::Keepalive(on) => set(&mut self.keepalive, *on),
+            Command::IdleTimeout(n) => set(&mut self.idle_timeout, *n),
+            Command::PendingMax(n) => set(&mut self.pending_max, *n),
+            Command::Source(ip) => set(&mut self.source, Some(*ip)),
+            Command::NoSource => set(&mut self.source, None),
+            Command::Dummy(on) => set(&mut self.dummy, *on),
+            Command::Debug(v) => query_or_set(&mut self.debug, *v),
+            Command::EventEngine(_) => Applied::done(),
+            Command::Compat(word, _) => {
+                self.compat
+                    .retain(|c| !matches!(c, Command::Compat(w, _) if w == word));
+                self.compat.push(cmd.clone());
+                Applied::done()
+            }
+            Command::Emergency(hp) => {
+                set(&mut self.emergency, hp.as_ref().map(upstream).transpose()?)
+            }
+            Command::Abuse(hp) => set(&mut self.abuse, hp.as_ref().map(upstream).transpose()?),
+            Command::MultiAccept(n) => set(&mut self.multi_accept, *n),
+            Command::Backlog(n) => set(&mut self.backlog, *n),
+            Command::Workers(n) => set(&mut self.workers, *n),
+        })
+    }
+
+    fn apply_server(
+        &mut self,
+        index: usize,
+        fields: &[ServerField],
+    ) -> Result<Applied, ApplyError> {
+        debug_assert!(index < MAX_SERVERS, "the parser bounds server numbers");
+        let mut conf = self.servers.get(index).cloned().unwrap_or_default();
+        let mut actions = Vec::new();
+        for field in fields {
+            match field {
+                ServerField::Acl(a) => conf.acl = Some(*a),
+                ServerField::Address(h) => {
+                    conf.ip = Some(resolve(h)?);
+                    conf.host = Some(h.clone());
+                }
+                ServerField::Port(p) => conf.port = *p,
+                ServerField::Max(m) => conf.max = *m,
+                ServerField::Hard(h) => conf.hard = *h,
+                ServerField::Weight(w) => conf.weight = *w,
+                ServerField::Prio(p) => conf.prio = *p,
+                ServerField::Blacklist(t) => {
+                    if conf.ip.is_none() {
+                        return Err(ApplyError::NoSuchServer(index));
+                    }
+                    actions.push(Action::Blacklist { index, seconds: *t });
+                }
+            }
+        }
+        if self.servers.len() <= index {
+            self.servers.resize_with(index + 1, ServerConf::default);
+        }
+        self.servers[index] = conf;
+        Ok(Applied {
+            reply: Reply::Done,
+            actions,
+        })
+    }
+
+    /// The commands that rebuild this configuration from the defaults, in order.
+    pub fn to_commands(&self) -> Vec<Command> {
+        let d = Settings::default();
+        let mut out = Vec::new();
+        let mut flag = |on: bool, def: bool, make: fn(bool) -> Command| {
+            if on != def {
+                out.push(make(on));
+            }
+        };
+        flag(self.policy.roundrobin, false, Command::RoundRobin);
+        flag(
+            self.policy.hash && !self.policy.hash_only,
+            false,
+            Command::Hash,
+        );
+        flag(self.policy.hash_only, false, Command::HashOnly);
+        flag(self.policy.stubborn, false, Command::Stubborn);
+        flag(self.policy.weight, false, Command::Weight);
+        flag(self.policy.prio, false, Command::Prio);
+        flag(self.tcp_nodelay, false, Command::TcpNodelay);
+        flag(self.keepalive, false, Command::Keepalive);
+        flag(self.dummy, false, Command::Dummy);
+        out.push(Command::Tracking(Some(self.tracking)));
+        out.push(Command::Blacklist(Some(self.blacklist)));
+        out.push(Command::Timeout(Some(self.timeout)));
+        out.push(Command::ConnMax(Some(self.conn_max)));
+        out.push(Command::ClientsMax(Some(self.clients_max)));
+        out.push(Command::PendingMax(self.pending_max));
+        out.push(Command::IdleTimeout(self.idle_timeout));
+        if self.fastclose != d.fastclose {
+            out.push(Command::TcpFastclose(self.fastclose));
+        }
+        if let Some(ip) = self.source {
+            out.push(Command::Source(ip));
+        }
+        if self.debug != d.debug {
+            out.push(Command::Debug(Some(self.debug)));
+        }
+        out.extend(self.compat.iter().cloned());
+        for (i, acl) in self.acls.iter().enumerate() {
+            let Some(list) = u8::try_from(i).ok().and_then(AclId::new) else {
+                continue;
+            };
+            for rule in acl.rules() {
+                out.push(Command::Acl { list, rule: *rule });
+            }
+        }
+        if self.client_acl != d.client_acl {
+            out.push(Command::ClientAcl(self.client_acl));
+        }
+        if let Some(u) = &self.emergency {
+            out.push(Command::Emergency(Some(u.name.clone())));
+        }
+        if let Some(u) = &self.abuse {
+            out.push(Command::Abuse(Some(u.name.clone())));
+        }
+        if self.multi_accept != d.multi_accept {
+            out.push(Command::MultiAccept(self.multi_accept));
+        }
+        if self.backlog != d.backlog {
+            out.push(Command::Backlog(self.backlog));
+        }
+        if self.workers != d.workers {
+            out.push(Command::Workers(self.workers));
+        }
+        for (index, s) in self.servers.iter().enumerate() {
+            let Some(host) = &s.host else { continue };
+            let mut fields = vec![
+                ServerField::Address(host.clone()),
+                ServerField::Port(s.port),
+                ServerField::Max(s.max),
+                ServerField::Hard(s.hard),
+                ServerField::Weight(s.weight),
+                ServerField::Prio(s.prio),
+            ];
+            if let Some(a) = s.acl {
+                fields.push(ServerField::Acl(a));
+            }
+            out.push(Command::Server { index, fields });
+        }
+        out
+    }
+}
+
+fn set<T>(slot: &mut T, value: T) -> Applied {
+    *slot = value;
+    Applied::done()
+}
+
+fn query_or_set<T: Copy + ToString>(slot: &mut T, value: Option<T>) -> Applied {
+    match value {
+        Some(v) => set(slot, v),
+        None => Applied::value(*slot),
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn apply_all(lines: &[&str]) -> Settings {
+        let mut s = Settings::default();
+        for line in lines {
+            let cmd: Command = match line.parse() {
+                Ok(c) => c,
+                Err(e) => panic!("{line}: {e}"),
+            };
+            if let Err(e) = s.apply(&cmd) {
+                panic!("{line}: {e}");
+            }
+        }
+        s
+    }
+
+    #[test]
+    fn server_command_creates_and_updates_slots() {
+        let s = apply_all(&[
+            "server 2 address 127.0.0.1 port 80 max 5",
+            "server 2 hard 9",
+        ]);
+        assert_eq!(s.servers.len(), 3);
+        assert_eq!(s.servers[0].addr(), None, "gap slots are unused");
+        assert_eq!(
+            s.servers[2].addr(),
+            Some("127.0.0.1:80".parse().unwrap_or_else(|_| unreachable!()))
+        );
+        assert_eq!((s.servers[2].max, s.servers[2].hard_limit()), (5, 9));
+    }
+
+    #[test]
+    fn hard_limit_defaults_to_soft_limit() {
+        let s = apply_all(&["server 0 address 127.0.0.1 port 80 max 5"]);
+        assert_eq!(s.servers[0].hard_limit(), 5);
+    }
+
+    #[test]
+    fn queries_do_not_change_anything() {
+        let mut s = Settings::default();
+        let before = s.clone();
+        let r = s.apply(&Command::Blacklist(None));
+        assert_eq!(r.map(|a| a.reply), Ok(Reply::Value("30".into())));
+        assert_eq!(s, before);
+    }
+
+    #[test]
+    fn failed_server_command_changes_nothing() {
+        let mut s = apply_all(&["server 0 address 127.0.0.1 port 80"]);
+        let before = s.clone();
+        let cmd = Command::Server {
+            index: 0,
+            fields: vec![
+                ServerField::Port(81),
+                ServerField::Address(
+                    Host::new("no-such-host.invalid").unwrap_or_else(|_| unreachable!()),
+                ),
+            ],
+        };
+        assert!(s.apply(&cmd).is_err());
+        assert_eq!(s, before);
+    }
+
+    #[test]
+    fn blacklist_of_a_server_is_an_action() {
+        let mut s = apply_all(&["server 0 address 127.0.0.1 port 80"]);
+        let r = s.apply(&Command::Server {
+            index: 0,
+            fields: vec![ServerField::Blacklist(7)],
+        });
+        assert_eq!(
+            r.map(|a| a.actions),
+            Ok(vec![Action::Blacklist {
+                index: 0,
+                seconds: 7
+            }])
+        );
+        assert!(s
+            .apply(&Command::Server {
+                index: 5,
+                fields: vec![ServerField::Blacklist(7)]
+            })
+            .is_err());
+    }
+
+    #[test]
+    fn to_commands_rebuilds_the_same_settings() {
+        let s = apply_all(&[
+            "roundrobin",
+            "weight",
+            "stubborn",
+            "tracking 60",
+            "acl 1 deny 10.0.0.0 255.0.0.0",
+            "acl 2 permit ::1/128",
+            "client_acl 1",
+            "tcp_fastclose both",
+            "source 127.0.0.1",
+            "emergency 127.0.0.1:9",
+            "block",
+            "server 0 address 127.0.0.1 port 80 max 3 hard 4 weight 2 prio 1 acl 2",
+            "server 3 address ::1 port 81",
+        ]);
+        let mut rebuilt = Settings::default();
+        for cmd in s.to_commands() {
+            let line = cmd.to_string();
+            let again: Command = line.parse().unwrap_or_else(|e| panic!("{line}: {e}"));
+            rebuilt
+                .apply(&again)
+                .unwrap_or_else(|e| panic!("{line}: {e}"));
+        }
+        assert_eq!(rebuilt, s);
+    }
+}

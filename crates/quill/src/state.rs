@@ -1,0 +1,104 @@
+//! The state every event loop shares: the published settings snapshot and, beside it, the
+//! runtime tables and counters that outlive any reload.
+//!
+//! Data planes call `settings()` once per connection and never write settings; the control
+//! side goes through [`State::execute`], which applies a command to a copy and publishes the
+//! copy atomically, so a reader sees either the old or the new configuration, never a mix.
+
+use std::sync::atomic::{AtomicU64, AtomicUsize, Ordering::Relaxed};
+use std::sync::{Arc, Mutex};
+
+use arc_swap::ArcSwap;
+
+use crate::balance::{clock, ClientTable, ServerState, ServerTable};
+use crate::command::Command;
+use crate::settings::{Action, ApplyError, Reply, Settings};
+
+/// Process-wide counters (summed over all event loops).
+#[derive(Debug, Default)]
+pub struct Counters {
+    /// Client connections accepted.
+    pub accepted: AtomicU64,
+    /// Client connections closed at once because `conn_max` was reached.
+    pub refused_conn_max: AtomicU64,
+    /// Client connections denied by the client ACL (and not sent to an abuse server).
+    pub refused_acl: AtomicU64,
+    /// Client connections closed because no server (nor emergency server) was reachable.
+    pub no_server: AtomicU64,
+}
+
+/// Shared state of one quill process.
+#[derive(Debug)]
+pub struct State {
+    settings: ArcSwap<Settings>,
+    /// Serialises `execute` so that two commands never apply to the same old copy.
+    writer: Mutex<()>,
+    pub servers: ServerTable,
+    pub emergency: ServerState,
+    pub abuse: ServerState,
+    pub clients: ClientTable,
+    /// Index of the most recently chosen server (round robin).
+    pub cursor: AtomicUsize,
+    /// Client connections currently open.
+    pub active: AtomicUsize,
+    /// Upstream connects in progress.
+    pub pending: AtomicUsize,
+    pub counters: Counters,
+}
+
+impl State {
+    /// Shared state starting from `settings`.
+    pub fn new(settings: Settings) -> Arc<State> {
+        Arc::new(State {
+            clients: ClientTable::new(settings.clients_max),
+            settings: ArcSwap::from_pointee(settings),
+            writer: Mutex::new(()),
+            servers: ServerTable::default(),
+            emergency: ServerState::default(),
+            abuse: ServerState::default(),
+            cursor: AtomicUsize::new(usize::MAX),
+            active: AtomicUsize::new(0),
+            pending: AtomicUsize::new(0),
+            counters: Counters::default(),
+        })
+    }
+
+    /// The current settings snapshot.
+    pub fn settings(&self) -> Arc<Settings> {
+        self.settings.load_full()
+    }
+
+    /// Applies one command: on success the new settings are published and its runtime
+    /// actions carried out; on error nothing changes.
+    pub fn execute(&self, cmd: &Command) -> Result<Reply, ApplyError> {
+        let _guard = self.writer.lock().unwrap_or_else(|p| p.into_inner());
+        let mut next = Settings::clone(&self.settings.load());
+        let applied = next.apply(cmd)?;
+        self.settings.store(Arc::new(next));
+        for action in applied.actions {
+            self.perform(action);
+        }
+        Ok(applied.reply)
+    }
+
+    /// Carries out actions returned by [`Settings::apply`] (also used at start-up, when the
+    /// settings are built before the state exists).
+    pub fn perform(&self, action: Action) {
+        match action {
+            Action::Blacklist { index, seconds } => {
+                if let Some(s) = self.servers.get(index) {
+                    s.blacklist(clock::now_ms(), seconds);
+                }
+            }
+            Action::ResizeClients(n) => self.clients.resize(n),
+        }
+    }
+
+    /// Marks a server as failed: counted and blacklisted for the configured time.
+    pub fn server_failed(&self, index: usize, blacklist_secs: u64) {
+        if let Some(s) = self.servers.get(index) {
+            s.failures.fetch_add(1, Relaxed);
+            s.blacklist(clock::now_ms(), blacklist_secs);
+        }
+    }
+}
