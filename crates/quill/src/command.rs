@@ -60,7 +60,8 @@ pub enum Command {
     TcpNodelay(bool),
     /// `tcp_fastclose up|down|both|off`.
     TcpFastclose(FastClose),
-    /// `keepalive` / `no keepalive` (SO_KEEPALIVE on both sockets).
+    /// `keepalive` / `no keepalive`: SO_KEEPALIVE on upstream sockets (client sockets
+    /// always have it, inherited from the listener, as in Pen).
     Keepalive(bool),
     /// `idle_timeout N`: close connections silent for N seconds (0 = never).
     IdleTimeout(u64),

@@ -149,8 +149,8 @@ impl Default for Settings {
             debug: 0,
             emergency: None,
             abuse: None,
-            multi_accept: 64,
-            backlog: 1024,
+            multi_accept: 100,
+            backlog: 500,
             workers: 0,
             compat: Vec::new(),
         }
@@ -307,7 +307,8 @@ impl Settings {
             }
             Command::Abuse(hp) => set(&mut self.abuse, hp.as_ref().map(upstream).transpose()?),
             Command::MultiAccept(n) => set(&mut self.multi_accept, *n),
-            Command::Backlog(n) => set(&mut self.backlog, *n),
+            // As Pen: a backlog below 50 is raised to 50.
+            Command::Backlog(n) => set(&mut self.backlog, (*n).max(50)),
             Command::Workers(n) => set(&mut self.workers, *n),
         })
     }

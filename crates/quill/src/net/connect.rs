@@ -13,13 +13,11 @@ pub struct SocketOptions {
     pub keepalive: bool,
 }
 
-/// Applies the options to an accepted or connected TCP stream.
+/// Applies the options to an accepted client stream. SO_KEEPALIVE is not set here: client
+/// sockets inherit it from the listener.
 pub fn apply_options(stream: &TcpStream, opts: SocketOptions) -> io::Result<()> {
     if opts.nodelay {
         stream.set_nodelay(true)?;
-    }
-    if opts.keepalive {
-        socket2::SockRef::from(stream).set_keepalive(true)?;
     }
     Ok(())
 }

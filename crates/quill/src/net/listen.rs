@@ -89,6 +89,9 @@ pub enum Listener {
 fn tcp_socket(addr: SocketAddr, reuse_port: bool, backlog: u32) -> io::Result<Socket> {
     let socket = Socket::new(Domain::for_address(addr), Type::STREAM, Some(Protocol::TCP))?;
     socket.set_reuse_address(true)?;
+    // Accepted sockets inherit SO_KEEPALIVE, so dead clients are eventually noticed without
+    // a system call per connection (Pen's client sockets behave the same way).
+    socket.set_keepalive(true)?;
     if reuse_port {
         socket.set_reuse_port(true)?;
     }
