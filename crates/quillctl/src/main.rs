@@ -33,7 +33,11 @@ fn send(target: &str, line: &str) -> io::Result<String> {
         return exchange(s, line);
     }
     // A bare port means the local host, as with penctl.
-    let target = if target.bytes().all(|b| b.is_ascii_digit()) { format!("localhost:{target}") } else { target.to_string() };
+    let target = if target.bytes().all(|b| b.is_ascii_digit()) {
+        format!("localhost:{target}")
+    } else {
+        target.to_string()
+    };
     let mut last = io::Error::new(io::ErrorKind::NotFound, "no address");
     for addr in target.to_socket_addrs()? {
         match TcpStream::connect_timeout(&addr, TIMEOUT) {

@@ -1,0 +1,225 @@
+//! Capacity: many concurrent connections, no descriptor leaks, conn_max.
+#![allow(clippy::unwrap_used, clippy::expect_used, clippy::panic)]
+
+mod support;
+
+use std::io::Write;
+use std::net::TcpStream;
+use std::sync::atomic::{AtomicUsize, Ordering};
+use std::sync::Arc;
+use std::thread;
+use std::time::{Duration, Instant};
+
+use support::*;
+
+/// Runs `per_thread` jobs on each of `threads` threads; job(thread, i).
+fn pool<T: Send + 'static>(
+    threads: usize,
+    per_thread: usize,
+    job: impl Fn(usize, usize) -> T + Send + Sync + 'static,
+) -> Vec<Vec<T>> {
+    let job = Arc::new(job);
+    let handles: Vec<_> = (0..threads)
+        .map(|t| {
+            let job = Arc::clone(&job);
+            thread::spawn(move || (0..per_thread).map(|i| job(t, i)).collect::<Vec<T>>())
+        })
+        .collect();
+    handles
+        .into_iter()
+        .map(|h| h.join().expect("worker panicked"))
+        .collect()
+}
+
+#[test]
+fn two_thousand_concurrent_connections_are_all_served() {
+    const THREADS: usize = 16;
+    const PER_THREAD: usize = 125;
+    const TOTAL: usize = THREADS * PER_THREAD;
+    // This process holds each connection's client socket and the backend's
+    // socket (plus a clone); quill holds two per connection.
+    if let Some(limit) = open_files_limit() {
+        if limit < 8192 {
+            eprintln!("SKIPPED: the open files limit ({limit}) is below 8192");
+            return;
+        }
+    }
+    let a = IdentityBackend::start("a");
+    let b = IdentityBackend::start("b");
+    let q = Quill::start(&[
+        "-r",
+        "-x",
+        "5000",
+        "-c",
+        "5000",
+        "127.0.0.1:{port}",
+        &a.spec(),
+        &b.spec(),
+    ]);
+    let addr = q.addr();
+
+    let start = Instant::now();
+    let held: Vec<Vec<(String, TcpStream)>> = pool(THREADS, PER_THREAD, move |t, i| {
+        let src = format!("127.0.0.{}", 10 + t);
+        let mut s = client_from(&src, addr)
+            .unwrap_or_else(|e| panic!("connection {} from {src} failed: {e}", t * PER_THREAD + i));
+        let name = backend_name(&mut s).unwrap_or_else(|| {
+            panic!(
+                "connection {} from {src} closed unserved",
+                t * PER_THREAD + i
+            )
+        });
+        (name, s)
+    });
+    let held: Vec<(String, TcpStream)> = held.into_iter().flatten().collect();
+    eprintln!("{TOTAL} connections opened in {:?}", start.elapsed());
+
+    assert_eq!(held.len(), TOTAL);
+    let t = tally(held.iter().map(|(n, _)| n));
+    assert_eq!(
+        t.get("a").copied().unwrap_or(0) + t.get("b").copied().unwrap_or(0),
+        TOTAL,
+        "{t:?}"
+    );
+    // All of them are open at the same time, end to end.
+    assert_eq!(
+        a.open() + b.open(),
+        TOTAL,
+        "backends do not see {TOTAL} open connections"
+    );
+
+    drop(held);
+    wait_until(
+        Duration::from_secs(20),
+        "every backend connection is closed after the clients closed",
+        || a.open() + b.open() == 0,
+    );
+}
+
+#[test]
+fn ten_thousand_connections_leak_no_descriptors() {
+    const THREADS: usize = 8;
+    const PER_THREAD: usize = 1250;
+    let a = IdentityBackend::start("a");
+    let b = IdentityBackend::start("b");
+    let q = Quill::start(&["-r", "127.0.0.1:{port}", &a.spec(), &b.spec()]);
+    let Some(baseline) = q.fd_count() else {
+        eprintln!("SKIPPED: /proc/PID/fd is not available");
+        return;
+    };
+    let addr = q.addr();
+    let served = Arc::new(AtomicUsize::new(0));
+    let counter = Arc::clone(&served);
+
+    let start = Instant::now();
+    pool(THREADS, PER_THREAD, move |_, _| {
+        let mut s = connect(addr);
+        if backend_name(&mut s).is_some() {
+            counter.fetch_add(1, Ordering::Relaxed);
+        }
+    });
+    eprintln!(
+        "{} connections in {:?}",
+        THREADS * PER_THREAD,
+        start.elapsed()
+    );
+    assert_eq!(
+        served.load(Ordering::Relaxed),
+        THREADS * PER_THREAD,
+        "not every connection was served"
+    );
+
+    let mut now = baseline;
+    let settled = poll_until(Duration::from_secs(15), || {
+        now = q.fd_count().unwrap_or(usize::MAX);
+        now <= baseline + 2
+    });
+    assert!(settled, "quill had {baseline} descriptors before 10,000 connections and still has {now} after they all closed");
+    wait_until(
+        Duration::from_secs(10),
+        "the backends' connections are all closed",
+        || a.open() + b.open() == 0,
+    );
+}
+
+#[test]
+fn conn_max_closes_connections_beyond_the_limit() {
+    if skip_on_pen("Pen 0.34 leaves connections beyond -x unaccepted in the listen queue") {
+        return;
+    }
+    let a = IdentityBackend::start("a");
+    let b = IdentityBackend::start("b");
+    let q = Quill::start(&["-x", "2", "-r", "127.0.0.1:{port}", &a.spec(), &b.spec()]);
+
+    let (_, first) = q.name_from("127.0.0.1");
+    let (_, _second) = q.name_from("127.0.0.1");
+
+    let mut third = q.connect_from("127.0.0.1");
+    expect_closed_without_data(&mut third, Duration::from_secs(3));
+    assert_eq!(
+        a.accepted() + b.accepted(),
+        2,
+        "a connection beyond -x 2 reached a server"
+    );
+
+    drop(first);
+    let mut answers = Vec::new();
+    let mut kept = None;
+    let served = poll_until(Duration::from_secs(5), || {
+        let mut s = q.connect_from("127.0.0.1");
+        let name = backend_name(&mut s);
+        answers.push(name.clone());
+        kept = Some(s);
+        name.is_some()
+    });
+    assert!(
+        served,
+        "no connection was served again after one of the two closed: {answers:?}"
+    );
+    drop(kept);
+}
+
+#[test]
+fn reset_and_failed_over_connections_leak_no_descriptors() {
+    if skip_on_pen("Pen 0.34 leaves some clients hanging when a server refuses connections") {
+        return;
+    }
+    const THREADS: usize = 8;
+    const PER_THREAD: usize = 250;
+    // Server a is down: every other pick fails over (or, in Pen, is closed).
+    let a = IdentityBackend::start("a");
+    let b = IdentityBackend::start("b");
+    let q = Quill::start(&["-r", "-b", "0", "127.0.0.1:{port}", &a.spec(), &b.spec()]);
+    a.stop();
+    let Some(baseline) = q.fd_count() else {
+        eprintln!("SKIPPED: /proc/PID/fd is not available");
+        return;
+    };
+    let addr = q.addr();
+
+    pool(THREADS, PER_THREAD, move |_, i| {
+        let mut s = connect(addr);
+        let served = backend_name(&mut s).is_some();
+        if served && i % 2 == 0 {
+            // Abort with a reset instead of a clean close, mid-conversation.
+            let _ = s.write_all(b"unfinished business");
+            let _ = socket2::SockRef::from(&s).set_linger(Some(Duration::ZERO));
+        }
+    });
+
+    let mut now = baseline;
+    let settled = poll_until(Duration::from_secs(15), || {
+        now = q.fd_count().unwrap_or(usize::MAX);
+        now <= baseline + 2
+    });
+    assert!(
+        settled,
+        "quill had {baseline} descriptors before {} aborted or failed-over connections and still has {now} after",
+        THREADS * PER_THREAD
+    );
+    wait_until(
+        Duration::from_secs(10),
+        "the backend's connections are all closed",
+        || b.open() == 0,
+    );
+}

@@ -1,0 +1,385 @@
+//! Server selection: client tracking, round robin, hash, weight, priority,
+//! soft and hard connection limits, stubbornness.
+//!
+//! Distinct clients are played by distinct loopback source addresses
+//! (127.0.0.x), since Pen-style tracking is per client IP address.
+#![allow(clippy::unwrap_used, clippy::expect_used, clippy::panic)]
+
+mod support;
+
+use std::time::Duration;
+
+use support::*;
+
+#[test]
+fn tracking_keeps_a_client_on_its_server() {
+    let a = IdentityBackend::start("a");
+    let b = IdentityBackend::start("b");
+    let q = Quill::start(&["127.0.0.1:{port}", &a.spec(), &b.spec()]);
+
+    let (first, _held) = q.name_from("127.0.0.1");
+    for i in 0..6 {
+        let (name, _) = q.name_from("127.0.0.1");
+        assert_eq!(
+            name,
+            first,
+            "connection #{} of 127.0.0.1 changed server",
+            i + 2
+        );
+    }
+}
+
+#[test]
+fn tracking_sends_a_new_client_to_the_next_server() {
+    let a = IdentityBackend::start("a");
+    let b = IdentityBackend::start("b");
+    let q = Quill::start(&["127.0.0.1:{port}", &a.spec(), &b.spec()]);
+
+    let (first, _) = q.name_from("127.0.0.1");
+    let (second, _) = q.name_from("127.0.0.2");
+    assert_ne!(
+        second, first,
+        "a new client should take the next server in turn"
+    );
+    for _ in 0..4 {
+        assert_eq!(
+            q.name_from("127.0.0.2").0,
+            second,
+            "127.0.0.2 changed server"
+        );
+        assert_eq!(
+            q.name_from("127.0.0.1").0,
+            first,
+            "127.0.0.1 changed server"
+        );
+    }
+}
+
+#[test]
+fn round_robin_alternates_between_servers_for_the_same_client() {
+    let a = IdentityBackend::start("a");
+    let b = IdentityBackend::start("b");
+    let q = Quill::start(&["-r", "127.0.0.1:{port}", &a.spec(), &b.spec()]);
+
+    let names: Vec<String> = (0..8).map(|_| q.name_from("127.0.0.1").0).collect();
+    for i in 1..names.len() {
+        assert_ne!(
+            names[i],
+            names[i - 1],
+            "round robin repeated a server: {names:?}"
+        );
+    }
+    for i in 2..names.len() {
+        assert_eq!(
+            names[i],
+            names[i - 2],
+            "round robin is not a strict alternation: {names:?}"
+        );
+    }
+}
+
+#[test]
+fn hash_keeps_every_client_address_on_one_server() {
+    let a = IdentityBackend::start("a");
+    let b = IdentityBackend::start("b");
+    let q = Quill::start(&["-h", "127.0.0.1:{port}", &a.spec(), &b.spec()]);
+
+    for x in 1..=8 {
+        let src = format!("127.0.0.{x}");
+        let first = q.name_from(&src).0;
+        for _ in 0..3 {
+            assert_eq!(
+                q.name_from(&src).0,
+                first,
+                "client {src} changed server under -h"
+            );
+        }
+    }
+}
+
+#[test]
+fn hash_maps_a_client_address_to_the_same_server_in_every_instance() {
+    // The hash depends only on the client's address, so two balancers with the
+    // same server list agree on where each client goes.
+    let a = IdentityBackend::start("a");
+    let b = IdentityBackend::start("b");
+    let c = IdentityBackend::start("c");
+    let (sa, sb, sc) = (a.spec(), b.spec(), c.spec());
+    let args = ["-h", "127.0.0.1:{port}", &sa, &sb, &sc];
+    let q1 = Quill::start(&args);
+    let q2 = Quill::start(&args);
+
+    // Visit the clients in opposite orders so that any round-robin state would
+    // produce different answers.
+    let srcs: Vec<String> = (1..=9).map(|x| format!("127.0.0.{x}")).collect();
+    let from_q1: Vec<String> = srcs.iter().map(|s| q1.name_from(s).0).collect();
+    let mut from_q2: Vec<String> = srcs.iter().rev().map(|s| q2.name_from(s).0).collect();
+    from_q2.reverse();
+    assert_eq!(
+        from_q1, from_q2,
+        "two -h balancers disagree on client placement for {srcs:?}"
+    );
+}
+
+#[test]
+fn weights_split_connections_in_proportion() {
+    let light = IdentityBackend::start("light");
+    let heavy = IdentityBackend::start("heavy");
+    let q = Quill::start(&[
+        "-W",
+        "-r",
+        "-x",
+        "1000",
+        "127.0.0.1:{port}",
+        &light.spec_with("0:0:1"),
+        &heavy.spec_with("0:0:3"),
+    ]);
+
+    let mut held = Vec::with_capacity(400);
+    let mut names = Vec::with_capacity(400);
+    for i in 0..400 {
+        let (name, s) = q.name_from(&format!("127.0.0.{}", 1 + i % 50));
+        names.push(name);
+        held.push(s);
+    }
+    let t = tally(&names);
+    let l = t.get("light").copied().unwrap_or(0);
+    let h = t.get("heavy").copied().unwrap_or(0);
+    assert_eq!(l + h, 400, "unexpected servers: {t:?}");
+    assert!(
+        (85..=115).contains(&l),
+        "weight 1 server got {l} of 400 (want ~100): {t:?}"
+    );
+    assert!(
+        (285..=315).contains(&h),
+        "weight 3 server got {h} of 400 (want ~300): {t:?}"
+    );
+}
+
+#[test]
+fn prio_sends_every_connection_to_the_best_priority_server() {
+    let first = IdentityBackend::start("prio1");
+    let second = IdentityBackend::start("prio2");
+    let q = Quill::start(&[
+        "-r",
+        "-O",
+        "prio",
+        "127.0.0.1:{port}",
+        &second.spec_with("0:0:1:2"),
+        &first.spec_with("0:0:1:1"),
+    ]);
+
+    let mut held = Vec::new();
+    for i in 0..6 {
+        let (name, s) = q.name_from("127.0.0.1");
+        assert_eq!(
+            name,
+            "prio1",
+            "connection #{} did not go to the prio 1 server",
+            i + 1
+        );
+        held.push(s);
+    }
+}
+
+#[test]
+fn prio_overflows_to_the_next_priority_when_the_best_server_is_full() {
+    let first = IdentityBackend::start("prio1");
+    let second = IdentityBackend::start("prio2");
+    let q = Quill::start(&[
+        "-r",
+        "-O",
+        "prio",
+        "127.0.0.1:{port}",
+        &first.spec_with("3:3:1:1"),
+        &second.spec_with("0:0:1:2"),
+    ]);
+
+    let mut held = Vec::new();
+    for i in 0..3 {
+        let (name, s) = q.name_from(&format!("127.0.0.{}", 11 + i));
+        assert_eq!(
+            name,
+            "prio1",
+            "connection #{} did not go to the prio 1 server",
+            i + 1
+        );
+        held.push(s);
+    }
+    let (name, _s) = q.name_from("127.0.0.14");
+    assert_eq!(
+        name, "prio2",
+        "the 4th concurrent connection should overflow to prio 2"
+    );
+}
+
+#[test]
+fn soft_limit_caps_new_clients_on_a_server() {
+    let a = IdentityBackend::start("a");
+    let b = IdentityBackend::start("b");
+    let q = Quill::start(&["-r", "127.0.0.1:{port}", &a.spec_with("2:4"), &b.spec()]);
+
+    let mut held = Vec::new();
+    let mut names = Vec::new();
+    for i in 0..6 {
+        let (name, s) = q.name_from(&format!("127.0.0.{}", 11 + i));
+        names.push(name);
+        held.push(s);
+    }
+    let t = tally(&names);
+    assert_eq!(
+        t.get("a").copied().unwrap_or(0),
+        2,
+        "server a (max 2) should hold exactly 2: {names:?}"
+    );
+    assert_eq!(
+        t.get("b").copied().unwrap_or(0),
+        4,
+        "the others should go to b: {names:?}"
+    );
+}
+
+#[test]
+fn hard_limit_lets_a_known_client_return_beyond_the_soft_limit() {
+    let a = IdentityBackend::start("a");
+    let b = IdentityBackend::start("b");
+    // No -r: clients are tracked.  Server a: soft limit 2, hard limit 4.
+    let q = Quill::start(&["127.0.0.1:{port}", &a.spec_with("2:4"), &b.spec()]);
+
+    let mut held = Vec::new();
+    // Find a client that round robin sends to a (one of the first two new ones).
+    let mut known = None;
+    for x in 21..24 {
+        let src = format!("127.0.0.{x}");
+        let (name, s) = q.name_from(&src);
+        held.push(s);
+        if name == "a" {
+            known = Some(src);
+            break;
+        }
+    }
+    let known = known.expect("no new client was ever sent to server a");
+    assert_eq!(a.open(), 1);
+
+    // Second connection of the known client: a reaches its soft limit (2).
+    let (name, s) = q.name_from(&known);
+    assert_eq!(name, "a", "tracked client {known} left its server");
+    held.push(s);
+
+    // A new client no longer gets a: it is at its soft limit.
+    let (name, s) = q.name_from("127.0.0.30");
+    assert_eq!(
+        name, "b",
+        "a new client was sent to a server at its soft limit"
+    );
+    held.push(s);
+
+    // The known client still gets a, up to the hard limit (4).
+    for n in 3..=4 {
+        let (name, s) = q.name_from(&known);
+        assert_eq!(
+            name,
+            "a",
+            "known client refused its server at {} connections (hard limit 4)",
+            n - 1
+        );
+        held.push(s);
+    }
+    a.wait_open(4, Duration::from_secs(5));
+
+    // Beyond the hard limit it must not get a.
+    let mut s = q.connect_from(&known);
+    let name = backend_name(&mut s);
+    assert_ne!(
+        name.as_deref(),
+        Some("a"),
+        "server a exceeded its hard limit of 4"
+    );
+    assert!(
+        a.open() <= 4,
+        "server a has {} connections, hard limit 4",
+        a.open()
+    );
+}
+
+#[test]
+fn stubborn_closes_the_client_when_its_server_is_down() {
+    let a = IdentityBackend::start("a");
+    let b = IdentityBackend::start("b");
+    let q = Quill::start(&["-s", "-t", "1", "127.0.0.1:{port}", &a.spec(), &b.spec()]);
+
+    let (name, _) = q.name_from("127.0.0.1");
+    let (chosen, other) = if name == "a" { (&a, &b) } else { (&b, &a) };
+    chosen.stop();
+
+    let mut s = q.connect_from("127.0.0.1");
+    expect_closed_without_data(&mut s, Duration::from_secs(5));
+    assert_eq!(
+        other.accepted(),
+        0,
+        "a stubborn balancer failed over to {}",
+        other.name()
+    );
+}
+
+#[test]
+fn stubborn_closes_the_client_when_its_server_does_not_answer() {
+    let a = IdentityBackend::start("a");
+    let b = IdentityBackend::start("b");
+    let q = Quill::start(&["-s", "-t", "1", "127.0.0.1:{port}", &a.spec(), &b.spec()]);
+
+    let (name, _) = q.name_from("127.0.0.1");
+    let (chosen, other) = if name == "a" { (&a, &b) } else { (&b, &a) };
+    chosen.stop();
+    let _hung = UnresponsiveBackend::start_on(chosen.addr());
+
+    let mut s = q.connect_from("127.0.0.1");
+    // Closed once the 1 s connect timeout expires.
+    expect_closed_without_data(&mut s, Duration::from_secs(5));
+    assert_eq!(
+        other.accepted(),
+        0,
+        "a stubborn balancer failed over to {}",
+        other.name()
+    );
+}
+
+#[test]
+fn without_stubborn_a_tracked_client_fails_over_when_its_server_is_down() {
+    if skip_on_pen("Pen 0.34 closes the client when its server refuses the connection") {
+        return;
+    }
+    let a = IdentityBackend::start("a");
+    let b = IdentityBackend::start("b");
+    let q = Quill::start(&["-t", "1", "127.0.0.1:{port}", &a.spec(), &b.spec()]);
+
+    let (name, _) = q.name_from("127.0.0.1");
+    let (chosen, other) = if name == "a" { (&a, &b) } else { (&b, &a) };
+    chosen.stop();
+
+    let (name, _) = q.name_from("127.0.0.1");
+    assert_eq!(
+        name,
+        other.name(),
+        "the client was not failed over to the live server"
+    );
+}
+
+#[test]
+fn without_stubborn_a_tracked_client_fails_over_when_its_server_does_not_answer() {
+    let a = IdentityBackend::start("a");
+    let b = IdentityBackend::start("b");
+    let q = Quill::start(&["-t", "1", "127.0.0.1:{port}", &a.spec(), &b.spec()]);
+
+    let (name, _) = q.name_from("127.0.0.1");
+    let (chosen, other) = if name == "a" { (&a, &b) } else { (&b, &a) };
+    chosen.stop();
+    let _hung = UnresponsiveBackend::start_on(chosen.addr());
+
+    let (name, _) = q.name_from("127.0.0.1");
+    assert_eq!(
+        name,
+        other.name(),
+        "the client was not failed over to the live server"
+    );
+}
