@@ -4,7 +4,9 @@ use std::io;
 use std::net::{IpAddr, SocketAddr};
 use std::time::Duration;
 
-use tokio::net::{TcpSocket, TcpStream};
+use socket2::{Domain, Protocol, Socket, Type};
+use tokio::io::Interest;
+use tokio::net::TcpStream;
 
 /// Socket options applied to both sides of a proxied connection.
 #[derive(Debug, Clone, Copy)]
@@ -23,21 +25,25 @@ pub fn apply_options(stream: &TcpStream, opts: SocketOptions) -> io::Result<()> 
 }
 
 /// Connects to `addr` from `source` (if set) within `timeout`.
+///
+/// The outcome is read from the readiness the event loop reports (writable = connected,
+/// error or hang-up = failed), so a successful connect costs no `getsockopt(SO_ERROR)`;
+/// the error is fetched only when there is one.
 pub async fn connect(
     addr: SocketAddr,
     source: Option<IpAddr>,
     timeout: Duration,
     opts: SocketOptions,
 ) -> io::Result<TcpStream> {
-    let socket = if addr.is_ipv4() {
-        TcpSocket::new_v4()?
-    } else {
-        TcpSocket::new_v6()?
-    };
+    let socket = Socket::new(
+        Domain::for_address(addr),
+        Type::STREAM.nonblocking(),
+        Some(Protocol::TCP),
+    )?;
     if let Some(ip) = source {
         // Only bind a source of the same family; a mismatch would fail every connect.
         if ip.is_ipv4() == addr.is_ipv4() {
-            socket.bind(SocketAddr::new(ip, 0))?;
+            socket.bind(&SocketAddr::new(ip, 0).into())?;
         }
     }
     if opts.nodelay {
@@ -46,8 +52,23 @@ pub async fn connect(
     if opts.keepalive {
         socket.set_keepalive(true)?;
     }
-    match tokio::time::timeout(timeout, socket.connect(addr)).await {
-        Ok(result) => result,
-        Err(_) => Err(io::Error::new(io::ErrorKind::TimedOut, "connect timed out")),
+    match socket.connect(&addr.into()) {
+        Ok(()) => {}
+        Err(e) if e.raw_os_error() == Some(rustix::io::Errno::INPROGRESS.raw_os_error()) => {}
+        Err(e) => return Err(e),
     }
+    let stream = TcpStream::from_std(std::net::TcpStream::from(socket))?;
+    let ready =
+        match tokio::time::timeout(timeout, stream.ready(Interest::WRITABLE | Interest::ERROR))
+            .await
+        {
+            Ok(ready) => ready?,
+            Err(_) => return Err(io::Error::new(io::ErrorKind::TimedOut, "connect timed out")),
+        };
+    if ready.is_error() || ready.is_write_closed() {
+        return Err(stream
+            .take_error()?
+            .unwrap_or_else(|| io::ErrorKind::ConnectionRefused.into()));
+    }
+    Ok(stream)
 }

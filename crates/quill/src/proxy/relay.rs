@@ -41,6 +41,9 @@ pub trait Stream {
     fn poll_read_ready(&self, cx: &mut Context<'_>) -> Poll<io::Result<()>>;
     fn poll_write_ready(&self, cx: &mut Context<'_>) -> Poll<io::Result<()>>;
     fn try_read(&self, buf: &mut [u8]) -> io::Result<usize>;
+    /// Reads without consulting the event loop's readiness: used once, speculatively, on
+    /// a new connection whose first bytes are usually already there.
+    fn read_now(&self, buf: &mut [u8]) -> io::Result<usize>;
     fn try_write(&self, buf: &[u8]) -> io::Result<usize>;
     fn shutdown_write(&self) -> io::Result<()>;
 }
@@ -74,6 +77,9 @@ macro_rules! impl_stream {
                     (Err(e), Some(n)) if e.kind() == ErrorKind::WouldBlock => Ok(n),
                     (result, _) => result,
                 }
+            }
+            fn read_now(&self, buf: &mut [u8]) -> io::Result<usize> {
+                rustix::io::read(self, buf).map_err(io::Error::from)
             }
             fn try_write(&self, buf: &[u8]) -> io::Result<usize> {
                 <$t>::try_write(self, buf)
@@ -130,17 +136,21 @@ struct Pipe {
     eof: bool,
     /// The EOF has been passed on; this direction is finished.
     done: bool,
+    /// The first read has been tried without waiting for readiness.
+    speculated: bool,
     bytes: u64,
 }
 
 impl Pipe {
     /// Moves bytes from `src` to `dst` until both would block, the budget is spent, or the
-    /// direction is finished. `Ready(Ok)` means finished.
+    /// direction is finished. `Ready(Ok)` means finished. `other_done` says the opposite
+    /// direction is finished, so both sockets are about to be closed.
     fn poll<S: Stream + ?Sized, D: Stream + ?Sized>(
         &mut self,
         cx: &mut Context<'_>,
         src: &S,
         dst: &D,
+        other_done: bool,
         active: &mut bool,
     ) -> Poll<io::Result<()>> {
         let mut budget = BUDGET;
@@ -162,8 +172,9 @@ impl Pipe {
                 self.written = 0;
             }
             if self.eof {
-                if !self.done {
-                    self.done = true;
+                // When the other direction is finished too, close() follows at once and
+                // sends the FIN itself: the shutdown would be a wasted system call.
+                if !self.done && !other_done {
                     match dst.shutdown_write() {
                         Ok(()) => {}
                         // The peer is already gone; the other direction will notice.
@@ -171,6 +182,7 @@ impl Pipe {
                         Err(e) => return Poll::Ready(Err(e)),
                     }
                 }
+                self.done = true;
                 return Poll::Ready(Ok(()));
             }
             if budget == 0 {
@@ -178,10 +190,22 @@ impl Pipe {
                 return Poll::Pending;
             }
             budget -= 1;
-            ready!(src.poll_read_ready(cx))?;
+            // The first read skips the wait for readiness: a new connection's first bytes
+            // (a request) are usually there already, and this saves an event-loop round.
+            let speculate = !self.speculated;
+            if speculate {
+                self.speculated = true;
+            } else {
+                ready!(src.poll_read_ready(cx))?;
+            }
             let step = SCRATCH.with(|scratch| {
                 let mut buf = scratch.borrow_mut();
-                let n = match src.try_read(&mut buf) {
+                let read = if speculate {
+                    src.read_now(&mut buf)
+                } else {
+                    src.try_read(&mut buf)
+                };
+                let n = match read {
                     Ok(0) => {
                         self.eof = true;
                         return Ok(());
@@ -227,12 +251,12 @@ pub async fn relay<C: Stream + ?Sized, S: Stream + ?Sized>(
         .map(|d| (d, Box::pin(tokio::time::sleep(d))));
     let end = poll_fn(|cx| {
         if !up.done {
-            if let Poll::Ready(Err(e)) = up.poll(cx, client, server, &mut active) {
+            if let Poll::Ready(Err(e)) = up.poll(cx, client, server, down.done, &mut active) {
                 return Poll::Ready(End::Error(e));
             }
         }
         if !down.done {
-            if let Poll::Ready(Err(e)) = down.poll(cx, server, client, &mut active) {
+            if let Poll::Ready(Err(e)) = down.poll(cx, server, client, up.done, &mut active) {
                 return Poll::Ready(End::Error(e));
             }
         }
