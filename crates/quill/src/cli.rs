@@ -23,11 +23,22 @@ pub enum Parsed {
     Demo,
 }
 
+/// Which transport the balancer serves.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+pub enum Protocol {
+    #[default]
+    Tcp,
+    /// `-U`: UDP datagrams, balanced per client flow.
+    Udp,
+}
+
 /// A balancer to start.
 #[derive(Debug)]
 pub struct Invocation {
     /// `-f`: stay in the foreground (otherwise become a daemon).
     pub foreground: bool,
+    /// `-U` selects UDP.
+    pub protocol: Protocol,
     /// Where clients connect.
     pub listen: ListenAddr,
     /// Commands in order, each with the argument it came from.
@@ -100,7 +111,6 @@ fn not_yet(opt: char) -> Option<&'static str> {
         'l' => "the connection log",
         'p' => "pid files",
         'w' => "HTML status reports",
-        'U' => "UDP load balancing",
         'H' => "X-Forwarded-For insertion",
         'E' | 'K' | 'G' | 'A' | 'R' | 'L' | 'Z' => "TLS",
         _ => return None,
@@ -116,6 +126,7 @@ pub fn parse<I: IntoIterator<Item = OsString>>(args: I) -> Result<Parsed, CliErr
     use lexopt::Arg::{Long, Short, Value};
     let mut parser = lexopt::Parser::from_args(args);
     let mut foreground = false;
+    let mut protocol = Protocol::Tcp;
     let mut debug: u32 = 0;
     let mut commands: Vec<(String, Command)> = Vec::new();
     let mut emergency: Option<String> = None;
@@ -201,6 +212,10 @@ pub fn parse<I: IntoIterator<Item = OsString>>(args: I) -> Result<Parsed, CliErr
                         foreground = true;
                         continue;
                     }
+                    'U' => {
+                        protocol = Protocol::Udp;
+                        continue;
+                    }
                     'd' => {
                         debug += 1;
                         continue;
@@ -276,6 +291,7 @@ pub fn parse<I: IntoIterator<Item = OsString>>(args: I) -> Result<Parsed, CliErr
     }
     Ok(Parsed::Run(Invocation {
         foreground,
+        protocol,
         listen,
         commands,
     }))

@@ -12,7 +12,7 @@ use std::time::{Duration, Instant};
 
 use tokio::sync::watch;
 
-use crate::cli::Invocation;
+use crate::cli::{Invocation, Protocol};
 use crate::net::listen;
 use crate::settings::Settings;
 use crate::state::State;
@@ -33,13 +33,15 @@ pub enum StartError {
     Daemon(io::Error),
     #[error("cannot start an event loop: {0}")]
     Runtime(io::Error),
+    #[error("{0} is not supported by this build of quill yet")]
+    Unsupported(&'static str),
 }
 
 impl StartError {
     /// Exit status: 2 for mistakes in the arguments, 1 for failures of the system.
     pub fn exit_code(&self) -> u8 {
         match self {
-            StartError::Command { .. } => 2,
+            StartError::Command { .. } | StartError::Unsupported(_) => 2,
             _ => 1,
         }
     }
@@ -89,6 +91,9 @@ pub fn run(inv: Invocation) -> Result<(), StartError> {
     let (settings, actions) = build_settings(&inv)?;
     init_logging(settings.debug);
     let workers = worker_count(&settings);
+    if inv.protocol == Protocol::Udp {
+        return Err(StartError::Unsupported("UDP load balancing (-U)"));
+    }
     let listeners = listen::open(&inv.listen, workers, settings.backlog)?;
     if !inv.foreground {
         // Detach before any thread exists: fork() keeps only the calling thread.
