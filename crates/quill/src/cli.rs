@@ -8,9 +8,10 @@
 use std::ffi::OsString;
 use std::fmt;
 use std::net::Ipv6Addr;
+use std::path::PathBuf;
 
 use crate::command::{
-    parse_port, Command, CompatWord, EventEngine, Host, HostPort, ParseError, ServerField,
+    parse_port, Command, CompatWord, EventEngine, Host, HostPort, ParseError, ServerField, Word,
 };
 use crate::net::ListenAddr;
 
@@ -39,8 +40,18 @@ pub struct Invocation {
     pub foreground: bool,
     /// `-U` selects UDP.
     pub protocol: Protocol,
-    /// Where clients connect.
-    pub listen: ListenAddr,
+    /// `-C`: the control socket address, as given.
+    pub control: Option<String>,
+    /// `-F`: the configuration file.
+    pub config: Option<PathBuf>,
+    /// `-p`: the pid file.
+    pub pidfile: Option<PathBuf>,
+    /// `-X`: allow the `exit` control command.
+    pub exit_enabled: bool,
+    /// `-u`: the user to run as after binding.
+    pub user: Option<String>,
+    /// `-j`: the directory to chroot into.
+    pub jail: Option<PathBuf>,
     /// Commands in order, each with the argument it came from.
     pub commands: Vec<(String, Command)>,
 }
@@ -99,18 +110,9 @@ Example: quill -f -r 8080 127.0.0.1:9001 127.0.0.1:9002
 ";
 
 /// Pen options that belong to features this build does not have yet. Accepting them
-/// silently would mislead (TLS that is not there, a user that is not dropped to), so they
-/// are refused by name.
+/// silently would mislead (TLS that is not there), so they are refused by name.
 fn not_yet(opt: char) -> Option<&'static str> {
     Some(match opt {
-        'C' => "the control socket",
-        'F' => "configuration files",
-        'X' => "the control socket's exit command",
-        'j' => "chroot",
-        'u' => "running as another user",
-        'l' => "the connection log",
-        'p' => "pid files",
-        'w' => "HTML status reports",
         'H' => "X-Forwarded-For insertion",
         'E' | 'K' | 'G' | 'A' | 'R' | 'L' | 'Z' => "TLS",
         _ => return None,
@@ -127,6 +129,12 @@ pub fn parse<I: IntoIterator<Item = OsString>>(args: I) -> Result<Parsed, CliErr
     let mut parser = lexopt::Parser::from_args(args);
     let mut foreground = false;
     let mut protocol = Protocol::Tcp;
+    let mut control = None;
+    let mut config = None;
+    let mut pidfile = None;
+    let mut exit_enabled = false;
+    let mut user = None;
+    let mut jail = None;
     let mut debug: u32 = 0;
     let mut commands: Vec<(String, Command)> = Vec::new();
     let mut emergency: Option<String> = None;
@@ -216,6 +224,36 @@ pub fn parse<I: IntoIterator<Item = OsString>>(args: I) -> Result<Parsed, CliErr
                         protocol = Protocol::Udp;
                         continue;
                     }
+                    'C' => {
+                        control = Some(v.to_string());
+                        continue;
+                    }
+                    'F' => {
+                        config = Some(PathBuf::from(v));
+                        continue;
+                    }
+                    'p' => {
+                        pidfile = Some(PathBuf::from(v));
+                        continue;
+                    }
+                    'X' => {
+                        exit_enabled = true;
+                        continue;
+                    }
+                    'u' => {
+                        user = Some(v.to_string());
+                        continue;
+                    }
+                    'j' => {
+                        jail = Some(PathBuf::from(v));
+                        continue;
+                    }
+                    'l' => Command::Log(Some(
+                        Word::new(v).ok_or_else(|| err(&arg, "not a usable file name"))?,
+                    )),
+                    'w' => Command::WebStats(Some(
+                        Word::new(v).ok_or_else(|| err(&arg, "not a usable file name"))?,
+                    )),
                     'd' => {
                         debug += 1;
                         continue;
@@ -254,14 +292,23 @@ pub fn parse<I: IntoIterator<Item = OsString>>(args: I) -> Result<Parsed, CliErr
         return Ok(Parsed::Demo);
     }
     let mut positional = positional.into_iter();
-    let Some(listen_arg) = positional.next() else {
-        return Err(err(
-            "",
-            "missing the listening [host:]port (see quill --help)",
-        ));
+    let listen = match positional.next() {
+        Some(arg) => {
+            let addr = ListenAddr::parse(&arg).map_err(|e| err(&arg, e))?;
+            let word = Word::new(&arg).ok_or_else(|| err(&arg, "not a usable address"))?;
+            commands.insert(0, (arg, Command::Listen(Some(word))));
+            Some(addr)
+        }
+        // With a configuration file, the file may say where to listen.
+        None if config.is_some() => None,
+        None => {
+            return Err(err(
+                "",
+                "missing the listening [host:]port (see quill --help)",
+            ));
+        }
     };
-    let listen = ListenAddr::parse(&listen_arg).map_err(|e| err(&listen_arg, e))?;
-    let default_port = listen.port();
+    let default_port = listen.as_ref().and_then(ListenAddr::port);
     if debug > 0 {
         commands.insert(
             0,
@@ -292,7 +339,12 @@ pub fn parse<I: IntoIterator<Item = OsString>>(args: I) -> Result<Parsed, CliErr
     Ok(Parsed::Run(Invocation {
         foreground,
         protocol,
-        listen,
+        control,
+        config,
+        pidfile,
+        exit_enabled,
+        user,
+        jail,
         commands,
     }))
 }
@@ -390,11 +442,11 @@ mod tests {
         ])
         .unwrap();
         assert!(inv.foreground);
-        assert_eq!(inv.listen, ListenAddr::Tcp("0.0.0.0:8080".parse().unwrap()));
         assert_eq!(
             lines(&inv),
             [
                 "debug 2",
+                "listen 8080",
                 "roundrobin",
                 "conn_max 500",
                 "blacklist 30",
@@ -419,6 +471,7 @@ mod tests {
         assert_eq!(
             lines(&inv),
             [
+                "listen 80",
                 "roundrobin",
                 "stubborn",
                 "acl 1 deny 10.0.0.0 255.0.0.0",

@@ -51,7 +51,10 @@ pub enum Command {
     /// `clients_max [N]`: size of the client tracking table; no argument asks.
     ClientsMax(Option<usize>),
     /// `acl N permit|deny ADDR [MASK]` / `acl N permit|deny ADDR6[/LEN]`: append a rule.
-    Acl { list: AclId, rule: AclRule },
+    Acl {
+        list: AclId,
+        rule: AclRule,
+    },
     /// `no acl N`: empty list N (it then permits everything).
     NoAcl(AclId),
     /// `client_acl N`: check connecting clients against list N.
@@ -91,6 +94,94 @@ pub enum Command {
     Backlog(u32),
     /// `workers N` (extension): event loops (threads); 0 = one per available core.
     Workers(usize),
+    /// `udp_idle_timeout [N]` (extension): seconds after which a silent UDP flow (`-U`) is
+    /// forgotten (default 30, at least 1); no argument asks.
+    UdpIdleTimeout(Option<u64>),
+    /// `listen [ADDR]`: ask for, or move, the listening socket.
+    Listen(Option<Word>),
+    /// `control_acl N`: check control-socket clients against list N.
+    ControlAcl(AclId),
+    /// `log [FILE]` / `no log`: the connection log.
+    Log(Option<Word>),
+    NoLog,
+    /// `web_stats [FILE]` / `no web_stats`: the HTML status file written on SIGUSR1.
+    WebStats(Option<Word>),
+    NoWebStats,
+    /// `abort_on_error` / `no abort_on_error`.
+    AbortOnError(bool),
+    /// `servers`: list the servers with their state and counters.
+    Servers,
+    /// `status [json]`: the status report, HTML (Pen's) or JSON (extension).
+    Status(StatusFormat),
+    /// `mode`: the selection flags.
+    Mode,
+    /// `recent [N]`: clients seen in the last N seconds (default 300).
+    Recent(Option<u64>),
+    /// `connection N`: one open connection.
+    Connection(u64),
+    /// `close N`: close an open connection.
+    Close(u64),
+    /// `control`: where the control socket listens.
+    Control,
+    /// `pid`: the process id.
+    Pid,
+    /// `include FILE`: apply the commands of a file.
+    Include(Word),
+    /// `write [FILE]`: save the running configuration as commands.
+    Write(Option<Word>),
+    /// `exit`: stop quill (only when started with `-X`).
+    Exit,
+}
+
+/// A single whitespace-free word: a file name or an address kept as written.
+#[derive(Debug, Clone, PartialEq, Eq, Hash)]
+pub struct Word(String);
+
+impl Word {
+    /// `s` if it is one non-empty word without control characters.
+    pub fn new(s: &str) -> Option<Word> {
+        (!s.is_empty() && !s.chars().any(|c| c.is_whitespace() || c.is_control()))
+            .then(|| Word(s.to_string()))
+    }
+
+    pub fn as_str(&self) -> &str {
+        &self.0
+    }
+}
+
+impl fmt::Display for Word {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.write_str(&self.0)
+    }
+}
+
+/// The two forms of `status`.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum StatusFormat {
+    Html,
+    Json,
+}
+
+impl Command {
+    /// Whether the command changes (or asks for) configuration, as opposed to an operation
+    /// on the running process (`servers`, `close N`, `write`, ...). Only configuration
+    /// commands may appear in configuration files.
+    pub fn is_setting(&self) -> bool {
+        !matches!(
+            self,
+            Command::Servers
+                | Command::Status(_)
+                | Command::Mode
+                | Command::Recent(_)
+                | Command::Connection(_)
+                | Command::Close(_)
+                | Command::Control
+                | Command::Pid
+                | Command::Include(_)
+                | Command::Write(_)
+                | Command::Exit
+        )
+    }
 }
 
 /// One `field value` pair of `server N ...`.
@@ -358,6 +449,26 @@ impl<'a> Words<'a> {
         }
     }
 
+    fn word(&mut self, what: &'static str) -> Result<Word, ParseError> {
+        let w = self.next(what)?;
+        Word::new(w).ok_or(ParseError::Invalid {
+            command: self.command,
+            what,
+            value: w.to_string(),
+        })
+    }
+
+    fn optional_word(&mut self, what: &'static str) -> Result<Option<Word>, ParseError> {
+        match self.iter.next() {
+            None => Ok(None),
+            Some(w) => Word::new(w).map(Some).ok_or(ParseError::Invalid {
+                command: self.command,
+                what,
+                value: w.to_string(),
+            }),
+        }
+    }
+
     fn acl_id(&mut self) -> Result<AclId, ParseError> {
         let w = self.next("an access list number (0-9)")?;
         AclId::from_str(w).map_err(|_| ParseError::AclIndex(w.to_string()))
@@ -431,6 +542,23 @@ fn command_name(word: &str) -> Option<&'static str> {
         "multi_accept",
         "backlog",
         "workers",
+        "udp_idle_timeout",
+        "listen",
+        "control_acl",
+        "log",
+        "web_stats",
+        "abort_on_error",
+        "servers",
+        "status",
+        "mode",
+        "recent",
+        "connection",
+        "close",
+        "control",
+        "pid",
+        "include",
+        "write",
+        "exit",
     ];
     NAMES.iter().copied().find(|n| *n == word)
 }
@@ -482,6 +610,9 @@ fn parse_negated(command: &'static str, w: &mut Words<'_>) -> Result<Command, Pa
         "delayed_forward" => Command::Compat(CompatWord::DelayedForward, false),
         "ascii" => Command::Compat(CompatWord::Ascii, false),
         "acl" => Command::NoAcl(w.acl_id()?),
+        "log" => Command::NoLog,
+        "web_stats" => Command::NoWebStats,
+        "abort_on_error" => Command::AbortOnError(false),
         _ => return Err(ParseError::Unknown(format!("no {command}"))),
     })
 }
@@ -571,6 +702,43 @@ fn parse_positive(command: &'static str, w: &mut Words<'_>) -> Result<Command, P
         }
         "backlog" => Command::Backlog(w.number("queue length")?),
         "workers" => Command::Workers(w.number("number of workers")?),
+        "udp_idle_timeout" => {
+            let t = w.optional_number::<u64>("number of seconds")?;
+            if t == Some(0) {
+                return Err(ParseError::Invalid {
+                    command,
+                    what: "idle time (at least 1 second)",
+                    value: "0".into(),
+                });
+            }
+            Command::UdpIdleTimeout(t)
+        }
+        "listen" => Command::Listen(w.optional_word("an address")?),
+        "control_acl" => Command::ControlAcl(w.acl_id()?),
+        "log" => Command::Log(w.optional_word("a file name")?),
+        "web_stats" => Command::WebStats(w.optional_word("a file name")?),
+        "abort_on_error" => Command::AbortOnError(true),
+        "servers" => Command::Servers,
+        "status" => Command::Status(match w.iter.next() {
+            None | Some("html") => StatusFormat::Html,
+            Some("json") => StatusFormat::Json,
+            Some(other) => {
+                return Err(ParseError::Invalid {
+                    command,
+                    what: "format (html or json)",
+                    value: other.into(),
+                })
+            }
+        }),
+        "mode" => Command::Mode,
+        "recent" => Command::Recent(w.optional_number("number of seconds")?),
+        "connection" => Command::Connection(w.number("a connection number")?),
+        "close" => Command::Close(w.number("a connection number")?),
+        "control" => Command::Control,
+        "pid" => Command::Pid,
+        "include" => Command::Include(w.word("a file name")?),
+        "write" => Command::Write(w.optional_word("a file name")?),
+        "exit" => Command::Exit,
         _ => return Err(ParseError::Unknown(command.to_string())),
     })
 }
@@ -739,6 +907,26 @@ impl fmt::Display for Command {
             Command::MultiAccept(n) => write!(f, "multi_accept {n}"),
             Command::Backlog(n) => write!(f, "backlog {n}"),
             Command::Workers(n) => write!(f, "workers {n}"),
+            Command::UdpIdleTimeout(v) => with_optional(f, "udp_idle_timeout", v),
+            Command::Listen(a) => with_optional(f, "listen", a),
+            Command::ControlAcl(list) => write!(f, "control_acl {list}"),
+            Command::Log(file) => with_optional(f, "log", file),
+            Command::NoLog => f.write_str("no log"),
+            Command::WebStats(file) => with_optional(f, "web_stats", file),
+            Command::NoWebStats => f.write_str("no web_stats"),
+            Command::AbortOnError(on) => on_off(f, *on, "abort_on_error"),
+            Command::Servers => f.write_str("servers"),
+            Command::Status(StatusFormat::Html) => f.write_str("status"),
+            Command::Status(StatusFormat::Json) => f.write_str("status json"),
+            Command::Mode => f.write_str("mode"),
+            Command::Recent(n) => with_optional(f, "recent", n),
+            Command::Connection(n) => write!(f, "connection {n}"),
+            Command::Close(n) => write!(f, "close {n}"),
+            Command::Control => f.write_str("control"),
+            Command::Pid => f.write_str("pid"),
+            Command::Include(file) => write!(f, "include {file}"),
+            Command::Write(file) => with_optional(f, "write", file),
+            Command::Exit => f.write_str("exit"),
         }
     }
 }
@@ -852,6 +1040,11 @@ mod roundtrip {
         ]
     }
 
+    fn word() -> impl Strategy<Value = Word> {
+        "[a-zA-Z0-9/._:\\[\\]-]{1,30}"
+            .prop_map(|w| Word::new(&w).unwrap_or_else(|| Word("x".into())))
+    }
+
     fn host_port() -> impl Strategy<Value = HostPort> {
         (host(), 1u16..).prop_map(|(host, port)| HostPort { host, port })
     }
@@ -942,6 +1135,26 @@ mod roundtrip {
             (1usize..).prop_map(Command::MultiAccept),
             any::<u32>().prop_map(Command::Backlog),
             any::<usize>().prop_map(Command::Workers),
+            proptest::option::of(1u64..).prop_map(Command::UdpIdleTimeout),
+            proptest::option::of(word()).prop_map(Command::Listen),
+            acl_id().prop_map(Command::ControlAcl),
+            proptest::option::of(word()).prop_map(Command::Log),
+            Just(Command::NoLog),
+            proptest::option::of(word()).prop_map(Command::WebStats),
+            Just(Command::NoWebStats),
+            any::<bool>().prop_map(Command::AbortOnError),
+            Just(Command::Servers),
+            prop_oneof![Just(StatusFormat::Html), Just(StatusFormat::Json)]
+                .prop_map(Command::Status),
+            Just(Command::Mode),
+            any::<Option<u64>>().prop_map(Command::Recent),
+            any::<u64>().prop_map(Command::Connection),
+            any::<u64>().prop_map(Command::Close),
+            Just(Command::Control),
+            Just(Command::Pid),
+            word().prop_map(Command::Include),
+            proptest::option::of(word()).prop_map(Command::Write),
+            Just(Command::Exit),
         ]
     }
 

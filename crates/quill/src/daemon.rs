@@ -1,20 +1,28 @@
-//! Process life: build the settings from the invocation, open the listeners, become a
-//! daemon unless `-f`, run one event loop per core, and stop cleanly on SIGTERM/SIGINT.
+//! Process life: build the settings from the command line and the configuration file, bind
+//! the listeners and the control socket, become a daemon unless `-f`, run one event loop
+//! per core, and react to signals until told to stop.
 //!
-//! Order matters: everything that can fail because of the user's input (commands, address
-//! resolution, binding) happens before the process detaches or starts a thread, so a bad
-//! command line exits with a message and nothing is half started.
+//! Order matters: everything that can fail because of the user's input (commands, the
+//! configuration file, address resolution, binding) happens before the process detaches or
+//! starts a thread, so a bad start exits with a message and nothing is half started.
+//! Signals: HUP reloads the configuration file and reopens the log; USR1 reports statistics
+//! and rewrites the `web_stats` file; TERM and INT stop accepting, let open connections
+//! finish for a bounded time, remove the pid file and Unix sockets, and exit 0.
 
 use std::io;
+use std::path::PathBuf;
 use std::sync::atomic::Ordering::Relaxed;
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
-use tokio::sync::watch;
+use tokio::sync::{mpsc, watch, Notify};
 
 use crate::cli::{Invocation, Protocol};
-use crate::net::listen;
-use crate::settings::Settings;
+use crate::command::Command;
+use crate::config::{self, ConfigError};
+use crate::control::{self, Context, ControlAddr};
+use crate::net::{listen, ListenAddr};
+use crate::settings::{Action, Settings};
 use crate::state::State;
 
 /// How long established connections may run on after SIGTERM/SIGINT.
@@ -27,8 +35,21 @@ pub enum StartError {
     /// A command (from a flag, `-O` or a server argument) was refused.
     #[error("'{arg}': {reason}")]
     Command { arg: String, reason: String },
+    #[error("{0}")]
+    Config(#[from] ConfigError),
+    #[error("no listening address: give [host:]port or a 'listen' command in the -F file")]
+    NoListen,
     #[error(transparent)]
     Listen(#[from] listen::ListenError),
+    #[error("control socket {addr}: {reason}")]
+    Control { addr: String, reason: String },
+    #[error(
+        "refusing to open a control socket while running as root: drop privileges with \
+         -u USER, or give -u root to insist"
+    )]
+    ControlAsRoot,
+    #[error("pid file {path}: {source}")]
+    PidFile { path: PathBuf, source: io::Error },
     #[error("cannot become a daemon: {0}")]
     Daemon(io::Error),
     #[error("cannot start an event loop: {0}")]
@@ -38,20 +59,21 @@ pub enum StartError {
 }
 
 impl StartError {
-    /// Exit status: 2 for mistakes in the arguments, 1 for failures of the system.
+    /// Exit status: 2 for mistakes in the arguments or files, 1 for failures of the system.
     pub fn exit_code(&self) -> u8 {
         match self {
-            StartError::Command { .. } | StartError::Unsupported(_) => 2,
+            StartError::Command { .. }
+            | StartError::Config(_)
+            | StartError::NoListen
+            | StartError::ControlAsRoot
+            | StartError::Unsupported(_) => 2,
             _ => 1,
         }
     }
 }
 
-/// Builds the settings from the invocation's commands, carrying out their runtime actions
-/// on the state once it exists.
-pub fn build_settings(
-    inv: &Invocation,
-) -> Result<(Settings, Vec<crate::settings::Action>), StartError> {
+/// Builds the settings from the invocation's commands and configuration file.
+pub fn build_settings(inv: &Invocation) -> Result<(Settings, Vec<Action>), StartError> {
     let mut settings = Settings::default();
     let mut actions = Vec::new();
     for (arg, cmd) in &inv.commands {
@@ -60,6 +82,9 @@ pub fn build_settings(
             reason: e.to_string(),
         })?;
         actions.extend(applied.actions);
+    }
+    if let Some(file) = &inv.config {
+        config::load(file, &mut settings, &mut actions)?;
     }
     Ok((settings, actions))
 }
@@ -86,28 +111,81 @@ fn init_logging(debug: u32) {
         .try_init();
 }
 
+/// Removes the pid file and Unix sockets when the process ends normally.
+struct Cleanup(Vec<PathBuf>);
+
+impl Drop for Cleanup {
+    fn drop(&mut self) {
+        for p in &self.0 {
+            let _ = std::fs::remove_file(p);
+        }
+    }
+}
+
 /// Runs the balancer until it is told to stop.
 pub fn run(inv: Invocation) -> Result<(), StartError> {
     let (settings, actions) = build_settings(&inv)?;
     init_logging(settings.debug);
-    let workers = worker_count(&settings);
     if inv.protocol == Protocol::Udp {
         return Err(StartError::Unsupported("UDP load balancing (-U)"));
     }
-    let listeners = listen::open(&inv.listen, workers, settings.backlog)?;
+    if inv.jail.is_some() || inv.user.as_deref().is_some_and(|u| u != "root") {
+        return Err(StartError::Unsupported(
+            "dropping privileges (-u USER, -j DIR)",
+        ));
+    }
+    let listen_addr = settings.listen.clone().ok_or(StartError::NoListen)?;
+    let control_addr = match &inv.control {
+        None => None,
+        Some(c) => {
+            if rustix::process::geteuid().is_root() && inv.user.is_none() {
+                return Err(StartError::ControlAsRoot);
+            }
+            let addr = ControlAddr::parse(c).map_err(|reason| StartError::Control {
+                addr: c.clone(),
+                reason,
+            })?;
+            Some(addr)
+        }
+    };
+
+    let workers = worker_count(&settings);
+    let listeners = listen::open(&listen_addr, workers, settings.backlog)?;
+    let control_listener = match &control_addr {
+        None => None,
+        Some(addr) => Some(control::bind(addr).map_err(|e| StartError::Control {
+            addr: addr.to_string(),
+            reason: e.to_string(),
+        })?),
+    };
     if !inv.foreground {
         // Detach before any thread exists: fork() keeps only the calling thread.
         nix::unistd::daemon(true, false).map_err(|e| StartError::Daemon(e.into()))?;
     }
-    let state = State::new(settings);
-    for action in actions {
-        state.perform(action);
+    let mut cleanup = Cleanup(Vec::new());
+    if let Some(path) = &inv.pidfile {
+        std::fs::write(path, format!("{}\n", std::process::id())).map_err(|source| {
+            StartError::PidFile {
+                path: path.clone(),
+                source,
+            }
+        })?;
+        cleanup.0.push(path.clone());
     }
-    tracing::info!("listening on {} with {workers} event loop(s)", inv.listen);
+    if let ListenAddr::Unix(p) = &listen_addr {
+        cleanup.0.push(p.clone());
+    }
+    if let Some(ControlAddr::Unix(p)) = &control_addr {
+        cleanup.0.push(p.clone());
+    }
 
+    let state = State::new(settings, control_addr.is_some());
     let (stop_tx, stop_rx) = watch::channel(false);
+    let mut relisten = Vec::with_capacity(listeners.len());
     let mut threads = Vec::with_capacity(listeners.len());
     for (i, listener) in listeners.into_iter().enumerate() {
+        let (tx, rx) = mpsc::unbounded_channel();
+        relisten.push(tx);
         let state = Arc::clone(&state);
         let stop = stop_rx.clone();
         let rt = tokio::runtime::Builder::new_current_thread()
@@ -119,7 +197,7 @@ pub fn run(inv: Invocation) -> Result<(), StartError> {
             .spawn(move || {
                 let local = tokio::task::LocalSet::new();
                 local.block_on(&rt, async move {
-                    if let Err(e) = crate::proxy::tcp::serve(state, listener, stop).await {
+                    if let Err(e) = crate::proxy::tcp::serve(state, listener, stop, rx).await {
                         tracing::error!("event loop {i}: {e}");
                     }
                     // Let established connections of this loop finish (bounded by main).
@@ -130,37 +208,86 @@ pub fn run(inv: Invocation) -> Result<(), StartError> {
         threads.push(thread);
     }
 
+    let ctx = Arc::new(Context {
+        state: Arc::clone(&state),
+        control_addr: control_addr.as_ref().map(ToString::to_string),
+        exit_enabled: inv.exit_enabled,
+        config_file: inv.config.clone(),
+        base_commands: inv
+            .commands
+            .iter()
+            .map(|(_, c)| c.clone())
+            .collect::<Vec<Command>>(),
+        relisten,
+        exit: Arc::new(Notify::new()),
+    });
+    for action in actions {
+        // The listeners were opened above; only table actions and the log remain.
+        if !matches!(action, Action::Relisten(_)) {
+            ctx.carry_out(vec![action]);
+        }
+    }
+    ctx.reopen_log();
+    tracing::info!("listening on {listen_addr} with {workers} event loop(s)");
+
     let rt = tokio::runtime::Builder::new_current_thread()
         .enable_all()
         .build()
         .map_err(StartError::Runtime)?;
-    rt.block_on(wait_for_stop_signal())
-        .map_err(StartError::Runtime)?;
+    rt.block_on(async {
+        if let Some(l) = control_listener {
+            let ctx = Arc::clone(&ctx);
+            tokio::spawn(async move {
+                if let Err(e) = control::serve(ctx, l).await {
+                    tracing::error!("control socket: {e}");
+                }
+            });
+        }
+        handle_signals(&ctx).await
+    })
+    .map_err(StartError::Runtime)?;
+
     tracing::info!(
         "stopping: no new connections; waiting up to {:?} for {} open",
         SHUTDOWN_GRACE,
         state.active.load(Relaxed)
     );
     let _ = stop_tx.send(true);
-    if let crate::net::ListenAddr::Unix(path) = &inv.listen {
-        let _ = std::fs::remove_file(path);
-    }
     let deadline = Instant::now() + SHUTDOWN_GRACE;
     rt.block_on(async {
         while state.active.load(Relaxed) > 0 && Instant::now() < deadline {
             tokio::time::sleep(Duration::from_millis(20)).await;
         }
     });
+    drop(cleanup);
     Ok(())
 }
 
-async fn wait_for_stop_signal() -> io::Result<()> {
+/// Serves signals until one says stop (TERM, INT, or the `exit` command).
+async fn handle_signals(ctx: &Context) -> io::Result<()> {
     use tokio::signal::unix::{signal, SignalKind};
     let mut term = signal(SignalKind::terminate())?;
     let mut int = signal(SignalKind::interrupt())?;
-    tokio::select! {
-        _ = term.recv() => {}
-        _ = int.recv() => {}
+    let mut hup = signal(SignalKind::hangup())?;
+    let mut usr1 = signal(SignalKind::user_defined1())?;
+    loop {
+        tokio::select! {
+            _ = term.recv() => return Ok(()),
+            _ = int.recv() => return Ok(()),
+            _ = ctx.exit.notified() => return Ok(()),
+            _ = hup.recv() => match ctx.reload() {
+                Ok(()) => tracing::info!("configuration reloaded"),
+                Err(e) => tracing::error!("reload failed, the running configuration stays: {e}"),
+            },
+            _ = usr1.recv() => {
+                let stats = control::report::servers(&ctx.state);
+                tracing::warn!(
+                    "statistics: {} connections open, {} accepted\n{stats}",
+                    ctx.state.active.load(Relaxed),
+                    ctx.state.counters.accepted.load(Relaxed)
+                );
+                ctx.write_web_stats();
+            }
+        }
     }
-    Ok(())
 }

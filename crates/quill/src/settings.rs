@@ -9,7 +9,8 @@
 use std::net::{IpAddr, SocketAddr, ToSocketAddrs};
 
 use crate::acl::{Acl, AclId, ACL_LISTS};
-use crate::command::{Command, FastClose, Host, HostPort, ServerField, MAX_SERVERS};
+use crate::command::{Command, FastClose, Host, HostPort, ServerField, Word, MAX_SERVERS};
+use crate::net::ListenAddr;
 
 /// One backend server slot. A slot without an address is unused and never selected.
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -115,9 +116,24 @@ pub struct Settings {
     pub backlog: u32,
     /// Event loops; 0 = one per available core. Read at start-up only.
     pub workers: usize,
+    /// Seconds after which a silent UDP flow is forgotten (at least 1).
+    pub udp_idle_timeout: u64,
     /// The words of the Pen compatibility no-ops, so that `write` can print them back.
     pub compat: Vec<Command>,
+    /// Where clients connect (`listen`, or the first argument of the command line).
+    pub listen: Option<ListenAddr>,
+    /// Access list checked for TCP control-socket clients.
+    pub control_acl: AclId,
+    /// The connection log file (`-l`, `log FILE`).
+    pub log: Option<Word>,
+    /// The HTML status file written on SIGUSR1 (`-w`, `web_stats FILE`).
+    pub web_stats: Option<Word>,
+    /// Abort (core dump) instead of exiting on a fatal error.
+    pub abort_on_error: bool,
 }
+
+/// Default `udp_idle_timeout`: as long as Linux conntrack keeps an unreplied UDP flow.
+pub const DEFAULT_UDP_IDLE_TIMEOUT: u64 = 30;
 
 /// Connections a process can hold with its file-descriptor limit: two descriptors per
 /// proxied connection, with some kept back for listeners, logs and the control socket.
@@ -152,7 +168,13 @@ impl Default for Settings {
             multi_accept: 100,
             backlog: 500,
             workers: 0,
+            udp_idle_timeout: DEFAULT_UDP_IDLE_TIMEOUT,
             compat: Vec::new(),
+            listen: None,
+            control_acl: AclId::default(),
+            log: None,
+            web_stats: None,
+            abort_on_error: false,
         }
     }
 }
@@ -174,6 +196,10 @@ pub enum Action {
     Blacklist { index: usize, seconds: u64 },
     /// The client table must be resized to the new `clients_max`.
     ResizeClients(usize),
+    /// The listening socket must be reopened on this address.
+    Relisten(ListenAddr),
+    /// The connection log must be reopened (new file, or none).
+    ReopenLog,
 }
 
 /// The outcome of a successful [`Settings::apply`].
@@ -218,6 +244,10 @@ pub enum ApplyError {
     TooSmall(&'static str),
     #[error("GeoIP country rules need a GeoIP database, which this build does not support yet")]
     NoGeoIp,
+    #[error("invalid listening address: {0}")]
+    Listen(String),
+    #[error("'{0}' is not a configuration command")]
+    NotASetting(String),
 }
 
 /// Resolves a host to one address (the first the resolver gives), at configuration time.
@@ -310,6 +340,44 @@ impl Settings {
             // As Pen: a backlog below 50 is raised to 50.
             Command::Backlog(n) => set(&mut self.backlog, (*n).max(50)),
             Command::Workers(n) => set(&mut self.workers, *n),
+            Command::UdpIdleTimeout(v) => query_or_set(&mut self.udp_idle_timeout, *v),
+            Command::Listen(None) => Applied::value(
+                self.listen
+                    .as_ref()
+                    .map(|l| l.to_string())
+                    .unwrap_or_default(),
+            ),
+            Command::Listen(Some(word)) => {
+                let addr = ListenAddr::parse(word.as_str())
+                    .map_err(|e| ApplyError::Listen(e.to_string()))?;
+                if self.listen.as_ref() == Some(&addr) {
+                    return Ok(Applied::done());
+                }
+                self.listen = Some(addr.clone());
+                Applied::action(Action::Relisten(addr))
+            }
+            Command::ControlAcl(list) => set(&mut self.control_acl, *list),
+            Command::Log(None) => {
+                Applied::value(self.log.as_ref().map(Word::to_string).unwrap_or_default())
+            }
+            Command::Log(Some(file)) => {
+                self.log = Some(file.clone());
+                Applied::action(Action::ReopenLog)
+            }
+            Command::NoLog => {
+                self.log = None;
+                Applied::action(Action::ReopenLog)
+            }
+            Command::WebStats(None) => Applied::value(
+                self.web_stats
+                    .as_ref()
+                    .map(Word::to_string)
+                    .unwrap_or_default(),
+            ),
+            Command::WebStats(Some(file)) => set(&mut self.web_stats, Some(file.clone())),
+            Command::NoWebStats => set(&mut self.web_stats, None),
+            Command::AbortOnError(on) => set(&mut self.abort_on_error, *on),
+            other => return Err(ApplyError::NotASetting(other.to_string())),
         })
     }
 
@@ -355,6 +423,9 @@ impl Settings {
     pub fn to_commands(&self) -> Vec<Command> {
         let d = Settings::default();
         let mut out = Vec::new();
+        if let Some(listen) = self.listen.as_ref().and_then(|l| Word::new(&l.to_string())) {
+            out.push(Command::Listen(Some(listen)));
+        }
         let mut flag = |on: bool, def: bool, make: fn(bool) -> Command| {
             if on != def {
                 out.push(make(on));
@@ -376,7 +447,11 @@ impl Settings {
         out.push(Command::Tracking(Some(self.tracking)));
         out.push(Command::Blacklist(Some(self.blacklist)));
         out.push(Command::Timeout(Some(self.timeout)));
-        out.push(Command::ConnMax(Some(self.conn_max)));
+        // The default depends on the machine's descriptor limit: only a chosen value is
+        // worth carrying to another start.
+        if self.conn_max != d.conn_max {
+            out.push(Command::ConnMax(Some(self.conn_max)));
+        }
         out.push(Command::ClientsMax(Some(self.clients_max)));
         out.push(Command::PendingMax(self.pending_max));
         out.push(Command::IdleTimeout(self.idle_timeout));
@@ -413,8 +488,23 @@ impl Settings {
         if self.backlog != d.backlog {
             out.push(Command::Backlog(self.backlog));
         }
+        if self.udp_idle_timeout != d.udp_idle_timeout {
+            out.push(Command::UdpIdleTimeout(Some(self.udp_idle_timeout)));
+        }
         if self.workers != d.workers {
             out.push(Command::Workers(self.workers));
+        }
+        if self.control_acl != d.control_acl {
+            out.push(Command::ControlAcl(self.control_acl));
+        }
+        if let Some(f) = &self.log {
+            out.push(Command::Log(Some(f.clone())));
+        }
+        if let Some(f) = &self.web_stats {
+            out.push(Command::WebStats(Some(f.clone())));
+        }
+        if self.abort_on_error {
+            out.push(Command::AbortOnError(true));
         }
         for (index, s) in self.servers.iter().enumerate() {
             let Some(host) = &s.host else { continue };

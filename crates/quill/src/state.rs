@@ -8,7 +8,10 @@
 use std::sync::atomic::{AtomicU64, AtomicUsize, Ordering::Relaxed};
 use std::sync::{Arc, Mutex};
 
-use arc_swap::ArcSwap;
+use arc_swap::{ArcSwap, ArcSwapOption};
+
+use crate::connlog::ConnLog;
+use crate::proxy::registry::Registry;
 
 use crate::balance::{clock, ClientTable, ServerState, ServerTable};
 use crate::command::Command;
@@ -44,11 +47,17 @@ pub struct State {
     /// Upstream connects in progress.
     pub pending: AtomicUsize,
     pub counters: Counters,
+    /// Open connections by number; kept only when a control socket can ask for them.
+    pub registry: Option<Arc<Registry>>,
+    /// The connection log, when one is configured.
+    pub log: ArcSwapOption<ConnLog>,
+    /// Process start, for uptime in status reports.
+    pub started: std::time::Instant,
 }
 
 impl State {
-    /// Shared state starting from `settings`.
-    pub fn new(settings: Settings) -> Arc<State> {
+    /// Shared state starting from `settings`; `registry` keeps a table of open connections.
+    pub fn new(settings: Settings, registry: bool) -> Arc<State> {
         Arc::new(State {
             clients: ClientTable::new(settings.clients_max),
             settings: ArcSwap::from_pointee(settings),
@@ -60,6 +69,9 @@ impl State {
             active: AtomicUsize::new(0),
             pending: AtomicUsize::new(0),
             counters: Counters::default(),
+            registry: registry.then(Arc::default),
+            log: ArcSwapOption::empty(),
+            started: std::time::Instant::now(),
         })
     }
 
@@ -68,29 +80,50 @@ impl State {
         self.settings.load_full()
     }
 
-    /// Applies one command: on success the new settings are published and its runtime
-    /// actions carried out; on error nothing changes.
-    pub fn execute(&self, cmd: &Command) -> Result<Reply, ApplyError> {
+    /// Applies one command: on success the new settings are published and the actions on
+    /// the shared tables carried out; on error nothing changes. Actions that need the
+    /// process (reopening sockets or files) are returned for the caller to carry out.
+    pub fn execute(&self, cmd: &Command) -> Result<(Reply, Vec<Action>), ApplyError> {
         let _guard = self.writer.lock().unwrap_or_else(|p| p.into_inner());
         let mut next = Settings::clone(&self.settings.load());
         let applied = next.apply(cmd)?;
         self.settings.store(Arc::new(next));
-        for action in applied.actions {
-            self.perform(action);
-        }
-        Ok(applied.reply)
+        let rest = applied
+            .actions
+            .into_iter()
+            .filter_map(|a| self.perform(a))
+            .collect();
+        Ok((applied.reply, rest))
     }
 
-    /// Carries out actions returned by [`Settings::apply`] (also used at start-up, when the
-    /// settings are built before the state exists).
-    pub fn perform(&self, action: Action) {
+    /// Replaces the whole configuration (a reload), carrying out `actions` like `execute`.
+    pub fn replace(&self, settings: Settings, actions: Vec<Action>) -> Vec<Action> {
+        let _guard = self.writer.lock().unwrap_or_else(|p| p.into_inner());
+        if settings.clients_max != self.settings.load().clients_max {
+            self.clients.resize(settings.clients_max);
+        }
+        self.settings.store(Arc::new(settings));
+        actions
+            .into_iter()
+            .filter_map(|a| self.perform(a))
+            .collect()
+    }
+
+    /// Carries out an action on the shared tables; returns it when it is the process's to
+    /// carry out instead.
+    pub fn perform(&self, action: Action) -> Option<Action> {
         match action {
             Action::Blacklist { index, seconds } => {
                 if let Some(s) = self.servers.get(index) {
                     s.blacklist(clock::now_ms(), seconds);
                 }
+                None
             }
-            Action::ResizeClients(n) => self.clients.resize(n),
+            Action::ResizeClients(n) => {
+                self.clients.resize(n);
+                None
+            }
+            other => Some(other),
         }
     }
 

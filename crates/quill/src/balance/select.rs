@@ -155,9 +155,11 @@ impl<'a> Selector<'a> {
         self.initial()
     }
 
-    /// Whether the chosen server should be remembered for this client.
+    /// Whether the chosen server should be remembered for this client. Clients are
+    /// recorded in round-robin mode too (so `recent` lists them and turning tracking back
+    /// on finds them), but not with `hash_only`, whose point is to keep no table.
     pub fn tracks(&self) -> bool {
-        !self.settings.policy.roundrobin && !self.settings.policy.hash_only
+        !self.settings.policy.hash_only
     }
 
     fn hash_slot(&self, n: usize) -> usize {

@@ -2,5 +2,6 @@
 //! never parse configuration text, and never block.
 
 pub mod dummy;
+pub mod registry;
 pub mod relay;
 pub mod tcp;

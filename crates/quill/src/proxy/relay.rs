@@ -100,6 +100,8 @@ pub struct RelayOptions {
     pub fastclose: FastClose,
     /// Close after this much silence in both directions.
     pub idle_timeout: Option<Duration>,
+    /// Keep the first bytes the client sends (for the connection log).
+    pub capture: bool,
 }
 
 /// Why a relay ended.
@@ -123,6 +125,8 @@ pub struct Outcome {
     /// Bytes from the server to the client.
     pub down: u64,
     pub end: End,
+    /// The start of the client's first read, when `capture` was asked for.
+    pub first: Vec<u8>,
 }
 
 /// One direction of the relay.
@@ -138,6 +142,8 @@ struct Pipe {
     done: bool,
     /// The first read has been tried without waiting for readiness.
     speculated: bool,
+    /// Capture the start of the first read here (only while empty and asked for).
+    first: Option<Vec<u8>>,
     bytes: u64,
 }
 
@@ -215,6 +221,9 @@ impl Pipe {
                 };
                 self.bytes += n as u64;
                 *active = true;
+                if let Some(first) = self.first.as_mut().filter(|f| f.is_empty()) {
+                    first.extend_from_slice(&buf[..n.min(crate::connlog::REQUEST_BYTES)]);
+                }
                 let written = match dst.try_write(&buf[..n]) {
                     Ok(w) => w,
                     Err(e) if e.kind() == ErrorKind::WouldBlock => 0,
@@ -240,7 +249,10 @@ pub async fn relay<C: Stream + ?Sized, S: Stream + ?Sized>(
     server: &S,
     opts: RelayOptions,
 ) -> Outcome {
-    let mut up = Pipe::default();
+    let mut up = Pipe {
+        first: opts.capture.then(Vec::new),
+        ..Pipe::default()
+    };
     let mut down = Pipe::default();
     let mut active = false;
     // The timer is allocated only when an idle timeout is configured. It is not reset on
@@ -288,5 +300,6 @@ pub async fn relay<C: Stream + ?Sized, S: Stream + ?Sized>(
         up: up.bytes,
         down: down.bytes,
         end,
+        first: up.first.unwrap_or_default(),
     }
 }

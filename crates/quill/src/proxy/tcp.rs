@@ -12,10 +12,12 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use tokio::net::{TcpListener, TcpStream, UnixListener};
-use tokio::sync::watch;
+use tokio::sync::{mpsc, watch};
 
+use super::registry::{Registered, Registry, Upstream};
 use super::relay::{self, relay, RelayOptions, Stream};
 use crate::balance::{clock, Choice, Selector, ServerState};
+use crate::connlog::unix_now;
 use crate::net::connect::{apply_options, connect, SocketOptions};
 use crate::net::Listener;
 use crate::settings::Settings;
@@ -27,48 +29,105 @@ const UNIX_CLIENT: SocketAddr = SocketAddr::new(IpAddr::V4(Ipv4Addr::LOCALHOST),
 /// Pause after an accept error such as EMFILE, so a full fd table does not spin a core.
 const ACCEPT_BACKOFF: Duration = Duration::from_millis(50);
 
-/// Accepts and serves connections on `listener` until `shutdown` turns true.
+/// Accepts and serves connections until `shutdown` turns true. A listener that arrives on
+/// `relisten` (the `listen` command) replaces the current one; connections already
+/// established are not affected.
 pub async fn serve(
     state: Arc<State>,
-    listener: Listener,
+    mut listener: Listener,
     mut shutdown: watch::Receiver<bool>,
+    mut relisten: mpsc::UnboundedReceiver<Listener>,
 ) -> io::Result<()> {
-    match listener {
-        Listener::Tcp(l) => {
-            let local_port = l.local_addr()?.port();
-            let l = TcpListener::from_std(l)?;
-            let mut streak = 0usize;
-            loop {
-                tokio::select! {
-                    biased;
-                    _ = shutdown.changed() => return Ok(()),
-                    r = l.accept() => match r {
-                        Ok((sock, peer)) => {
-                            tokio::task::spawn_local(handle(state.clone(), sock, peer, local_port));
-                            streak = yield_every(streak, &state).await;
-                        }
-                        Err(e) => accept_failed(e).await,
-                    },
-                }
+    loop {
+        let next = match listener {
+            Listener::Tcp(l) => {
+                let local_port = l.local_addr()?.port();
+                accept_loop(
+                    &state,
+                    TcpListener::from_std(l)?,
+                    local_port,
+                    &mut shutdown,
+                    &mut relisten,
+                )
+                .await
             }
-        }
-        Listener::Unix(l) => {
-            let l = UnixListener::from_std(l)?;
-            let mut streak = 0usize;
-            loop {
-                tokio::select! {
-                    biased;
-                    _ = shutdown.changed() => return Ok(()),
-                    r = l.accept() => match r {
-                        Ok((sock, _)) => {
-                            tokio::task::spawn_local(handle(state.clone(), sock, UNIX_CLIENT, 0));
-                            streak = yield_every(streak, &state).await;
-                        }
-                        Err(e) => accept_failed(e).await,
-                    },
-                }
+            Listener::Unix(l) => {
+                accept_loop(
+                    &state,
+                    UnixListener::from_std(l)?,
+                    0,
+                    &mut shutdown,
+                    &mut relisten,
+                )
+                .await
             }
+        };
+        match next {
+            Some(l) => listener = l,
+            None => return Ok(()),
         }
+    }
+}
+
+/// The two kinds of listener, accepted from in the same way.
+trait Accept {
+    type Stream: ClientStream;
+    async fn accept_one(&self) -> io::Result<(Self::Stream, SocketAddr)>;
+}
+
+impl Accept for TcpListener {
+    type Stream = TcpStream;
+    async fn accept_one(&self) -> io::Result<(TcpStream, SocketAddr)> {
+        self.accept().await
+    }
+}
+
+impl Accept for UnixListener {
+    type Stream = tokio::net::UnixStream;
+    async fn accept_one(&self) -> io::Result<(tokio::net::UnixStream, SocketAddr)> {
+        self.accept().await.map(|(s, _)| (s, UNIX_CLIENT))
+    }
+}
+
+/// Accepts until shutdown (returns `None`) or until a new listener arrives (returns it).
+async fn accept_loop<L: Accept>(
+    state: &Arc<State>,
+    listener: L,
+    local_port: u16,
+    shutdown: &mut watch::Receiver<bool>,
+    relisten: &mut mpsc::UnboundedReceiver<Listener>,
+) -> Option<Listener> {
+    let mut streak = 0usize;
+    loop {
+        tokio::select! {
+            biased;
+            _ = shutdown.changed() => return None,
+            Some(next) = relisten.recv() => return Some(next),
+            r = listener.accept_one() => match r {
+                Ok((sock, peer)) => {
+                    spawn_connection(state, sock, peer, local_port);
+                    streak = yield_every(streak, state).await;
+                }
+                Err(e) => accept_failed(e).await,
+            },
+        }
+    }
+}
+
+fn spawn_connection<C: ClientStream>(
+    state: &Arc<State>,
+    sock: C,
+    peer: SocketAddr,
+    local_port: u16,
+) {
+    let registered = state
+        .registry
+        .as_ref()
+        .map(|r| r.register(peer, clock::now_ms()));
+    let info = registered.as_ref().map(|r| Arc::clone(&r.info));
+    let task = tokio::task::spawn_local(handle(state.clone(), sock, peer, local_port, registered));
+    if let Some(info) = info {
+        Registry::set_abort(&info, task.abort_handle());
     }
 }
 
@@ -132,8 +191,16 @@ impl Drop for Lease<'_> {
     }
 }
 
-async fn handle<C: ClientStream>(state: Arc<State>, client: C, peer: SocketAddr, local_port: u16) {
+async fn handle<C: ClientStream>(
+    state: Arc<State>,
+    client: C,
+    peer: SocketAddr,
+    local_port: u16,
+    registered: Option<Registered>,
+) {
     let settings = state.settings();
+    let log = state.log.load_full();
+    let started_unix = if log.is_some() { unix_now() } else { 0 };
     state.counters.accepted.fetch_add(1, Relaxed);
     let active = state.active.fetch_add(1, Relaxed) + 1;
     let _active = Held(&state.active);
@@ -177,18 +244,41 @@ async fn handle<C: ClientStream>(state: Arc<State>, client: C, peer: SocketAddr,
         }
     };
     let Some((server, lease)) = upstream else {
+        if let Some(log) = &log {
+            log.record(ip, started_unix, None, b"");
+        }
         return;
     };
+    if let Some(r) = &registered {
+        r.info.set_upstream(match lease.index {
+            Some(i) => Upstream::Server(i),
+            None if permitted => Upstream::Emergency,
+            None => Upstream::Abuse,
+        });
+    }
     let relay_opts = RelayOptions {
         fastclose: settings.fastclose,
         idle_timeout: (settings.idle_timeout > 0)
             .then(|| Duration::from_secs(settings.idle_timeout)),
+        capture: log.is_some(),
     };
+    // Read before relaying: once the server has closed, its address is gone.
+    let server_ip = log
+        .as_ref()
+        .and_then(|_| server.peer_addr().ok())
+        .map(|a| a.ip());
     // The relay may last for hours: do not pin the settings snapshot that long.
     drop(settings);
     let outcome = relay(&client, &server, relay_opts).await;
     lease.server.bytes_to.fetch_add(outcome.up, Relaxed);
     lease.server.bytes_from.fetch_add(outcome.down, Relaxed);
+    if let Some(r) = &registered {
+        r.info.bytes_up.store(outcome.up, Relaxed);
+        r.info.bytes_down.store(outcome.down, Relaxed);
+    }
+    if let Some(log) = &log {
+        log.record(ip, started_unix, server_ip, &outcome.first);
+    }
     if let relay::End::Error(e) = &outcome.end {
         tracing::debug!(%peer, server = ?lease.index, "connection ended: {e}");
     }

@@ -1,0 +1,107 @@
+//! Executes one control command and turns the outcome into the reply text, once.
+//!
+//! Configuration commands go to [`State::execute`](crate::state::State::execute); the
+//! operations (`servers`, `close N`, `write`, ...) are carried out here.
+
+use std::path::Path;
+
+use super::{report, write_atomically, Context};
+use crate::balance::clock;
+use crate::command::{Command, StatusFormat};
+use crate::config;
+use crate::proxy::registry::Upstream;
+use crate::settings::Reply;
+
+/// Parses and executes `line`; the reply always ends with a newline unless it is empty.
+pub fn execute_line(ctx: &Context, line: &str) -> String {
+    let reply = line
+        .parse::<Command>()
+        .map_err(|e| e.to_string())
+        .and_then(|cmd| execute(ctx, &cmd));
+    match reply {
+        Ok(text) if text.is_empty() || text.ends_with('\n') => text,
+        Ok(text) => text + "\n",
+        Err(reason) => {
+            tracing::info!("control command '{line}' refused: {reason}");
+            format!("error: {reason}\n")
+        }
+    }
+}
+
+/// Executes one command.
+pub fn execute(ctx: &Context, cmd: &Command) -> Result<String, String> {
+    let state = &ctx.state;
+    match cmd {
+        Command::Servers => Ok(report::servers(state)),
+        Command::Status(StatusFormat::Html) => {
+            ctx.write_web_stats();
+            Ok(report::html(ctx))
+        }
+        Command::Status(StatusFormat::Json) => Ok(report::json(ctx)),
+        Command::Mode => Ok(report::mode(&state.settings())),
+        Command::Recent(seconds) => Ok(report::recent(state, seconds.unwrap_or(300))),
+        Command::Connection(id) => {
+            let registry = state
+                .registry
+                .as_ref()
+                .ok_or("connections are not tracked")?;
+            let c = registry
+                .get(*id)
+                .ok_or_else(|| format!("no connection {id}"))?;
+            let upstream = match c.upstream() {
+                Upstream::None => "none".to_string(),
+                Upstream::Server(i) => format!("server {i}"),
+                Upstream::Emergency => "emergency".to_string(),
+                Upstream::Abuse => "abuse".to_string(),
+            };
+            let age = clock::now_ms().saturating_sub(c.started) / 1000;
+            Ok(format!(
+                "connection {id} client {} upstream {upstream} age {age}",
+                c.client
+            ))
+        }
+        Command::Close(id) => {
+            let registry = state
+                .registry
+                .as_ref()
+                .ok_or("connections are not tracked")?;
+            if registry.close(*id) {
+                Ok(String::new())
+            } else {
+                Err(format!("no connection {id}"))
+            }
+        }
+        Command::Control => Ok(ctx.control_addr.clone().unwrap_or_default()),
+        Command::Pid => Ok(std::process::id().to_string()),
+        Command::Include(file) => ctx
+            .include(Path::new(file.as_str()))
+            .map(|()| String::new())
+            .map_err(|e| e.to_string()),
+        Command::Write(file) => {
+            let path = match (file, &ctx.config_file) {
+                (Some(f), _) => Path::new(f.as_str()).to_path_buf(),
+                (None, Some(f)) => f.clone(),
+                (None, None) => {
+                    return Err("no file given and quill was started without -F".to_string())
+                }
+            };
+            let text = config::render(&state.settings());
+            write_atomically(&path, text.as_bytes())
+                .map_err(|e| format!("cannot write {}: {e}", path.display()))?;
+            Ok(String::new())
+        }
+        Command::Exit if ctx.exit_enabled => {
+            ctx.exit.notify_one();
+            Ok(String::new())
+        }
+        Command::Exit => Err("exit is disabled (start quill with -X to allow it)".to_string()),
+        cmd => {
+            let (reply, actions) = state.execute(cmd).map_err(|e| e.to_string())?;
+            ctx.carry_out(actions);
+            Ok(match reply {
+                Reply::Done => String::new(),
+                Reply::Value(v) => v,
+            })
+        }
+    }
+}

@@ -1,0 +1,310 @@
+//! The control plane: the control socket (`-C`), the operations behind its commands, and
+//! the process actions shared with signal handling (reload, re-listen, reopen the log).
+//!
+//! Wire protocol (Pen's, so penctl and quillctl both work): the client sends one command
+//! line, quill answers and closes. A malformed or refused command gets a one-line
+//! `error: ...` reply and changes nothing. The control plane never touches a data-plane
+//! socket: it publishes settings, sends new listeners to the event loops through their
+//! channels, and aborts a connection's task through the handle the registry keeps.
+
+pub mod dispatch;
+pub mod report;
+
+use std::io;
+use std::net::SocketAddr;
+use std::path::{Path, PathBuf};
+use std::sync::Arc;
+use std::time::Duration;
+
+use tokio::io::{AsyncReadExt, AsyncWriteExt};
+use tokio::net::{TcpListener, UnixListener};
+use tokio::sync::{mpsc, Notify};
+
+use crate::command::Command;
+use crate::config::{self, ConfigError};
+use crate::connlog::ConnLog;
+use crate::net::{listen, ListenAddr, Listener};
+use crate::settings::{Action, Settings};
+use crate::state::State;
+
+/// Longest command line accepted on the control socket.
+pub const MAX_LINE: usize = 64 * 1024;
+
+/// How long a control client may take to send its line.
+const READ_TIMEOUT: Duration = Duration::from_secs(10);
+
+/// What the control plane needs of the process.
+pub struct Context {
+    pub state: Arc<State>,
+    /// Where the control socket listens (answer of `control`).
+    pub control_addr: Option<String>,
+    /// `-X`: the `exit` command is allowed.
+    pub exit_enabled: bool,
+    /// `-F`: the configuration file, re-read on reload, default target of `write`.
+    pub config_file: Option<PathBuf>,
+    /// The commands of the command line, applied before the file on every reload.
+    pub base_commands: Vec<Command>,
+    /// One channel per event loop, to hand it a new listener.
+    pub relisten: Vec<mpsc::UnboundedSender<Listener>>,
+    /// Notified by `exit`.
+    pub exit: Arc<Notify>,
+}
+
+impl Context {
+    /// Builds settings from scratch: defaults, the command line, then the config file.
+    pub fn build_settings(&self) -> Result<(Settings, Vec<Action>), ConfigError> {
+        let mut settings = Settings::default();
+        let mut actions = Vec::new();
+        for cmd in &self.base_commands {
+            let applied = settings.apply(cmd).map_err(|e| ConfigError {
+                file: PathBuf::from("(command line)"),
+                line: 0,
+                reason: format!("'{cmd}': {e}"),
+            })?;
+            actions.extend(applied.actions);
+        }
+        if let Some(file) = &self.config_file {
+            config::load(file, &mut settings, &mut actions)?;
+        }
+        Ok((settings, actions))
+    }
+
+    /// Reload (SIGHUP): rebuild everything from the command line and the file; on any
+    /// error the running configuration stays and the error is returned.
+    pub fn reload(&self) -> Result<(), ConfigError> {
+        let (settings, mut actions) = self.build_settings()?;
+        let old = self.state.settings();
+        if settings.listen != old.listen {
+            if let Some(addr) = &settings.listen {
+                actions.push(Action::Relisten(addr.clone()));
+            }
+        }
+        actions.push(Action::ReopenLog);
+        let rest = self.state.replace(settings, actions);
+        self.carry_out(rest);
+        Ok(())
+    }
+
+    /// Applies a file on top of the running configuration (`include`), all or nothing.
+    pub fn include(&self, file: &Path) -> Result<(), ConfigError> {
+        let mut settings = Settings::clone(&self.state.settings());
+        let mut actions = Vec::new();
+        config::load(file, &mut settings, &mut actions)?;
+        let rest = self.state.replace(settings, actions);
+        self.carry_out(rest);
+        Ok(())
+    }
+
+    /// Carries out actions that need the process: new listeners, the log file.
+    pub fn carry_out(&self, actions: Vec<Action>) {
+        for action in actions {
+            match action {
+                Action::Relisten(addr) => {
+                    if let Err(e) = self.relisten_to(&addr) {
+                        tracing::error!("listen {addr}: {e}");
+                    }
+                }
+                Action::ReopenLog => self.reopen_log(),
+                other => {
+                    let _ = self.state.perform(other);
+                }
+            }
+        }
+    }
+
+    /// Opens listeners on `addr` and hands one to each event loop; the old ones close,
+    /// established connections stay.
+    pub fn relisten_to(&self, addr: &ListenAddr) -> Result<(), listen::ListenError> {
+        let backlog = self.state.settings().backlog;
+        let listeners = listen::open(addr, self.relisten.len(), backlog)?;
+        for (tx, l) in self.relisten.iter().zip(listeners) {
+            let _ = tx.send(l);
+        }
+        tracing::info!("now listening on {addr}");
+        Ok(())
+    }
+
+    /// (Re)opens the connection log named in the settings, or closes it.
+    pub fn reopen_log(&self) {
+        let settings = self.state.settings();
+        match &settings.log {
+            None => self.state.log.store(None),
+            Some(file) => match ConnLog::open(Path::new(file.as_str())) {
+                Ok(log) => self.state.log.store(Some(Arc::new(log))),
+                Err(e) => tracing::error!("cannot open log file {file}: {e}"),
+            },
+        }
+    }
+
+    /// Writes the HTML status report to the `web_stats` file, if one is configured.
+    pub fn write_web_stats(&self) {
+        if let Some(file) = &self.state.settings().web_stats {
+            if let Err(e) =
+                write_atomically(Path::new(file.as_str()), report::html(self).as_bytes())
+            {
+                tracing::error!("cannot write status file {file}: {e}");
+            }
+        }
+    }
+}
+
+/// Writes `bytes` to `path` through a temporary file and a rename, so readers never see
+/// a half-written file.
+pub fn write_atomically(path: &Path, bytes: &[u8]) -> io::Result<()> {
+    let mut tmp = path.as_os_str().to_owned();
+    tmp.push(".tmp");
+    let tmp = PathBuf::from(tmp);
+    std::fs::write(&tmp, bytes)?;
+    std::fs::rename(&tmp, path)
+}
+
+/// Where the control socket listens.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum ControlAddr {
+    Tcp(SocketAddr),
+    Unix(PathBuf),
+}
+
+impl ControlAddr {
+    /// Parses `[host:]port` (a bare port means 127.0.0.1, as a safe default) or a path.
+    pub fn parse(s: &str) -> Result<ControlAddr, String> {
+        if s.contains('/') {
+            return Ok(ControlAddr::Unix(PathBuf::from(s)));
+        }
+        let spec = if s.bytes().all(|b| b.is_ascii_digit()) {
+            format!("127.0.0.1:{s}")
+        } else {
+            s.to_string()
+        };
+        match ListenAddr::parse(&spec) {
+            Ok(ListenAddr::Tcp(a)) => Ok(ControlAddr::Tcp(a)),
+            Ok(ListenAddr::Unix(p)) => Ok(ControlAddr::Unix(p)),
+            Err(e) => Err(e.to_string()),
+        }
+    }
+}
+
+impl std::fmt::Display for ControlAddr {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        match self {
+            ControlAddr::Tcp(a) => write!(f, "{a}"),
+            ControlAddr::Unix(p) => write!(f, "{}", p.display()),
+        }
+    }
+}
+
+/// A bound control socket.
+pub enum ControlListener {
+    Tcp(std::net::TcpListener),
+    Unix(std::os::unix::net::UnixListener),
+}
+
+/// Binds the control socket. A Unix socket gets mode 0600 (only its owner may use it).
+pub fn bind(addr: &ControlAddr) -> io::Result<ControlListener> {
+    match addr {
+        ControlAddr::Tcp(a) => {
+            let l = std::net::TcpListener::bind(a)?;
+            l.set_nonblocking(true)?;
+            Ok(ControlListener::Tcp(l))
+        }
+        ControlAddr::Unix(path) => {
+            use std::os::unix::fs::PermissionsExt;
+            if std::fs::symlink_metadata(path).is_ok()
+                && std::os::unix::net::UnixStream::connect(path).is_err()
+            {
+                std::fs::remove_file(path)?;
+            }
+            let l = std::os::unix::net::UnixListener::bind(path)?;
+            std::fs::set_permissions(path, std::fs::Permissions::from_mode(0o600))?;
+            l.set_nonblocking(true)?;
+            Ok(ControlListener::Unix(l))
+        }
+    }
+}
+
+/// Serves the control socket until the process ends.
+pub async fn serve(ctx: Arc<Context>, listener: ControlListener) -> io::Result<()> {
+    match listener {
+        ControlListener::Tcp(l) => {
+            let l = TcpListener::from_std(l)?;
+            loop {
+                let (sock, peer) = match l.accept().await {
+                    Ok(x) => x,
+                    Err(e) => {
+                        tracing::warn!("control accept: {e}");
+                        tokio::time::sleep(Duration::from_millis(50)).await;
+                        continue;
+                    }
+                };
+                let ctx = Arc::clone(&ctx);
+                tokio::spawn(async move {
+                    let settings = ctx.state.settings();
+                    let permitted = settings.acls[settings.control_acl.index()].permits(peer.ip());
+                    drop(settings);
+                    if !permitted {
+                        tracing::warn!(%peer, "control connection refused by control_acl");
+                        let mut sock = sock;
+                        let _ = sock
+                            .write_all(b"error: access denied by control_acl\n")
+                            .await;
+                        return;
+                    }
+                    answer(&ctx, sock).await;
+                });
+            }
+        }
+        ControlListener::Unix(l) => {
+            let l = UnixListener::from_std(l)?;
+            loop {
+                let sock = match l.accept().await {
+                    Ok((s, _)) => s,
+                    Err(e) => {
+                        tracing::warn!("control accept: {e}");
+                        tokio::time::sleep(Duration::from_millis(50)).await;
+                        continue;
+                    }
+                };
+                let ctx = Arc::clone(&ctx);
+                tokio::spawn(async move { answer(&ctx, sock).await });
+            }
+        }
+    }
+}
+
+/// Reads one command line, executes it, writes the reply and closes.
+async fn answer<S: tokio::io::AsyncRead + tokio::io::AsyncWrite + Unpin>(
+    ctx: &Context,
+    mut sock: S,
+) {
+    let reply = match tokio::time::timeout(READ_TIMEOUT, read_line(&mut sock)).await {
+        Err(_) => "error: no command received in time\n".to_string(),
+        Ok(Err(reason)) => format!("error: {reason}\n"),
+        Ok(Ok(line)) => dispatch::execute_line(ctx, &line),
+    };
+    let _ = sock.write_all(reply.as_bytes()).await;
+    let _ = sock.shutdown().await;
+}
+
+async fn read_line<S: tokio::io::AsyncRead + Unpin>(sock: &mut S) -> Result<String, String> {
+    let mut buf = Vec::new();
+    let mut chunk = [0u8; 4096];
+    loop {
+        let n = sock.read(&mut chunk).await.map_err(|e| e.to_string())?;
+        if n == 0 {
+            break;
+        }
+        buf.extend_from_slice(&chunk[..n]);
+        if let Some(end) = buf.iter().position(|&b| b == b'\n') {
+            buf.truncate(end);
+            break;
+        }
+        if buf.len() > MAX_LINE {
+            return Err(format!("command longer than {MAX_LINE} bytes"));
+        }
+    }
+    if buf.len() > MAX_LINE {
+        return Err(format!("command longer than {MAX_LINE} bytes"));
+    }
+    let line = String::from_utf8(buf).map_err(|_| "command is not valid UTF-8".to_string())?;
+    Ok(line.trim_end_matches('\r').to_string())
+}

@@ -1,0 +1,189 @@
+//! Status reports: Pen's `servers` and `mode` lines, the HTML status page, and the JSON
+//! status (an extension for machines). All are built from one settings snapshot and the
+//! runtime counters; nothing here changes anything.
+
+use std::fmt::Write as _;
+use std::sync::atomic::Ordering::Relaxed;
+
+use serde_json::json;
+
+use super::Context;
+use crate::balance::clock;
+use crate::settings::Settings;
+use crate::state::State;
+
+/// Pen's `servers` format: one line per configured server.
+pub fn servers(state: &State) -> String {
+    let settings = state.settings();
+    let mut out = String::new();
+    for (i, s) in settings.servers.iter().enumerate() {
+        let (Some(ip), Some(rt)) = (s.ip, state.servers.get(i)) else {
+            continue;
+        };
+        let _ = writeln!(
+            out,
+            "{i} addr {ip} port {} conn {} max {} hard {} weight {} prio {} sx {} rx {}",
+            s.port,
+            rt.conns.load(Relaxed),
+            s.max,
+            s.hard,
+            s.weight,
+            s.prio,
+            rt.bytes_to.load(Relaxed),
+            rt.bytes_from.load(Relaxed),
+        );
+    }
+    out
+}
+
+/// Pen's `mode` line.
+pub fn mode(settings: &Settings) -> String {
+    let p = settings.policy;
+    let word = |on: bool, w: &str| if on { w.to_string() } else { format!("no {w}") };
+    [
+        word(p.hash, "hash"),
+        word(p.roundrobin, "roundrobin"),
+        word(p.stubborn, "stubborn"),
+        word(p.weight, "weight"),
+        word(p.prio, "prio"),
+    ]
+    .join(" ")
+}
+
+/// Clients seen in the last `seconds`, most recent first.
+pub fn recent(state: &State, seconds: u64) -> String {
+    let now = clock::now_ms();
+    let mut clients: Vec<_> = state
+        .clients
+        .snapshot()
+        .into_iter()
+        .filter(|(_, e)| now.saturating_sub(e.last_seen) <= seconds.saturating_mul(1000))
+        .collect();
+    clients.sort_by_key(|(_, e)| std::cmp::Reverse(e.last_seen));
+    let mut out = String::new();
+    for (ip, e) in clients {
+        let _ = writeln!(
+            out,
+            "{ip} server {} connections {} last {} s ago",
+            e.server,
+            e.connections,
+            now.saturating_sub(e.last_seen) / 1000
+        );
+    }
+    out
+}
+
+fn escape(s: &str) -> String {
+    s.replace('&', "&amp;")
+        .replace('<', "&lt;")
+        .replace('>', "&gt;")
+        .replace('"', "&quot;")
+}
+
+/// The HTML status page (`status`, and the `web_stats` file).
+pub fn html(ctx: &Context) -> String {
+    let state = &ctx.state;
+    let settings = state.settings();
+    let now = clock::now_ms();
+    let mut out = String::from("<!DOCTYPE html>\n<html><head><meta charset=\"utf-8\"><title>quill status</title></head><body>\n");
+    let listen = settings
+        .listen
+        .as_ref()
+        .map(|l| l.to_string())
+        .unwrap_or_default();
+    let _ = writeln!(
+        out,
+        "<h1>quill {}</h1>\n<p>Listening on {}; pid {}; up {} s; {} connections open, {} accepted; mode: {}</p>",
+        env!("CARGO_PKG_VERSION"),
+        escape(&listen),
+        std::process::id(),
+        state.started.elapsed().as_secs(),
+        state.active.load(Relaxed),
+        state.counters.accepted.load(Relaxed),
+        mode(&settings),
+    );
+    out.push_str("<table border=\"1\">\n<tr><th>server</th><th>address</th><th>port</th><th>state</th><th>conn</th><th>max</th><th>hard</th><th>weight</th><th>prio</th><th>total</th><th>failures</th><th>sent</th><th>received</th></tr>\n");
+    for (i, s) in settings.servers.iter().enumerate() {
+        let (Some(ip), Some(rt)) = (s.ip, state.servers.get(i)) else {
+            continue;
+        };
+        let up = if rt.is_blacklisted(now) {
+            format!("blacklisted {} s", rt.blacklist_left(now))
+        } else {
+            "up".to_string()
+        };
+        let _ = writeln!(
+            out,
+            "<tr><td>{i}</td><td>{ip}</td><td>{}</td><td>{up}</td><td>{}</td><td>{}</td><td>{}</td><td>{}</td><td>{}</td><td>{}</td><td>{}</td><td>{}</td><td>{}</td></tr>",
+            s.port,
+            rt.conns.load(Relaxed),
+            s.max,
+            s.hard,
+            s.weight,
+            s.prio,
+            rt.total.load(Relaxed),
+            rt.failures.load(Relaxed),
+            rt.bytes_to.load(Relaxed),
+            rt.bytes_from.load(Relaxed),
+        );
+    }
+    out.push_str("</table>\n<h2>Recent clients</h2>\n<pre>\n");
+    out.push_str(&escape(&recent(state, 300)));
+    out.push_str("</pre>\n</body></html>\n");
+    out
+}
+
+/// The JSON status (`status json`, an extension).
+pub fn json(ctx: &Context) -> String {
+    let state = &ctx.state;
+    let settings = state.settings();
+    let now = clock::now_ms();
+    let servers: Vec<_> = settings
+        .servers
+        .iter()
+        .enumerate()
+        .filter_map(|(i, s)| {
+            let (ip, rt) = (s.ip?, state.servers.get(i)?);
+            Some(json!({
+                "index": i,
+                "host": s.host.as_ref().map(|h| h.to_string()),
+                "address": ip.to_string(),
+                "port": s.port,
+                "state": if rt.is_blacklisted(now) { "blacklisted" } else { "up" },
+                "blacklist_seconds_left": rt.blacklist_left(now),
+                "connections": rt.conns.load(Relaxed),
+                "max": s.max,
+                "hard": s.hard,
+                "weight": s.weight,
+                "prio": s.prio,
+                "acl": s.acl.map(|a| a.index()),
+                "total_connections": rt.total.load(Relaxed),
+                "failures": rt.failures.load(Relaxed),
+                "bytes_to_server": rt.bytes_to.load(Relaxed),
+                "bytes_from_server": rt.bytes_from.load(Relaxed),
+            }))
+        })
+        .collect();
+    let p = settings.policy;
+    let doc = json!({
+        "version": env!("CARGO_PKG_VERSION"),
+        "pid": std::process::id(),
+        "uptime_seconds": state.started.elapsed().as_secs(),
+        "listen": settings.listen.as_ref().map(|l| l.to_string()),
+        "control": ctx.control_addr,
+        "mode": { "hash": p.hash, "roundrobin": p.roundrobin, "stubborn": p.stubborn, "weight": p.weight, "prio": p.prio },
+        "connections": {
+            "open": state.active.load(Relaxed),
+            "accepted": state.counters.accepted.load(Relaxed),
+            "refused_conn_max": state.counters.refused_conn_max.load(Relaxed),
+            "refused_acl": state.counters.refused_acl.load(Relaxed),
+            "no_server": state.counters.no_server.load(Relaxed),
+            "max": settings.conn_max,
+        },
+        "clients": { "tracked": state.clients.len(), "max": settings.clients_max },
+        "servers": servers,
+        "emergency": settings.emergency.as_ref().map(|e| json!({ "address": e.name.to_string(), "connections": state.emergency.conns.load(Relaxed) })),
+        "abuse": settings.abuse.as_ref().map(|e| json!({ "address": e.name.to_string(), "connections": state.abuse.conns.load(Relaxed) })),
+    });
+    doc.to_string()
+}

@@ -1,0 +1,151 @@
+//! Open connections by number, for the control commands `connection N` and `close N`.
+//!
+//! Only kept when a control socket exists (otherwise nobody could ask). Entries live in
+//! shards keyed by connection number, so the event loops rarely wait for each other; an
+//! entry is inserted when a connection is accepted and removed when its task ends (also
+//! when it is aborted by `close N`), so the registry never outgrows the open connections.
+
+use std::collections::HashMap;
+use std::net::SocketAddr;
+use std::sync::atomic::{AtomicU64, AtomicUsize, Ordering::Relaxed};
+use std::sync::{Arc, Mutex, OnceLock};
+
+use tokio::task::AbortHandle;
+
+const SHARDS: usize = 16;
+
+/// Which upstream a connection uses.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Upstream {
+    /// Not chosen yet (selecting or connecting).
+    None,
+    Server(usize),
+    Emergency,
+    Abuse,
+}
+
+const NONE: usize = usize::MAX;
+const EMERGENCY: usize = usize::MAX - 1;
+const ABUSE: usize = usize::MAX - 2;
+
+/// What the control plane can see of, and do to, one open connection.
+#[derive(Debug)]
+pub struct ConnInfo {
+    pub id: u64,
+    pub client: SocketAddr,
+    /// `clock::now_ms()` at accept.
+    pub started: u64,
+    upstream: AtomicUsize,
+    /// Bytes relayed so far in each direction (updated when the connection ends).
+    pub bytes_up: AtomicU64,
+    pub bytes_down: AtomicU64,
+    abort: OnceLock<AbortHandle>,
+}
+
+impl ConnInfo {
+    pub fn upstream(&self) -> Upstream {
+        match self.upstream.load(Relaxed) {
+            NONE => Upstream::None,
+            EMERGENCY => Upstream::Emergency,
+            ABUSE => Upstream::Abuse,
+            i => Upstream::Server(i),
+        }
+    }
+
+    pub fn set_upstream(&self, u: Upstream) {
+        let v = match u {
+            Upstream::None => NONE,
+            Upstream::Emergency => EMERGENCY,
+            Upstream::Abuse => ABUSE,
+            Upstream::Server(i) => i,
+        };
+        self.upstream.store(v, Relaxed);
+    }
+}
+
+/// The table of open connections.
+#[derive(Debug)]
+pub struct Registry {
+    next: AtomicU64,
+    shards: Box<[Mutex<HashMap<u64, Arc<ConnInfo>>>]>,
+}
+
+impl Default for Registry {
+    fn default() -> Registry {
+        Registry {
+            next: AtomicU64::new(1),
+            shards: (0..SHARDS).map(|_| Mutex::default()).collect(),
+        }
+    }
+}
+
+/// Removes its connection from the registry when the connection's task ends.
+pub struct Registered {
+    registry: Arc<Registry>,
+    pub info: Arc<ConnInfo>,
+}
+
+impl Drop for Registered {
+    fn drop(&mut self) {
+        self.registry.shard(self.info.id).remove(&self.info.id);
+    }
+}
+
+impl Registry {
+    fn shard(&self, id: u64) -> std::sync::MutexGuard<'_, HashMap<u64, Arc<ConnInfo>>> {
+        let i = (id % SHARDS as u64) as usize;
+        self.shards[i].lock().unwrap_or_else(|p| p.into_inner())
+    }
+
+    /// Registers a new connection from `client`; the returned guard unregisters it.
+    pub fn register(self: &Arc<Registry>, client: SocketAddr, now: u64) -> Registered {
+        let id = self.next.fetch_add(1, Relaxed);
+        let info = Arc::new(ConnInfo {
+            id,
+            client,
+            started: now,
+            upstream: AtomicUsize::new(NONE),
+            bytes_up: AtomicU64::new(0),
+            bytes_down: AtomicU64::new(0),
+            abort: OnceLock::new(),
+        });
+        self.shard(id).insert(id, Arc::clone(&info));
+        Registered {
+            registry: Arc::clone(self),
+            info,
+        }
+    }
+
+    /// Records how to stop the task serving connection `info`.
+    pub fn set_abort(info: &ConnInfo, handle: AbortHandle) {
+        let _ = info.abort.set(handle);
+    }
+
+    /// Connection `id`, if open.
+    pub fn get(&self, id: u64) -> Option<Arc<ConnInfo>> {
+        self.shard(id).get(&id).cloned()
+    }
+
+    /// Closes connection `id` (both sockets); false if there is no such connection.
+    pub fn close(&self, id: u64) -> bool {
+        match self.get(id).and_then(|c| c.abort.get().cloned()) {
+            Some(handle) => {
+                handle.abort();
+                true
+            }
+            None => false,
+        }
+    }
+
+    /// Every open connection, in no particular order.
+    pub fn all(&self) -> Vec<Arc<ConnInfo>> {
+        self.shards
+            .iter()
+            .flat_map(|s| {
+                s.lock()
+                    .map(|g| g.values().cloned().collect::<Vec<_>>())
+                    .unwrap_or_default()
+            })
+            .collect()
+    }
+}
