@@ -9,6 +9,9 @@
 use std::fmt;
 use std::net::{IpAddr, Ipv4Addr, Ipv6Addr};
 use std::str::FromStr;
+use std::sync::Arc;
+
+use crate::geoip::GeoIp;
 
 /// Number of access lists (`acl 0` .. `acl 9`).
 pub const ACL_LISTS: usize = 10;
@@ -107,10 +110,30 @@ impl AclMatch {
     }
 }
 
+/// A shared, open GeoIP database. Two are equal when they come from the same file.
+#[derive(Clone)]
+pub struct GeoRef(pub Arc<GeoIp>);
+
+impl PartialEq for GeoRef {
+    fn eq(&self, other: &GeoRef) -> bool {
+        Arc::ptr_eq(&self.0, &other.0) || self.0.path() == other.0.path()
+    }
+}
+
+impl Eq for GeoRef {}
+
+impl fmt::Debug for GeoRef {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        write!(f, "GeoRef({})", self.0.path().display())
+    }
+}
+
 /// One access list.
 #[derive(Debug, Clone, Default, PartialEq, Eq)]
 pub struct Acl {
     rules: Vec<AclRule>,
+    /// The database country rules are matched with (set by `geoip_db`).
+    geo: Option<GeoRef>,
 }
 
 impl Acl {
@@ -124,6 +147,11 @@ impl Acl {
         self.rules.clear();
     }
 
+    /// Sets the GeoIP database used by country rules.
+    pub fn set_geo(&mut self, geo: Option<GeoRef>) {
+        self.geo = geo;
+    }
+
     /// The rules in order.
     pub fn rules(&self) -> &[AclRule] {
         &self.rules
@@ -133,7 +161,14 @@ impl Acl {
     pub fn permits(&self, client: IpAddr) -> bool {
         let client = client.to_canonical();
         for rule in &self.rules {
-            if rule.matcher.matches(client) {
+            let matched = match rule.matcher {
+                // A country the database does not know matches no country rule.
+                AclMatch::Country(cc) => {
+                    self.geo.as_ref().and_then(|g| g.0.country(client)) == Some(cc)
+                }
+                ref m => m.matches(client),
+            };
+            if matched {
                 return rule.action == AclAction::Permit;
             }
         }

@@ -131,6 +131,8 @@ pub enum Command {
     Write(Option<Word>),
     /// `exit`: stop quill (only when started with `-X`).
     Exit,
+    /// `geoip_db FILE`: the MaxMind DB that `acl N ... country CC` rules use.
+    GeoipDb(Word),
 }
 
 /// A single whitespace-free word: a file name or an address kept as written.
@@ -559,6 +561,7 @@ fn command_name(word: &str) -> Option<&'static str> {
         "include",
         "write",
         "exit",
+        "geoip_db",
     ];
     NAMES.iter().copied().find(|n| *n == word)
 }
@@ -739,6 +742,7 @@ fn parse_positive(command: &'static str, w: &mut Words<'_>) -> Result<Command, P
         "include" => Command::Include(w.word("a file name")?),
         "write" => Command::Write(w.optional_word("a file name")?),
         "exit" => Command::Exit,
+        "geoip_db" => Command::GeoipDb(w.word("a file name")?),
         _ => return Err(ParseError::Unknown(command.to_string())),
     })
 }
@@ -927,6 +931,7 @@ impl fmt::Display for Command {
             Command::Include(file) => write!(f, "include {file}"),
             Command::Write(file) => with_optional(f, "write", file),
             Command::Exit => f.write_str("exit"),
+            Command::GeoipDb(file) => write!(f, "geoip_db {file}"),
         }
     }
 }
@@ -1155,6 +1160,7 @@ mod roundtrip {
             word().prop_map(Command::Include),
             proptest::option::of(word()).prop_map(Command::Write),
             Just(Command::Exit),
+            word().prop_map(Command::GeoipDb),
         ]
     }
 

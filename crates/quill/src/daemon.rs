@@ -22,6 +22,7 @@ use crate::command::Command;
 use crate::config::{self, ConfigError};
 use crate::control::{self, Context, ControlAddr};
 use crate::net::{listen, ListenAddr};
+use crate::privileges;
 use crate::settings::{Action, Settings};
 use crate::state::State;
 
@@ -56,6 +57,8 @@ pub enum StartError {
     Runtime(io::Error),
     #[error("{0} is not supported by this build of quill yet")]
     Unsupported(&'static str),
+    #[error("{0}")]
+    Privileges(String),
 }
 
 impl StartError {
@@ -66,6 +69,7 @@ impl StartError {
             | StartError::Config(_)
             | StartError::NoListen
             | StartError::ControlAsRoot
+            | StartError::Privileges(_)
             | StartError::Unsupported(_) => 2,
             _ => 1,
         }
@@ -84,7 +88,9 @@ pub fn build_settings(inv: &Invocation) -> Result<(Settings, Vec<Action>), Start
         actions.extend(applied.actions);
     }
     if let Some(file) = &inv.config {
-        config::load(file, &mut settings, &mut actions)?;
+        // Paths name files inside the jail (-j), as with Pen; the jail is entered later.
+        let file = privileges::in_jail(inv.jail.as_deref(), file);
+        config::load(&file, &mut settings, &mut actions)?;
     }
     Ok((settings, actions))
 }
@@ -97,18 +103,40 @@ fn worker_count(settings: &Settings) -> usize {
     std::thread::available_parallelism().map_or(1, |n| n.get())
 }
 
-fn init_logging(debug: u32) {
+/// Logs go to stderr in the foreground and to syslog (facility user, as Pen) for a daemon.
+/// The syslog socket is connected here, before any chroot can hide /dev/log.
+fn init_logging(debug: u32, foreground: bool) {
+    use tracing_subscriber::layer::SubscriberExt;
+    use tracing_subscriber::util::SubscriberInitExt;
     let level = match debug {
         0 => tracing::Level::WARN,
         1 => tracing::Level::INFO,
         2 => tracing::Level::DEBUG,
         _ => tracing::Level::TRACE,
     };
-    let _ = tracing_subscriber::fmt()
-        .with_max_level(level)
-        .with_writer(io::stderr)
-        .with_target(false)
-        .try_init();
+    if foreground {
+        let _ = tracing_subscriber::fmt()
+            .with_max_level(level)
+            .with_writer(io::stderr)
+            .with_target(false)
+            .try_init();
+    } else {
+        let filter = tracing_subscriber::filter::LevelFilter::from_level(level);
+        let syslog = crate::syslog::Syslog::new(crate::syslog::Facility::User);
+        let _ = tracing_subscriber::registry()
+            .with(crate::syslog::layer(syslog))
+            .with(filter)
+            .try_init();
+    }
+}
+
+fn chown(path: &std::path::Path, account: &privileges::Account) -> io::Result<()> {
+    nix::unistd::chown(
+        path,
+        Some(nix::unistd::Uid::from_raw(account.uid)),
+        Some(nix::unistd::Gid::from_raw(account.gid)),
+    )
+    .map_err(io::Error::from)
 }
 
 /// Removes the pid file and Unix sockets when the process ends normally.
@@ -125,15 +153,15 @@ impl Drop for Cleanup {
 /// Runs the balancer until it is told to stop.
 pub fn run(inv: Invocation) -> Result<(), StartError> {
     let (settings, actions) = build_settings(&inv)?;
-    init_logging(settings.debug);
-    if inv.protocol == Protocol::Udp {
-        return Err(StartError::Unsupported("UDP load balancing (-U)"));
-    }
-    if inv.jail.is_some() || inv.user.as_deref().is_some_and(|u| u != "root") {
-        return Err(StartError::Unsupported(
-            "dropping privileges (-u USER, -j DIR)",
-        ));
-    }
+    init_logging(settings.debug, inv.foreground);
+    // Look the account up now (inside the jail), so a typo fails before anything starts.
+    let account = match inv.user.as_deref() {
+        None => None,
+        Some(user) => Some(
+            privileges::lookup_account(inv.jail.as_deref(), user)
+                .map_err(|e| StartError::Privileges(e.to_string()))?,
+        ),
+    };
     let listen_addr = settings.listen.clone().ok_or(StartError::NoListen)?;
     let control_addr = match &inv.control {
         None => None,
@@ -150,13 +178,32 @@ pub fn run(inv: Invocation) -> Result<(), StartError> {
     };
 
     let workers = worker_count(&settings);
+    if inv.protocol == Protocol::Udp {
+        return Err(StartError::Unsupported("UDP load balancing (-U)"));
+    }
     let listeners = listen::open(&listen_addr, workers, settings.backlog)?;
     let control_listener = match &control_addr {
         None => None,
-        Some(addr) => Some(control::bind(addr).map_err(|e| StartError::Control {
-            addr: addr.to_string(),
-            reason: e.to_string(),
-        })?),
+        Some(addr) => {
+            let bound = match addr {
+                ControlAddr::Unix(p) => {
+                    ControlAddr::Unix(privileges::in_jail(inv.jail.as_deref(), p))
+                }
+                tcp => tcp.clone(),
+            };
+            let l = control::bind(&bound).map_err(|e| StartError::Control {
+                addr: addr.to_string(),
+                reason: e.to_string(),
+            })?;
+            if let (ControlAddr::Unix(p), Some(a)) = (&bound, &account) {
+                // The socket belongs to the user quill runs as (and stays mode 0600).
+                chown(p, a).map_err(|e| StartError::Control {
+                    addr: addr.to_string(),
+                    reason: e.to_string(),
+                })?;
+            }
+            Some(l)
+        }
     };
     if !inv.foreground {
         // Detach before any thread exists: fork() keeps only the calling thread.
@@ -164,13 +211,23 @@ pub fn run(inv: Invocation) -> Result<(), StartError> {
     }
     let mut cleanup = Cleanup(Vec::new());
     if let Some(path) = &inv.pidfile {
-        std::fs::write(path, format!("{}\n", std::process::id())).map_err(|source| {
+        let in_jail = privileges::in_jail(inv.jail.as_deref(), path);
+        std::fs::write(&in_jail, format!("{}\n", std::process::id())).map_err(|source| {
             StartError::PidFile {
-                path: path.clone(),
+                path: in_jail.clone(),
                 source,
             }
         })?;
+        if let Some(a) = &account {
+            // So that the dropped process can remove it at exit.
+            let _ = chown(&in_jail, a);
+        }
         cleanup.0.push(path.clone());
+    }
+    if inv.jail.is_some() || account.is_some() {
+        let dropped = privileges::become_account(inv.jail.as_deref(), account.as_ref())
+            .map_err(|e| StartError::Privileges(e.to_string()))?;
+        tracing::info!("{dropped}");
     }
     if let ListenAddr::Unix(p) = &listen_addr {
         cleanup.0.push(p.clone());

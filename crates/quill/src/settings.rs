@@ -8,8 +8,11 @@
 
 use std::net::{IpAddr, SocketAddr, ToSocketAddrs};
 
-use crate::acl::{Acl, AclId, ACL_LISTS};
+use std::sync::Arc;
+
+use crate::acl::{Acl, AclId, GeoRef, ACL_LISTS};
 use crate::command::{Command, FastClose, Host, HostPort, ServerField, Word, MAX_SERVERS};
+use crate::geoip::GeoIp;
 use crate::net::ListenAddr;
 
 /// One backend server slot. A slot without an address is unused and never selected.
@@ -130,6 +133,8 @@ pub struct Settings {
     pub web_stats: Option<Word>,
     /// Abort (core dump) instead of exiting on a fatal error.
     pub abort_on_error: bool,
+    /// The GeoIP database (`geoip_db FILE`) and the name it was given as.
+    pub geoip: Option<(Word, GeoRef)>,
 }
 
 /// Default `udp_idle_timeout`: as long as Linux conntrack keeps an unreplied UDP flow.
@@ -175,6 +180,7 @@ impl Default for Settings {
             log: None,
             web_stats: None,
             abort_on_error: false,
+            geoip: None,
         }
     }
 }
@@ -242,8 +248,10 @@ pub enum ApplyError {
     NoSuchServer(usize),
     #[error("'{0}' must be at least 1")]
     TooSmall(&'static str),
-    #[error("GeoIP country rules need a GeoIP database, which this build does not support yet")]
+    #[error("country rules need a GeoIP database: give 'geoip_db FILE' first")]
     NoGeoIp,
+    #[error("{0}")]
+    GeoIp(String),
     #[error("invalid listening address: {0}")]
     Listen(String),
     #[error("'{0}' is not a configuration command")]
@@ -305,11 +313,21 @@ impl Settings {
                 Applied::action(Action::ResizeClients(*n))
             }
             Command::Acl { list, rule } => {
-                if matches!(rule.matcher, crate::acl::AclMatch::Country(_)) {
+                if matches!(rule.matcher, crate::acl::AclMatch::Country(_)) && self.geoip.is_none()
+                {
                     return Err(ApplyError::NoGeoIp);
                 }
                 self.acls[list.index()].push(*rule);
                 Applied::done()
+            }
+            Command::GeoipDb(file) => {
+                let db =
+                    GeoIp::open(file.as_str()).map_err(|e| ApplyError::GeoIp(e.to_string()))?;
+                let geo = GeoRef(Arc::new(db));
+                for acl in &mut self.acls {
+                    acl.set_geo(Some(geo.clone()));
+                }
+                set(&mut self.geoip, Some((file.clone(), geo)))
             }
             Command::NoAcl(list) => {
                 self.acls[list.index()].clear();
@@ -465,6 +483,9 @@ impl Settings {
             out.push(Command::Debug(Some(self.debug)));
         }
         out.extend(self.compat.iter().cloned());
+        if let Some((file, _)) = &self.geoip {
+            out.push(Command::GeoipDb(file.clone()));
+        }
         for (i, acl) in self.acls.iter().enumerate() {
             let Some(list) = u8::try_from(i).ok().and_then(AclId::new) else {
                 continue;

@@ -63,11 +63,14 @@ impl ConnInfo {
     }
 }
 
+/// One shard: connection number -> connection.
+type Shard = HashMap<u64, Arc<ConnInfo>>;
+
 /// The table of open connections.
 #[derive(Debug)]
 pub struct Registry {
     next: AtomicU64,
-    shards: Box<[Mutex<HashMap<u64, Arc<ConnInfo>>>]>,
+    shards: Box<[Mutex<Shard>]>,
 }
 
 impl Default for Registry {
@@ -92,7 +95,7 @@ impl Drop for Registered {
 }
 
 impl Registry {
-    fn shard(&self, id: u64) -> std::sync::MutexGuard<'_, HashMap<u64, Arc<ConnInfo>>> {
+    fn shard(&self, id: u64) -> std::sync::MutexGuard<'_, Shard> {
         let i = (id % SHARDS as u64) as usize;
         self.shards[i].lock().unwrap_or_else(|p| p.into_inner())
     }
