@@ -11,9 +11,11 @@
 
 use std::io;
 use std::path::PathBuf;
-use std::sync::atomic::Ordering::Relaxed;
+use std::sync::atomic::{AtomicU8, Ordering::Relaxed};
+
 use std::sync::Arc;
 use std::time::{Duration, Instant};
+use tracing_subscriber::Layer as _;
 
 use tokio::sync::{mpsc, watch, Notify};
 
@@ -88,9 +90,7 @@ pub fn build_settings(inv: &Invocation) -> Result<(Settings, Vec<Action>), Start
         actions.extend(applied.actions);
     }
     if let Some(file) = &inv.config {
-        // Paths name files inside the jail (-j), as with Pen; the jail is entered later.
-        let file = privileges::in_jail(inv.jail.as_deref(), file);
-        config::load(&file, &mut settings, &mut actions)?;
+        config::load(file, &mut settings, &mut actions)?;
     }
     Ok((settings, actions))
 }
@@ -103,29 +103,41 @@ fn worker_count(settings: &Settings) -> usize {
     std::thread::available_parallelism().map_or(1, |n| n.get())
 }
 
-/// Logs go to stderr in the foreground and to syslog (facility user, as Pen) for a daemon.
-/// The syslog socket is connected here, before any chroot can hide /dev/log.
-fn init_logging(debug: u32, foreground: bool) {
-    use tracing_subscriber::layer::SubscriberExt;
-    use tracing_subscriber::util::SubscriberInitExt;
-    let level = match debug {
+/// The current log level: `-d` and `debug N` change it at any time.
+static LOG_LEVEL: AtomicU8 = AtomicU8::new(0);
+
+/// Sets the log level from Pen's debug number (0 = warnings and errors only).
+pub fn set_log_level(debug: u32) {
+    LOG_LEVEL.store(u8::try_from(debug).unwrap_or(u8::MAX), Relaxed);
+}
+
+fn level_enabled(level: &tracing::Level) -> bool {
+    let wanted = match LOG_LEVEL.load(Relaxed) {
         0 => tracing::Level::WARN,
         1 => tracing::Level::INFO,
         2 => tracing::Level::DEBUG,
         _ => tracing::Level::TRACE,
     };
+    *level <= wanted
+}
+
+/// Logs go to stderr in the foreground and to syslog (facility user, as Pen) for a daemon.
+/// The syslog socket is connected here, before any chroot can hide /dev/log.
+fn init_logging(foreground: bool) {
+    use tracing_subscriber::layer::SubscriberExt;
+    use tracing_subscriber::util::SubscriberInitExt;
+    let filter = tracing_subscriber::filter::filter_fn(|meta| level_enabled(meta.level()));
     if foreground {
-        let _ = tracing_subscriber::fmt()
-            .with_max_level(level)
+        let layer = tracing_subscriber::fmt::layer()
             .with_writer(io::stderr)
-            .with_target(false)
+            .with_target(false);
+        let _ = tracing_subscriber::registry()
+            .with(layer.with_filter(filter))
             .try_init();
     } else {
-        let filter = tracing_subscriber::filter::LevelFilter::from_level(level);
         let syslog = crate::syslog::Syslog::new(crate::syslog::Facility::User);
         let _ = tracing_subscriber::registry()
-            .with(crate::syslog::layer(syslog))
-            .with(filter)
+            .with(crate::syslog::layer(syslog).with_filter(filter))
             .try_init();
     }
 }
@@ -152,9 +164,11 @@ impl Drop for Cleanup {
 
 /// Runs the balancer until it is told to stop.
 pub fn run(inv: Invocation) -> Result<(), StartError> {
-    let (settings, actions) = build_settings(&inv)?;
-    init_logging(settings.debug, inv.foreground);
-    // Look the account up now (inside the jail), so a typo fails before anything starts.
+    // Logging first: syslog's socket must be connected before a chroot hides /dev/log.
+    init_logging(inv.foreground);
+    // Look the account up (in the jail's user database), then enter the jail while still
+    // root: from here on, start-up and every reload read the same files, the ones inside
+    // the jail, as with Pen. The user is dropped to only after binding.
     let account = match inv.user.as_deref() {
         None => None,
         Some(user) => Some(
@@ -162,6 +176,23 @@ pub fn run(inv: Invocation) -> Result<(), StartError> {
                 .map_err(|e| StartError::Privileges(e.to_string()))?,
         ),
     };
+    // A jail rarely has /dev/null: open it now for the daemon's standard streams.
+    let dev_null = if inv.foreground {
+        None
+    } else {
+        Some(
+            std::fs::OpenOptions::new()
+                .read(true)
+                .write(true)
+                .open("/dev/null")
+                .map_err(StartError::Daemon)?,
+        )
+    };
+    if let Some(jail) = &inv.jail {
+        privileges::enter_jail(jail).map_err(|e| StartError::Privileges(e.to_string()))?;
+    }
+    let (settings, actions) = build_settings(&inv)?;
+    set_log_level(settings.debug);
     let listen_addr = settings.listen.clone().ok_or(StartError::NoListen)?;
     let control_addr = match &inv.control {
         None => None,
@@ -185,12 +216,7 @@ pub fn run(inv: Invocation) -> Result<(), StartError> {
     let control_listener = match &control_addr {
         None => None,
         Some(addr) => {
-            let bound = match addr {
-                ControlAddr::Unix(p) => {
-                    ControlAddr::Unix(privileges::in_jail(inv.jail.as_deref(), p))
-                }
-                tcp => tcp.clone(),
-            };
+            let bound = addr.clone();
             let l = control::bind(&bound).map_err(|e| StartError::Control {
                 addr: addr.to_string(),
                 reason: e.to_string(),
@@ -205,28 +231,28 @@ pub fn run(inv: Invocation) -> Result<(), StartError> {
             Some(l)
         }
     };
-    if !inv.foreground {
+    if let Some(null) = dev_null {
         // Detach before any thread exists: fork() keeps only the calling thread.
-        nix::unistd::daemon(true, false).map_err(|e| StartError::Daemon(e.into()))?;
+        nix::unistd::daemon(true, true).map_err(|e| StartError::Daemon(e.into()))?;
+        rustix::stdio::dup2_stdin(&null).map_err(|e| StartError::Daemon(e.into()))?;
+        rustix::stdio::dup2_stdout(&null).map_err(|e| StartError::Daemon(e.into()))?;
+        rustix::stdio::dup2_stderr(&null).map_err(|e| StartError::Daemon(e.into()))?;
     }
     let mut cleanup = Cleanup(Vec::new());
     if let Some(path) = &inv.pidfile {
-        let in_jail = privileges::in_jail(inv.jail.as_deref(), path);
-        std::fs::write(&in_jail, format!("{}\n", std::process::id())).map_err(|source| {
+        // Removing it at exit needs write access to its directory for the user quill
+        // runs as (as with Pen); a leftover pid file names a dead process and is harmless.
+        std::fs::write(path, format!("{}\n", std::process::id())).map_err(|source| {
             StartError::PidFile {
-                path: in_jail.clone(),
+                path: path.clone(),
                 source,
             }
         })?;
-        if let Some(a) = &account {
-            // So that the dropped process can remove it at exit.
-            let _ = chown(&in_jail, a);
-        }
         cleanup.0.push(path.clone());
     }
-    if inv.jail.is_some() || account.is_some() {
-        let dropped = privileges::become_account(inv.jail.as_deref(), account.as_ref())
-            .map_err(|e| StartError::Privileges(e.to_string()))?;
+    if let Some(account) = &account {
+        let dropped =
+            privileges::become_user(account).map_err(|e| StartError::Privileges(e.to_string()))?;
         tracing::info!("{dropped}");
     }
     if let ListenAddr::Unix(p) = &listen_addr {

@@ -358,6 +358,18 @@ pub fn become_account(
     Ok(done)
 }
 
+/// Only the chroot half: `chroot(jail)` + `chdir("/")`, still as root. For a start-up that
+/// reads its files inside the jail (as a reload will) before [`become_user`].
+pub fn enter_jail(jail: &Path) -> Result<(), PrivilegeError> {
+    become_account(Some(jail), None).map(|_| ())
+}
+
+/// Only the user half: setgroups, setgid, setuid and the check that root cannot be had back.
+/// Changes nothing when the process already runs as the account (`-u root` as root).
+pub fn become_user(account: &Account) -> Result<Dropped, PrivilegeError> {
+    become_account(None, Some(account))
+}
+
 #[cfg(not(any(target_vendor = "apple", target_os = "redox", target_os = "haiku")))]
 fn set_groups(groups: &[Gid]) -> nix::Result<()> {
     nix::unistd::setgroups(groups)

@@ -8,21 +8,30 @@ use std::os::unix::fs::MetadataExt;
 use std::path::{Path, PathBuf};
 use std::process::Command;
 
-use quill::privileges::{drop_privileges, is_root};
+use quill::privileges::{
+    become_user, drop_privileges, enter_jail, is_root, lookup_account, Dropped, PrivilegeError,
+};
 
 const HELPER_ENV: &str = "QUILL_PRIVILEGES_HELPER";
 
-/// The child's side: runs only when the parent set `HELPER_ENV` (`jail\nuser`, either may be
-/// empty); otherwise it is a no-op that passes.
+/// The child's side: runs only when the parent set `HELPER_ENV` (`jail\nuser[\nsplit]`,
+/// either may be empty; `split` looks up, enters the jail, then becomes the user in three
+/// calls); otherwise it is a no-op that passes.
 #[test]
 fn privileges_helper() {
     let Ok(spec) = std::env::var(HELPER_ENV) else {
         return;
     };
-    let (jail, user) = spec.split_once('\n').unwrap_or((spec.as_str(), ""));
-    let jail = (!jail.is_empty()).then(|| PathBuf::from(jail));
-    let user = (!user.is_empty()).then_some(user);
-    match drop_privileges(jail.as_deref(), user) {
+    let mut parts = spec.split('\n');
+    let jail = parts.next().filter(|j| !j.is_empty()).map(PathBuf::from);
+    let user = parts.next().filter(|u| !u.is_empty());
+    let split = parts.next() == Some("split");
+    let result = if split {
+        split_drop(jail.as_deref(), user)
+    } else {
+        drop_privileges(jail.as_deref(), user)
+    };
+    match result {
         Ok(done) => {
             let groups: Vec<String> = nix::unistd::getgroups()
                 .unwrap_or_default()
@@ -55,11 +64,28 @@ fn privileges_helper() {
     }
 }
 
+/// The same drop as `drop_privileges`, in the three steps a daemon that reads its files
+/// inside the jail takes.
+fn split_drop(jail: Option<&Path>, user: Option<&str>) -> Result<Dropped, PrivilegeError> {
+    let account = user.map(|u| lookup_account(jail, u)).transpose()?;
+    if let Some(jail) = jail {
+        enter_jail(jail)?;
+    }
+    match account {
+        Some(account) => become_user(&account),
+        None => drop_privileges(None, None),
+    }
+}
+
 /// Runs the helper in a child process and returns its `RESULT key=value` lines.
 fn run_helper(jail: Option<&Path>, user: Option<&str>) -> HashMap<String, String> {
+    run_helper_mode(jail, user, "")
+}
+
+fn run_helper_mode(jail: Option<&Path>, user: Option<&str>, mode: &str) -> HashMap<String, String> {
     let exe = std::env::current_exe().unwrap_or_else(|e| panic!("current_exe: {e}"));
     let spec = format!(
-        "{}\n{}",
+        "{}\n{}\n{mode}",
         jail.map(|j| j.display().to_string()).unwrap_or_default(),
         user.unwrap_or("")
     );
@@ -164,6 +190,20 @@ fn chroots_and_drops_to_a_user_of_the_jail() {
     assert_eq!(r.get("regain_root").map(String::as_str), Some("false"));
     assert_eq!(r.get("can_write_etc").map(String::as_str), Some("false"));
     assert_eq!(r.get("changed_ids").map(String::as_str), Some("true"));
+}
+
+#[test]
+fn jail_then_user_in_separate_steps() {
+    if skip_unless_root("jail_then_user_in_separate_steps") {
+        return;
+    }
+    let jail = Jail::new("split");
+    let r = run_helper_mode(Some(&jail.0), Some("quilltest"), "split");
+    assert_eq!(r.get("ok").map(String::as_str), Some("1"), "{r:?}");
+    assert_eq!(r.get("uid").map(String::as_str), Some("4242"), "{r:?}");
+    assert_eq!(r.get("groups").map(String::as_str), Some("4242,4343"));
+    assert_eq!(r.get("root"), Some(&jail.root_id()));
+    assert_eq!(r.get("regain_root").map(String::as_str), Some("false"));
 }
 
 #[test]

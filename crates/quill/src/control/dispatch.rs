@@ -97,6 +97,9 @@ pub fn execute(ctx: &Context, cmd: &Command) -> Result<String, String> {
         Command::Exit => Err("exit is disabled (start quill with -X to allow it)".to_string()),
         cmd => {
             let (reply, actions) = state.execute(cmd).map_err(|e| e.to_string())?;
+            if let Command::Debug(Some(level)) = cmd {
+                crate::daemon::set_log_level(*level);
+            }
             ctx.carry_out(actions);
             Ok(match reply {
                 Reply::Done => String::new(),

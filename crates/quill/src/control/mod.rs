@@ -80,6 +80,7 @@ impl Context {
             }
         }
         actions.push(Action::ReopenLog);
+        crate::daemon::set_log_level(settings.debug);
         let rest = self.state.replace(settings, actions);
         self.carry_out(rest);
         Ok(())
