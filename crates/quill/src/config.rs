@@ -85,6 +85,30 @@ fn load_nested(
     }
     let bytes = read_limited(path).map_err(|e| whole(format!("cannot read: {e}")))?;
     stack.push(canonical);
+    apply_bytes(path, &bytes, settings, actions, stack)?;
+    stack.pop();
+    Ok(())
+}
+
+/// Applies configuration text read from `path` (named in errors); `include` lines are
+/// followed relative to `path`. Exposed for the fuzz target.
+pub fn apply_text(
+    path: &Path,
+    bytes: &[u8],
+    settings: &mut Settings,
+) -> Result<Vec<Action>, ConfigError> {
+    let mut actions = Vec::new();
+    apply_bytes(path, bytes, settings, &mut actions, &mut Vec::new())?;
+    Ok(actions)
+}
+
+fn apply_bytes(
+    path: &Path,
+    bytes: &[u8],
+    settings: &mut Settings,
+    actions: &mut Vec<Action>,
+    stack: &mut Vec<PathBuf>,
+) -> Result<(), ConfigError> {
     for (index, raw) in bytes.split(|&b| b == b'\n').enumerate() {
         let at = |reason: String| ConfigError {
             file: path.to_path_buf(),
@@ -118,7 +142,6 @@ fn load_nested(
             }
         }
     }
-    stack.pop();
     Ok(())
 }
 

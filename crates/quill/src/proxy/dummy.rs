@@ -11,15 +11,20 @@ use tokio::io::{AsyncRead, AsyncReadExt, AsyncWrite, AsyncWriteExt};
 const MAX_HEAD: usize = 64 * 1024;
 
 /// What to do with one request head.
-struct Request {
-    head_len: usize,
-    body_len: usize,
-    head_method: bool,
-    close: bool,
-    chunked: bool,
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Request {
+    /// Bytes of the head, including the blank line.
+    pub head_len: usize,
+    /// `Content-Length` of the body (0 if absent or unreadable).
+    pub body_len: usize,
+    pub head_method: bool,
+    /// The client asked to close after this request.
+    pub close: bool,
+    pub chunked: bool,
 }
 
-fn parse_head(buf: &[u8]) -> Option<Request> {
+/// Frames the request head at the start of `buf`, or `None` while it is incomplete.
+pub fn parse_head(buf: &[u8]) -> Option<Request> {
     let end = buf.windows(4).position(|w| w == b"\r\n\r\n")? + 4;
     let head = &buf[..end];
     let mut lines = head
