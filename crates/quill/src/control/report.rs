@@ -8,18 +8,30 @@ use std::sync::atomic::Ordering::Relaxed;
 use serde_json::json;
 
 use super::Context;
-use crate::balance::clock;
+use std::net::IpAddr;
+
+use crate::balance::{clock, ServerState};
+use crate::settings::ServerConf;
 use crate::settings::Settings;
 use crate::state::State;
+
+/// The servers in use (those with an address), with their runtime state.
+fn in_use<'a>(
+    settings: &'a Settings,
+    state: &'a State,
+) -> impl Iterator<Item = (usize, &'a ServerConf, IpAddr, &'a ServerState)> + 'a {
+    settings
+        .servers
+        .iter()
+        .enumerate()
+        .filter_map(|(i, s)| Some((i, s, s.ip?, state.servers.get(i)?)))
+}
 
 /// Pen's `servers` format: one line per configured server.
 pub fn servers(state: &State) -> String {
     let settings = state.settings();
     let mut out = String::new();
-    for (i, s) in settings.servers.iter().enumerate() {
-        let (Some(ip), Some(rt)) = (s.ip, state.servers.get(i)) else {
-            continue;
-        };
+    for (i, s, ip, rt) in in_use(&settings, state) {
         let _ = writeln!(
             out,
             "{i} addr {ip} port {} conn {} max {} hard {} weight {} prio {} sx {} rx {}",
@@ -103,10 +115,7 @@ pub fn html(ctx: &Context) -> String {
         mode(&settings),
     );
     out.push_str("<table border=\"1\">\n<tr><th>server</th><th>address</th><th>port</th><th>state</th><th>conn</th><th>max</th><th>hard</th><th>weight</th><th>prio</th><th>total</th><th>failures</th><th>sent</th><th>received</th></tr>\n");
-    for (i, s) in settings.servers.iter().enumerate() {
-        let (Some(ip), Some(rt)) = (s.ip, state.servers.get(i)) else {
-            continue;
-        };
+    for (i, s, ip, rt) in in_use(&settings, state) {
         let up = if rt.is_blacklisted(now) {
             format!("blacklisted {} s", rt.blacklist_left(now))
         } else {
@@ -138,13 +147,9 @@ pub fn json(ctx: &Context) -> String {
     let state = &ctx.state;
     let settings = state.settings();
     let now = clock::now_ms();
-    let servers: Vec<_> = settings
-        .servers
-        .iter()
-        .enumerate()
-        .filter_map(|(i, s)| {
-            let (ip, rt) = (s.ip?, state.servers.get(i)?);
-            Some(json!({
+    let servers: Vec<_> = in_use(&settings, state)
+        .map(|(i, s, ip, rt)| {
+            json!({
                 "index": i,
                 "host": s.host.as_ref().map(|h| h.to_string()),
                 "address": ip.to_string(),
@@ -161,7 +166,7 @@ pub fn json(ctx: &Context) -> String {
                 "failures": rt.failures.load(Relaxed),
                 "bytes_to_server": rt.bytes_to.load(Relaxed),
                 "bytes_from_server": rt.bytes_from.load(Relaxed),
-            }))
+            })
         })
         .collect();
     let p = settings.policy;
