@@ -3,16 +3,14 @@
 //! runtime counters; nothing here changes anything.
 
 use std::fmt::Write as _;
+use std::net::IpAddr;
 use std::sync::atomic::Ordering::Relaxed;
 
 use serde_json::json;
 
 use super::Context;
-use std::net::IpAddr;
-
 use crate::balance::{clock, ServerState};
-use crate::settings::ServerConf;
-use crate::settings::Settings;
+use crate::settings::{ServerConf, Settings};
 use crate::state::State;
 
 /// The servers in use (those with an address), with their runtime state.
