@@ -108,7 +108,11 @@ static LOG_LEVEL: AtomicU8 = AtomicU8::new(0);
 
 /// Sets the log level from Pen's debug number (0 = warnings and errors only).
 pub fn set_log_level(debug: u32) {
-    LOG_LEVEL.store(u8::try_from(debug).unwrap_or(u8::MAX), Relaxed);
+    let level = u8::try_from(debug).unwrap_or(u8::MAX);
+    if LOG_LEVEL.swap(level, Relaxed) != level {
+        // tracing caches per call site whether it is enabled; make it ask again.
+        tracing::callsite::rebuild_interest_cache();
+    }
 }
 
 fn level_enabled(level: &tracing::Level) -> bool {
@@ -209,10 +213,13 @@ pub fn run(inv: Invocation) -> Result<(), StartError> {
     };
 
     let workers = worker_count(&settings);
-    if inv.protocol == Protocol::Udp {
-        return Err(StartError::Unsupported("UDP load balancing (-U)"));
-    }
-    let listeners = listen::open(&listen_addr, workers, settings.backlog)?;
+    let (listeners, udp_listeners) = match inv.protocol {
+        Protocol::Tcp => (
+            listen::open(&listen_addr, workers, settings.backlog)?,
+            Vec::new(),
+        ),
+        Protocol::Udp => (Vec::new(), crate::net::udp::open(&listen_addr, workers)?),
+    };
     let control_listener = match &control_addr {
         None => None,
         Some(addr) => {
@@ -238,6 +245,15 @@ pub fn run(inv: Invocation) -> Result<(), StartError> {
         rustix::stdio::dup2_stdout(&null).map_err(|e| StartError::Daemon(e.into()))?;
         rustix::stdio::dup2_stderr(&null).map_err(|e| StartError::Daemon(e.into()))?;
     }
+    // The signal handlers exist before the pid file does: `kill -HUP $(cat pidfile)` must
+    // never meet the default action, which would end the process.
+    let rt = tokio::runtime::Builder::new_current_thread()
+        .enable_all()
+        .build()
+        .map_err(StartError::Runtime)?;
+    let mut signals = rt
+        .block_on(async { Signals::install() })
+        .map_err(StartError::Runtime)?;
     let mut cleanup = Cleanup(Vec::new());
     if let Some(path) = &inv.pidfile {
         // Removing it at exit needs write access to its directory for the user quill
@@ -264,11 +280,34 @@ pub fn run(inv: Invocation) -> Result<(), StartError> {
 
     let state = State::new(settings, control_addr.is_some());
     let (stop_tx, stop_rx) = watch::channel(false);
-    let mut relisten = Vec::with_capacity(listeners.len());
+    let (relisten, receivers): (Vec<_>, Vec<_>) = (0..listeners.len())
+        .map(|_| mpsc::unbounded_channel())
+        .unzip();
+    let ctx = Arc::new(Context {
+        state: Arc::clone(&state),
+        control_addr: control_addr.as_ref().map(ToString::to_string),
+        exit_enabled: inv.exit_enabled,
+        config_file: inv.config.clone(),
+        base_commands: inv
+            .commands
+            .iter()
+            .map(|(_, c)| c.clone())
+            .collect::<Vec<Command>>(),
+        relisten,
+        exit: Arc::new(Notify::new()),
+    });
+    // Before the first connection is accepted: the log is open and the start-up actions
+    // (e.g. `server N blacklist T` in the file) are carried out. The listeners were opened
+    // above, so re-listen actions are dropped.
+    let start_actions = actions
+        .into_iter()
+        .filter(|a| !matches!(a, Action::Relisten(_)))
+        .collect();
+    ctx.carry_out(start_actions);
+    ctx.reopen_log();
+
     let mut threads = Vec::with_capacity(listeners.len());
-    for (i, listener) in listeners.into_iter().enumerate() {
-        let (tx, rx) = mpsc::unbounded_channel();
-        relisten.push(tx);
+    for ((i, listener), rx) in listeners.into_iter().enumerate().zip(receivers) {
         let state = Arc::clone(&state);
         let stop = stop_rx.clone();
         let rt = tokio::runtime::Builder::new_current_thread()
@@ -290,33 +329,13 @@ pub fn run(inv: Invocation) -> Result<(), StartError> {
             .map_err(StartError::Runtime)?;
         threads.push(thread);
     }
+    threads.extend(
+        crate::proxy::udp::spawn_loops(&state, udp_listeners, &stop_rx)
+            .map_err(StartError::Runtime)?,
+    );
 
-    let ctx = Arc::new(Context {
-        state: Arc::clone(&state),
-        control_addr: control_addr.as_ref().map(ToString::to_string),
-        exit_enabled: inv.exit_enabled,
-        config_file: inv.config.clone(),
-        base_commands: inv
-            .commands
-            .iter()
-            .map(|(_, c)| c.clone())
-            .collect::<Vec<Command>>(),
-        relisten,
-        exit: Arc::new(Notify::new()),
-    });
-    for action in actions {
-        // The listeners were opened above; only table actions and the log remain.
-        if !matches!(action, Action::Relisten(_)) {
-            ctx.carry_out(vec![action]);
-        }
-    }
-    ctx.reopen_log();
     tracing::info!("listening on {listen_addr} with {workers} event loop(s)");
 
-    let rt = tokio::runtime::Builder::new_current_thread()
-        .enable_all()
-        .build()
-        .map_err(StartError::Runtime)?;
     rt.block_on(async {
         if let Some(l) = control_listener {
             let ctx = Arc::clone(&ctx);
@@ -326,9 +345,8 @@ pub fn run(inv: Invocation) -> Result<(), StartError> {
                 }
             });
         }
-        handle_signals(&ctx).await
-    })
-    .map_err(StartError::Runtime)?;
+        handle_signals(&ctx, &mut signals).await;
+    });
 
     tracing::info!(
         "stopping: no new connections; waiting up to {:?} for {} open",
@@ -346,23 +364,39 @@ pub fn run(inv: Invocation) -> Result<(), StartError> {
     Ok(())
 }
 
+/// The signals quill reacts to, registered once at start-up.
+struct Signals {
+    term: tokio::signal::unix::Signal,
+    int: tokio::signal::unix::Signal,
+    hup: tokio::signal::unix::Signal,
+    usr1: tokio::signal::unix::Signal,
+}
+
+impl Signals {
+    /// Installs the handlers (inside the runtime that will serve them).
+    fn install() -> io::Result<Signals> {
+        use tokio::signal::unix::{signal, SignalKind};
+        Ok(Signals {
+            term: signal(SignalKind::terminate())?,
+            int: signal(SignalKind::interrupt())?,
+            hup: signal(SignalKind::hangup())?,
+            usr1: signal(SignalKind::user_defined1())?,
+        })
+    }
+}
+
 /// Serves signals until one says stop (TERM, INT, or the `exit` command).
-async fn handle_signals(ctx: &Context) -> io::Result<()> {
-    use tokio::signal::unix::{signal, SignalKind};
-    let mut term = signal(SignalKind::terminate())?;
-    let mut int = signal(SignalKind::interrupt())?;
-    let mut hup = signal(SignalKind::hangup())?;
-    let mut usr1 = signal(SignalKind::user_defined1())?;
+async fn handle_signals(ctx: &Context, signals: &mut Signals) {
     loop {
         tokio::select! {
-            _ = term.recv() => return Ok(()),
-            _ = int.recv() => return Ok(()),
-            _ = ctx.exit.notified() => return Ok(()),
-            _ = hup.recv() => match ctx.reload() {
+            _ = signals.term.recv() => return,
+            _ = signals.int.recv() => return,
+            _ = ctx.exit.notified() => return,
+            _ = signals.hup.recv() => match ctx.reload() {
                 Ok(()) => tracing::info!("configuration reloaded"),
                 Err(e) => tracing::error!("reload failed, the running configuration stays: {e}"),
             },
-            _ = usr1.recv() => {
+            _ = signals.usr1.recv() => {
                 let stats = control::report::servers(&ctx.state);
                 tracing::warn!(
                     "statistics: {} connections open, {} accepted\n{stats}",

@@ -310,7 +310,10 @@ impl Settings {
                     return Err(ApplyError::TooSmall("clients_max"));
                 }
                 self.clients_max = *n;
-                Applied::action(Action::ResizeClients(*n))
+                Applied {
+                    reply: Reply::Value(n.to_string()),
+                    actions: vec![Action::ResizeClients(*n)],
+                }
             }
             Command::Acl { list, rule } => {
                 if matches!(rule.matcher, crate::acl::AclMatch::Country(_)) && self.geoip.is_none()
@@ -374,7 +377,10 @@ impl Settings {
                 self.listen = Some(addr.clone());
                 Applied::action(Action::Relisten(addr))
             }
-            Command::ControlAcl(list) => set(&mut self.control_acl, *list),
+            Command::ControlAcl(list) => {
+                self.control_acl = *list;
+                Applied::value(list)
+            }
             Command::Log(None) => {
                 Applied::value(self.log.as_ref().map(Word::to_string).unwrap_or_default())
             }
@@ -551,11 +557,12 @@ fn set<T>(slot: &mut T, value: T) -> Applied {
     Applied::done()
 }
 
+/// Sets the value if one is given; either way the reply is the (new) value, as Pen's.
 fn query_or_set<T: Copy + ToString>(slot: &mut T, value: Option<T>) -> Applied {
-    match value {
-        Some(v) => set(slot, v),
-        None => Applied::value(*slot),
+    if let Some(v) = value {
+        *slot = v;
     }
+    Applied::value(*slot)
 }
 
 #[cfg(test)]
@@ -604,6 +611,9 @@ mod tests {
         let r = s.apply(&Command::Blacklist(None));
         assert_eq!(r.map(|a| a.reply), Ok(Reply::Value("30".into())));
         assert_eq!(s, before);
+        // Setting answers with the new value, as Pen does.
+        let r = s.apply(&Command::Timeout(Some(9)));
+        assert_eq!(r.map(|a| a.reply), Ok(Reply::Value("9".into())));
     }
 
     #[test]

@@ -90,6 +90,23 @@ pub fn execute(ctx: &Context, cmd: &Command) -> Result<String, String> {
                 .map_err(|e| format!("cannot write {}: {e}", path.display()))?;
             Ok(String::new())
         }
+        Command::Listen(Some(word)) => {
+            // Bind first: an address that cannot be bound changes nothing.
+            let addr = crate::net::ListenAddr::parse(word.as_str()).map_err(|e| e.to_string())?;
+            if state.settings().listen.as_ref() == Some(&addr) {
+                return Ok(String::new());
+            }
+            let listeners = ctx.open_listeners(&addr).map_err(|e| e.to_string())?;
+            let (_, actions) = state.execute(cmd).map_err(|e| e.to_string())?;
+            ctx.hand_over(listeners);
+            let rest = actions
+                .into_iter()
+                .filter(|a| !matches!(a, crate::settings::Action::Relisten(_)))
+                .collect();
+            ctx.carry_out(rest);
+            tracing::info!("now listening on {addr}");
+            Ok(String::new())
+        }
         Command::Exit if ctx.exit_enabled => {
             ctx.exit.notify_one();
             Ok(String::new())

@@ -73,17 +73,42 @@ impl Context {
     /// error the running configuration stays and the error is returned.
     pub fn reload(&self) -> Result<(), ConfigError> {
         let (settings, mut actions) = self.build_settings()?;
+        // Rebuilding from scratch always "sets" the listening address; only a real change
+        // means a new socket. It is bound before anything is published, so an address
+        // that cannot be bound fails the reload as a whole.
+        actions.retain(|a| !matches!(a, Action::Relisten(_)));
         let old = self.state.settings();
-        if settings.listen != old.listen {
-            if let Some(addr) = &settings.listen {
-                actions.push(Action::Relisten(addr.clone()));
+        let new_listeners = match &settings.listen {
+            Some(addr) if settings.listen != old.listen => {
+                Some(self.open_listeners(addr).map_err(|e| ConfigError {
+                    file: self.config_file.clone().unwrap_or_default(),
+                    line: 0,
+                    reason: e.to_string(),
+                })?)
             }
-        }
+            _ => None,
+        };
         actions.push(Action::ReopenLog);
         crate::daemon::set_log_level(settings.debug);
         let rest = self.state.replace(settings, actions);
+        if let Some(listeners) = new_listeners {
+            self.hand_over(listeners);
+        }
         self.carry_out(rest);
         Ok(())
+    }
+
+    /// Binds the sockets for a new listening address, one per event loop.
+    pub fn open_listeners(&self, addr: &ListenAddr) -> Result<Vec<Listener>, listen::ListenError> {
+        let backlog = self.state.settings().backlog;
+        listen::open(addr, self.relisten.len(), backlog)
+    }
+
+    /// Gives each event loop its new listener; the old ones close, connections stay.
+    pub fn hand_over(&self, listeners: Vec<Listener>) {
+        for (tx, l) in self.relisten.iter().zip(listeners) {
+            let _ = tx.send(l);
+        }
     }
 
     /// Applies a file on top of the running configuration (`include`), all or nothing.
@@ -116,11 +141,8 @@ impl Context {
     /// Opens listeners on `addr` and hands one to each event loop; the old ones close,
     /// established connections stay.
     pub fn relisten_to(&self, addr: &ListenAddr) -> Result<(), listen::ListenError> {
-        let backlog = self.state.settings().backlog;
-        let listeners = listen::open(addr, self.relisten.len(), backlog)?;
-        for (tx, l) in self.relisten.iter().zip(listeners) {
-            let _ = tx.send(l);
-        }
+        let listeners = self.open_listeners(addr)?;
+        self.hand_over(listeners);
         tracing::info!("now listening on {addr}");
         Ok(())
     }

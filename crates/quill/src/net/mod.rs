@@ -3,5 +3,6 @@
 pub mod connect;
 pub mod listen;
 pub mod services;
+pub mod udp;
 
 pub use listen::{ListenAddr, Listener};

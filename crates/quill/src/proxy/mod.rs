@@ -5,3 +5,4 @@ pub mod dummy;
 pub mod registry;
 pub mod relay;
 pub mod tcp;
+pub mod udp;

@@ -24,6 +24,9 @@
 #![allow(dead_code)]
 #![allow(clippy::unwrap_used, clippy::expect_used, clippy::panic)]
 
+pub mod ctl;
+pub mod dns;
+
 use std::collections::{HashMap, HashSet};
 use std::fmt::Display;
 use std::fs::{self, File};

@@ -1,0 +1,750 @@
+//! The UDP data plane (`-U`): datagrams balanced per client flow.
+//!
+//! A flow is one client address and port. Its first datagram runs the same admission and
+//! selection as a TCP connection (`conn_max`, client ACL → abuse server or drop, Pen's
+//! [`Selector`] with tracking, `-r`, `-h`, weight, prio, server ACLs and limits, then the
+//! emergency server), and opens an upstream socket *connected* to the chosen server. The
+//! client's datagrams go out on that socket; the server's replies come back on it (the
+//! kernel filters out anyone else) and leave through the listening socket, from the address
+//! and port the client sent to. quill never looks inside a datagram: any bytes, of any
+//! length from 0 to 65,507, are passed on whole.
+//!
+//! One [`serve`] runs per event loop, on its own SO_REUSEPORT socket. The kernel hashes a
+//! client's address and port to one of those sockets, so every datagram of a flow reaches
+//! the same loop: the flow table is per loop, a plain `HashMap` without a lock. Each flow
+//! has a small task that waits for replies and for its timer; the loop's main task reads
+//! the listening socket in batches of [`LISTEN_BATCH`] (`recvmmsg`) and sends the datagrams
+//! of each flow in the batch on at once, in order, with one `sendmmsg` on the flow's
+//! socket. A flow's task reads its replies the same way (up to [`REPLY_BATCH`]) and sends
+//! them to the client with one `sendmmsg`. Receive buffers are allocated once per loop
+//! (the flows of a loop share one); nothing is allocated per datagram. Sockets are
+//! registered for readability only. A loop that is busy polls instead of sleeping between
+//! datagrams (see [`Load`]); an idle one sleeps.
+//!
+//! A client hash table keyed by what clients send is a target for collisions, so the flow
+//! table keeps std's randomly keyed SipHash.
+//!
+//! A flow ends:
+//! * when it has been silent in both directions for `udp_idle_timeout` seconds;
+//! * when its server fails: the connected socket reports ICMP port/host unreachable
+//!   (ECONNREFUSED...), or a datagram went unanswered for `timeout` seconds. The server is
+//!   then blacklisted for `blacklist` seconds, and the flow's next datagram starts a new
+//!   flow, which selection sends to another server;
+//! * at shutdown: at once if it is waiting for no answer, otherwise when the answer comes or
+//!   the answer timeout passes.
+//!
+//! Flows are counted in `State::active` (so `conn_max` bounds them) and in their server's
+//! connection count (so limits, weights and `prio` see them).
+
+use std::cell::{Cell, RefCell};
+use std::collections::HashMap;
+use std::io::{self, ErrorKind};
+use std::net::{IpAddr, SocketAddr};
+use std::rc::Rc;
+use std::sync::atomic::Ordering::Relaxed;
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use tokio::io::unix::{AsyncFd, AsyncFdReadyGuard};
+use tokio::sync::watch;
+use tokio::task::AbortHandle;
+
+use crate::balance::{clock, Choice, Selector, ServerState};
+use crate::net::udp::{self as sock, Received, RecvBatch, UdpListener};
+use crate::settings::Settings;
+use crate::state::State;
+
+/// Datagrams read from the listening socket per system call.
+pub const LISTEN_BATCH: usize = 32;
+/// Replies read from one upstream socket per system call.
+pub const REPLY_BATCH: usize = 8;
+/// Batches read in a row before letting the loop's other tasks (the flows) run.
+const BUDGET: usize = 8;
+
+/// Which upstream a flow uses.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum Upstream {
+    Server(usize),
+    Emergency,
+    Abuse,
+}
+
+/// One client flow, shared by the loop's main task (client → server) and the flow's own
+/// task (server → client). Only ever touched by the one thread of its event loop.
+struct Flow {
+    client: SocketAddr,
+    /// The address the client sent to, as the replies' source (pktinfo listeners only).
+    local: Option<IpAddr>,
+    /// Connected to the server; registered for readability only (a UDP send never waits,
+    /// so write readiness would only be wake-ups for nothing).
+    sock: AsyncFd<std::net::UdpSocket>,
+    upstream: Upstream,
+    /// Copied from the settings snapshot when the flow started.
+    idle_ms: u64,
+    answer_ms: u64,
+    blacklist_secs: u64,
+    /// `clock::now_ms()` of the last datagram in either direction.
+    last_active: Cell<u64>,
+    /// `clock::now_ms()` of the oldest datagram sent since the last reply; 0 = none.
+    awaiting_since: Cell<u64>,
+    /// Bytes not yet added to the server's totals (added on the timer and at the end).
+    bytes_up: Cell<u64>,
+    bytes_down: Cell<u64>,
+    state: Arc<State>,
+}
+
+impl Flow {
+    fn server_state(&self) -> Option<&ServerState> {
+        match self.upstream {
+            Upstream::Server(i) => self.state.servers.get(i),
+            Upstream::Emergency => Some(&self.state.emergency),
+            Upstream::Abuse => Some(&self.state.abuse),
+        }
+    }
+
+    /// A datagram of `len` bytes went to the server at `now`.
+    fn sent(&self, now: u64, len: usize) {
+        self.last_active.set(now);
+        if self.awaiting_since.get() == 0 {
+            self.awaiting_since.set(now);
+        }
+        self.bytes_up.set(self.bytes_up.get() + len as u64);
+    }
+
+    /// The server answered at `now`.
+    fn answered(&self, now: u64, bytes: u64) {
+        self.last_active.set(now);
+        self.awaiting_since.set(0);
+        self.bytes_down.set(self.bytes_down.get() + bytes);
+    }
+
+    /// A datagram has waited for an answer longer than the timeout.
+    fn answer_overdue(&self, now: u64) -> bool {
+        let since = self.awaiting_since.get();
+        since != 0 && now.saturating_sub(since) >= self.answer_ms
+    }
+
+    fn idle(&self, now: u64) -> bool {
+        now.saturating_sub(self.last_active.get()) >= self.idle_ms
+    }
+
+    /// When the timer should look at this flow again: at its idle deadline, or when its
+    /// oldest unanswered datagram times out, and at least once per answer timeout (a
+    /// datagram sent after this point is then found overdue at most one timeout late).
+    fn next_check(&self, now: u64) -> u64 {
+        let idle_at = self.last_active.get().saturating_add(self.idle_ms);
+        let answer_at = match self.awaiting_since.get() {
+            0 => now.saturating_add(self.answer_ms),
+            since => since.saturating_add(self.answer_ms),
+        };
+        idle_at.min(answer_at).max(now.saturating_add(1))
+    }
+
+    fn flush_bytes(&self) {
+        if let Some(s) = self.server_state() {
+            let (up, down) = (self.bytes_up.take(), self.bytes_down.take());
+            if up > 0 {
+                s.bytes_to.fetch_add(up, Relaxed);
+            }
+            if down > 0 {
+                s.bytes_from.fetch_add(down, Relaxed);
+            }
+        }
+    }
+
+    /// The server behind this flow failed: blacklist it (emergency and abuse servers are
+    /// not in the table and are only left).
+    fn server_failed(&self, why: &dyn std::fmt::Display) {
+        match self.upstream {
+            Upstream::Server(i) => {
+                tracing::info!(
+                    "server {i} failed for udp client {}: {why}; blacklisted for {} s",
+                    self.client,
+                    self.blacklist_secs
+                );
+                self.state.server_failed(i, self.blacklist_secs);
+            }
+            other => tracing::info!(
+                "{other:?} server failed for udp client {}: {why}",
+                self.client
+            ),
+        }
+    }
+}
+
+impl Drop for Flow {
+    fn drop(&mut self) {
+        self.flush_bytes();
+        if let Some(s) = self.server_state() {
+            s.conns.fetch_sub(1, Relaxed);
+        }
+        self.state.active.fetch_sub(1, Relaxed);
+    }
+}
+
+struct Entry {
+    flow: Rc<Flow>,
+    task: AbortHandle,
+}
+
+/// The state of one event loop.
+struct Worker {
+    state: Arc<State>,
+    listener: AsyncFd<std::net::UdpSocket>,
+    flows: RefCell<HashMap<SocketAddr, Entry>>,
+    /// Receive buffers for replies, shared by the flows of this loop (one runs at a time).
+    replies: RefCell<RecvBatch<REPLY_BATCH>>,
+    stopping: Cell<bool>,
+}
+
+/// Whether a send or receive error on a connected upstream socket means the server (or
+/// the way to it) is gone, as opposed to a local, passing condition.
+fn is_server_failure(e: &io::Error) -> bool {
+    use rustix::io::Errno;
+    matches!(e.kind(), ErrorKind::ConnectionRefused)
+        || [Errno::HOSTUNREACH, Errno::NETUNREACH, Errno::HOSTDOWN]
+            .iter()
+            .any(|errno| e.raw_os_error() == Some(errno.raw_os_error()))
+}
+
+/// Errors of the local system (descriptors, memory), which say nothing about a server.
+fn is_local_shortage(e: &io::Error) -> bool {
+    use rustix::io::Errno;
+    [Errno::MFILE, Errno::NFILE, Errno::NOBUFS, Errno::NOMEM]
+        .iter()
+        .any(|errno| e.raw_os_error() == Some(errno.raw_os_error()))
+}
+
+/// Starts one event loop thread per listener, each a current-thread runtime serving
+/// [`serve`] in a `LocalSet`, as the TCP loops do. The threads run until the process ends;
+/// after `shutdown` their flows wind down and `State::active` falls to 0.
+pub fn spawn_loops(
+    state: &Arc<State>,
+    listeners: Vec<UdpListener>,
+    shutdown: &watch::Receiver<bool>,
+) -> io::Result<Vec<std::thread::JoinHandle<()>>> {
+    let mut threads = Vec::with_capacity(listeners.len());
+    for (i, listener) in listeners.into_iter().enumerate() {
+        let state = Arc::clone(state);
+        let stop = shutdown.clone();
+        let rt = tokio::runtime::Builder::new_current_thread()
+            .enable_all()
+            .build()?;
+        let thread = std::thread::Builder::new()
+            .name(format!("quill-udp-{i}"))
+            .spawn(move || {
+                let local = tokio::task::LocalSet::new();
+                local.block_on(&rt, async move {
+                    if let Err(e) = serve(state, listener, stop).await {
+                        tracing::error!("udp event loop {i}: {e}");
+                    }
+                    // Let the flows still waiting for an answer finish (bounded by main).
+                    std::future::pending::<()>().await;
+                });
+            })?;
+        threads.push(thread);
+    }
+    Ok(threads)
+}
+
+/// How long a busy loop keeps polling after its last datagram before it sleeps.
+const SPIN: Duration = Duration::from_micros(500);
+/// The period over which a loop's load is measured.
+const LOAD_WINDOW: Duration = Duration::from_millis(10);
+/// Preemptions in one window that mean the loop shares its core with other busy threads
+/// (measured: well under 1 per window on a core of its own, 40 to 50 when a 2-core box runs
+/// the balancer, its servers and its clients on both cores).
+const MAX_PREEMPTIONS: i64 = 10;
+/// How long a loop that was preempted while polling sleeps between datagrams before it
+/// tries polling again.
+const CONTENDED_BACKOFF: Duration = Duration::from_secs(1);
+
+/// Busy polling, only under load. A loop that sleeps in epoll whenever its queue is
+/// empty for a moment must be woken by the sender of the next datagram (an inter-processor
+/// interrupt and two context switches), which under heavy traffic costs more than the
+/// datagram itself. So once the loop has spent more than a quarter of the last window
+/// handling client datagrams (about half its time, counting the replies), it keeps
+/// polling its sockets, without sleeping, for [`SPIN`] after each datagram. A lightly
+/// loaded loop never spins, so an idle or quiet quill costs no CPU. Polling only pays on a
+/// core of its own: a loop that the kernel preempts while it polls (another busy thread
+/// wants the core, e.g. the servers on a small box) stops polling for a while.
+struct Load {
+    window_start: Instant,
+    busy: Duration,
+    last: Instant,
+    hot: bool,
+    /// The thread's involuntary context switches at the start of the window.
+    preempted: i64,
+    /// No polling before this time.
+    calm_until: Instant,
+}
+
+/// Involuntary context switches of the calling thread so far.
+fn preemptions() -> i64 {
+    use nix::sys::resource::{getrusage, UsageWho};
+    getrusage(UsageWho::RUSAGE_THREAD).map_or(0, |u| u.involuntary_context_switches())
+}
+
+impl Load {
+    fn new() -> Load {
+        let now = Instant::now();
+        Load {
+            window_start: now,
+            busy: Duration::ZERO,
+            last: now,
+            hot: false,
+            preempted: preemptions(),
+            calm_until: now,
+        }
+    }
+
+    /// Work that started at `since` has just ended.
+    fn worked(&mut self, since: Instant) {
+        let now = Instant::now();
+        self.busy += now.saturating_duration_since(since);
+        self.last = now;
+        let window = now.saturating_duration_since(self.window_start);
+        if window >= LOAD_WINDOW {
+            let preempted = preemptions();
+            if self.hot && preempted - self.preempted > MAX_PREEMPTIONS {
+                self.calm_until = now + CONTENDED_BACKOFF;
+            }
+            self.preempted = preempted;
+            self.hot = self.busy * 4 > window && now >= self.calm_until;
+            self.busy = Duration::ZERO;
+            self.window_start = now;
+        }
+    }
+
+    /// Whether to poll rather than sleep now. A pause longer than [`SPIN`] sleeps; the
+    /// load measured over the current window decides again at its end.
+    fn spinning(&self) -> bool {
+        self.hot && self.last.elapsed() < SPIN
+    }
+}
+
+/// Serves UDP flows on `listener` until `shutdown` turns true; then lets the flows that
+/// wait for an answer finish (bounded by the answer timeout) and ends the others.
+pub async fn serve(
+    state: Arc<State>,
+    listener: UdpListener,
+    mut shutdown: watch::Receiver<bool>,
+) -> io::Result<()> {
+    let pktinfo = listener.pktinfo;
+    let worker = Rc::new(Worker {
+        state,
+        listener: sock::register_readable(listener.socket)?,
+        flows: RefCell::new(HashMap::new()),
+        replies: RefCell::new(RecvBatch::new(false)),
+        stopping: Cell::new(false),
+    });
+    let mut batch: Box<RecvBatch<LISTEN_BATCH>> = Box::new(RecvBatch::new(pktinfo));
+    let mut load = Load::new();
+    loop {
+        let mut guard = if load.spinning() {
+            tokio::select! {
+                biased;
+                _ = shutdown.changed() => break,
+                g = worker.listener.readable() => g?,
+                () = tokio::task::yield_now() => continue,
+            }
+        } else {
+            tokio::select! {
+                biased;
+                _ = shutdown.changed() => break,
+                g = worker.listener.readable() => g?,
+            }
+        };
+        let woke = Instant::now();
+        let mut rounds = 0;
+        let more = loop {
+            let result = guard.try_io(|fd| {
+                let n = batch.recv(fd.get_ref())?;
+                if n < LISTEN_BATCH {
+                    // The queue is empty: say so, so that the event loop's cached
+                    // readiness is cleared without another (empty) recvmmsg.
+                    return Err(ErrorKind::WouldBlock.into());
+                }
+                Ok(n)
+            });
+            worker.datagrams(&batch, clock::now_ms());
+            match result {
+                Ok(Ok(_)) => {}
+                Ok(Err(e)) if e.kind() == ErrorKind::Interrupted => {}
+                Ok(Err(e)) => {
+                    tracing::warn!("udp receive failed: {e}");
+                    break false;
+                }
+                // Drained; readiness cleared.
+                Err(_) => break false,
+            }
+            rounds += 1;
+            if rounds >= BUDGET {
+                break true;
+            }
+        };
+        drop(guard);
+        load.worked(woke);
+        if more {
+            // Let the flows relay their replies before reading on.
+            tokio::task::yield_now().await;
+        }
+    }
+    worker.stop();
+    Ok(())
+}
+
+impl Worker {
+    /// A batch of client datagrams: those of one flow go out together, in order, with one
+    /// `sendmmsg` on the flow's socket.
+    fn datagrams<const N: usize>(self: &Rc<Self>, batch: &RecvBatch<N>, now: u64) {
+        let n = batch.len();
+        let mut done = [false; N];
+        let mut group: [&[u8]; N] = [&[]; N];
+        for i in 0..n {
+            if done[i] {
+                continue;
+            }
+            let Some((first, data)) = batch.get(i) else {
+                continue;
+            };
+            group[0] = data;
+            let mut k = 1;
+            for (j, taken) in done.iter_mut().enumerate().take(n).skip(i + 1) {
+                if let Some((_, d)) = batch.get(j).filter(|(r, _)| r.from == first.from) {
+                    *taken = true;
+                    if let Some(slot) = group.get_mut(k) {
+                        *slot = d;
+                        k += 1;
+                    }
+                }
+            }
+            self.flow_datagrams(first, &group[..k], now);
+        }
+    }
+
+    /// Datagrams of one client, in order: on its flow, or on a new one.
+    fn flow_datagrams(self: &Rc<Self>, r: &Received, datagrams: &[&[u8]], now: u64) {
+        let existing = self.flows.borrow().get(&r.from).map(|e| Rc::clone(&e.flow));
+        let mut rest = datagrams;
+        if let Some(flow) = existing {
+            if flow.answer_overdue(now) {
+                flow.server_failed(&"no answer within the timeout");
+                self.end(&r.from);
+            } else {
+                let (sent, err) = sock::send_many(flow.sock.get_ref(), rest, None);
+                flow.sent(now, rest[..sent].iter().map(|d| d.len()).sum());
+                rest = &rest[sent..];
+                match err {
+                    None => return,
+                    Some(e) if is_server_failure(&e) => {
+                        // The error was reported instead of sending: the datagrams are
+                        // still ours, and go to the next server below.
+                        flow.server_failed(&e);
+                        self.end(&r.from);
+                    }
+                    Some(e) => {
+                        tracing::debug!(client = %r.from, "{} datagram(s) dropped: {e}", rest.len());
+                        return;
+                    }
+                }
+            }
+        }
+        let Some(flow) = self.new_flow(r, now) else {
+            return;
+        };
+        let (sent, err) = sock::send_many(flow.sock.get_ref(), rest, None);
+        flow.sent(now, rest[..sent].iter().map(|d| d.len()).sum());
+        if let Some(e) = err {
+            tracing::debug!(client = %r.from, "{} datagram(s) dropped: {e}", rest.len() - sent);
+        }
+    }
+
+    /// Removes the flow of `client` and stops its task.
+    fn end(&self, client: &SocketAddr) {
+        let entry = self.flows.borrow_mut().remove(client);
+        if let Some(e) = entry {
+            e.task.abort();
+        }
+    }
+
+    /// Removes `flow` from the table, if it is still the flow of its client.
+    fn remove(&self, flow: &Rc<Flow>) {
+        let mut flows = self.flows.borrow_mut();
+        if flows
+            .get(&flow.client)
+            .is_some_and(|e| Rc::ptr_eq(&e.flow, flow))
+        {
+            flows.remove(&flow.client);
+        }
+    }
+
+    /// A new flow for the client of `r`: admission, selection, upstream socket, task.
+    fn new_flow(self: &Rc<Self>, r: &Received, now: u64) -> Option<Rc<Flow>> {
+        if self.stopping.get() {
+            return None;
+        }
+        let state = &self.state;
+        let settings = state.settings();
+        let active = state.active.fetch_add(1, Relaxed) + 1;
+        if active > settings.conn_max {
+            state.active.fetch_sub(1, Relaxed);
+            state.counters.refused_conn_max.fetch_add(1, Relaxed);
+            tracing::debug!(client = %r.from, "udp datagram dropped: conn_max {} reached", settings.conn_max);
+            return None;
+        }
+        let ip = r.from.ip().to_canonical();
+        let opened = if settings.acls[settings.client_acl.index()].permits(ip) {
+            self.choose(&settings, r.from, now)
+        } else if let Some(abuse) = &settings.abuse {
+            tracing::debug!(client = %r.from, "denied by client_acl {}: sent to the abuse server", settings.client_acl);
+            match sock::connect(abuse.addr, settings.source) {
+                Ok(s) => Some((s, Upstream::Abuse)),
+                Err(e) => {
+                    tracing::warn!(client = %r.from, "abuse server {}: {e}", abuse.name);
+                    None
+                }
+            }
+        } else {
+            state.counters.refused_acl.fetch_add(1, Relaxed);
+            tracing::debug!(client = %r.from, "denied by client_acl {}", settings.client_acl);
+            None
+        };
+        let Some((std_sock, upstream)) = opened else {
+            state.active.fetch_sub(1, Relaxed);
+            return None;
+        };
+        let server = match upstream {
+            Upstream::Server(i) => state.servers.get(i),
+            Upstream::Emergency => Some(&state.emergency),
+            Upstream::Abuse => Some(&state.abuse),
+        };
+        if let Some(s) = server {
+            s.conns.fetch_add(1, Relaxed);
+            s.total.fetch_add(1, Relaxed);
+        }
+        // From here on the flow's Drop gives back what was taken above.
+        let sock = match sock::register_readable(std_sock) {
+            Ok(s) => s,
+            Err(e) => {
+                tracing::warn!("cannot register an upstream udp socket: {e}");
+                if let Some(s) = server {
+                    s.conns.fetch_sub(1, Relaxed);
+                }
+                state.active.fetch_sub(1, Relaxed);
+                return None;
+            }
+        };
+        state.counters.accepted.fetch_add(1, Relaxed);
+        let flow = Rc::new(Flow {
+            client: r.from,
+            local: r.local,
+            sock,
+            upstream,
+            idle_ms: settings.udp_idle_timeout.saturating_mul(1000).max(1),
+            answer_ms: settings.timeout.max(1).saturating_mul(1000),
+            blacklist_secs: settings.blacklist,
+            last_active: Cell::new(now),
+            awaiting_since: Cell::new(0),
+            bytes_up: Cell::new(0),
+            bytes_down: Cell::new(0),
+            state: Arc::clone(state),
+        });
+        drop(settings);
+        tracing::debug!(client = %r.from, "udp flow to {upstream:?}");
+        let task = tokio::task::spawn_local(run_flow(Rc::clone(self), Rc::clone(&flow)));
+        let old = self.flows.borrow_mut().insert(
+            r.from,
+            Entry {
+                flow: Rc::clone(&flow),
+                task: task.abort_handle(),
+            },
+        );
+        if let Some(old) = old {
+            old.task.abort();
+        }
+        Some(flow)
+    }
+
+    /// Selection with failover (servers whose socket cannot even be connected), then the
+    /// emergency server.
+    fn choose(
+        &self,
+        settings: &Settings,
+        client: SocketAddr,
+        now: u64,
+    ) -> Option<(std::net::UdpSocket, Upstream)> {
+        let state = &self.state;
+        let mut selector = Selector::new(
+            settings,
+            &state.servers,
+            &state.clients,
+            &state.cursor,
+            client,
+            now,
+        );
+        let mut choice = selector.initial();
+        while let Choice::Server(index) = choice {
+            let Some(addr) = settings.servers.get(index).and_then(|s| s.addr()) else {
+                choice = selector.failover(index);
+                continue;
+            };
+            match sock::connect(addr, settings.source) {
+                Ok(s) => {
+                    if selector.tracks() {
+                        state.clients.record(client.ip().to_canonical(), index, now);
+                    }
+                    return Some((s, Upstream::Server(index)));
+                }
+                Err(e) if is_local_shortage(&e) => {
+                    tracing::warn!(%client, "cannot open an upstream udp socket: {e}");
+                    return None;
+                }
+                Err(e) => {
+                    tracing::info!(
+                        "server {index} ({addr}) failed: {e}; blacklisted for {} s",
+                        settings.blacklist
+                    );
+                    state.server_failed(index, settings.blacklist);
+                    choice = selector.failover(index);
+                }
+            }
+        }
+        if let Some(em) = &settings.emergency {
+            match sock::connect(em.addr, settings.source) {
+                Ok(s) => {
+                    tracing::debug!(%client, "emergency server {}", em.name);
+                    return Some((s, Upstream::Emergency));
+                }
+                Err(e) => tracing::warn!("emergency server {} failed: {e}", em.name),
+            }
+        }
+        state.counters.no_server.fetch_add(1, Relaxed);
+        tracing::debug!(%client, "no server available: udp datagram dropped");
+        None
+    }
+
+    /// Passes the replies queued on `flow`'s socket to its client, with one `sendmmsg` per
+    /// batch (one `sendmsg` per reply on pktinfo listeners, whose source address travels
+    /// in a control message). An error is a failure of the server or of the way to it.
+    fn relay_replies(
+        &self,
+        flow: &Flow,
+        guard: &mut AsyncFdReadyGuard<'_, std::net::UdpSocket>,
+    ) -> io::Result<()> {
+        let mut batch = self.replies.borrow_mut();
+        for _ in 0..BUDGET {
+            let result = guard.try_io(|fd| {
+                let n = batch.recv(fd.get_ref())?;
+                if n < REPLY_BATCH {
+                    return Err(ErrorKind::WouldBlock.into());
+                }
+                Ok(n)
+            });
+            let n = batch.len();
+            if n > 0 {
+                let mut replies: [&[u8]; REPLY_BATCH] = [&[]; REPLY_BATCH];
+                for (slot, (_, data)) in replies.iter_mut().zip(batch.iter()) {
+                    *slot = data;
+                }
+                let replies = &replies[..n];
+                let listener = self.listener.get_ref();
+                let mut bytes = 0u64;
+                if flow.local.is_some() {
+                    for data in replies {
+                        match sock::send_to(listener, data, flow.client, flow.local) {
+                            Ok(_) => bytes += data.len() as u64,
+                            Err(e) => tracing::debug!(client = %flow.client, "reply dropped: {e}"),
+                        }
+                    }
+                } else {
+                    let (sent, err) = sock::send_many(listener, replies, Some(flow.client));
+                    bytes = replies[..sent].iter().map(|d| d.len() as u64).sum();
+                    if let Some(e) = err {
+                        tracing::debug!(client = %flow.client, "{} reply(ies) dropped: {e}", n - sent);
+                    }
+                }
+                flow.answered(clock::now_ms(), bytes);
+            }
+            match result {
+                Ok(Ok(_)) => {}
+                Ok(Err(e)) if e.kind() == ErrorKind::Interrupted => {}
+                Ok(Err(e)) => return Err(e),
+                // Drained; readiness cleared.
+                Err(_) => return Ok(()),
+            }
+        }
+        Ok(())
+    }
+
+    /// Shutdown: no new flows; flows waiting for no answer end now, the others when their
+    /// answer comes or times out.
+    fn stop(&self) {
+        self.stopping.set(true);
+        self.flows.borrow_mut().retain(|_, e| {
+            let keep = e.flow.awaiting_since.get() != 0;
+            if !keep {
+                e.task.abort();
+            }
+            keep
+        });
+    }
+}
+
+/// Why a flow's task ended.
+enum End {
+    Idle,
+    Stopped,
+    Failed(String),
+}
+
+/// The task of one flow: replies to the client, idle expiry, answer timeout.
+async fn run_flow(worker: Rc<Worker>, flow: Rc<Flow>) {
+    let deadline = |flow: &Flow| {
+        let now = clock::now_ms();
+        tokio::time::Instant::now() + Duration::from_millis(flow.next_check(now) - now)
+    };
+    let sleep = tokio::time::sleep_until(deadline(&flow));
+    tokio::pin!(sleep);
+    let end = loop {
+        tokio::select! {
+            r = flow.sock.readable() => {
+                let mut guard = match r {
+                    Ok(g) => g,
+                    Err(e) => break End::Failed(e.to_string()),
+                };
+                match worker.relay_replies(&flow, &mut guard) {
+                    Ok(()) => {}
+                    Err(e) if is_server_failure(&e) => break End::Failed(e.to_string()),
+                    Err(e) => {
+                        tracing::debug!(client = %flow.client, "udp flow ended: {e}");
+                        break End::Stopped;
+                    }
+                }
+                if worker.stopping.get() && flow.awaiting_since.get() == 0 {
+                    break End::Stopped;
+                }
+            }
+            () = &mut sleep => {
+                let now = clock::now_ms();
+                flow.flush_bytes();
+                if flow.answer_overdue(now) {
+                    if worker.stopping.get() {
+                        break End::Stopped;
+                    }
+                    break End::Failed("no answer within the timeout".into());
+                }
+                if flow.idle(now) {
+                    break End::Idle;
+                }
+                sleep.as_mut().reset(deadline(&flow));
+            }
+        }
+    };
+    match end {
+        End::Failed(why) => flow.server_failed(&why),
+        End::Idle => tracing::debug!(client = %flow.client, "udp flow expired"),
+        End::Stopped => {}
+    }
+    worker.remove(&flow);
+}

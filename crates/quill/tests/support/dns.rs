@@ -1,0 +1,631 @@
+//! UDP and DNS pieces of the harness, for `tests/udp.rs`.
+//!
+//! * [`UdpQuill`] starts the daemon with `-f -U` on a free UDP port and waits until the
+//!   port is bound (read from /proc/net/udp, so no probe datagram disturbs the balancing).
+//! * [`DnsBackend`] is a UDP server on a thread of the test process. A datagram that parses
+//!   as a DNS query (one question) is answered with one A record holding the backend's own
+//!   address (10.0.0.N), so a test sees who answered; any other datagram (garbage, short,
+//!   empty, large) is echoed back unchanged. It can be stopped (its port is then closed, so
+//!   the kernel answers with ICMP port unreachable), restarted on the same port, or made
+//!   silent (it reads and never answers, like a hung host).
+//! * [`UdpClient`] plays one client flow: a socket bound to a chosen loopback address and
+//!   connected to the balancer, so that only a reply from the address it sent to counts.
+//! * [`query`] / [`answer`] build and read just enough DNS for that.
+#![allow(dead_code)]
+
+use std::fs;
+use std::io;
+use std::net::{IpAddr, Ipv4Addr, SocketAddr, UdpSocket};
+use std::path::Path;
+use std::process::{Child, Command, Stdio};
+use std::sync::atomic::{AtomicBool, AtomicU16, AtomicUsize, Ordering};
+use std::sync::{Arc, Mutex};
+use std::thread::{self, JoinHandle};
+use std::time::{Duration, Instant};
+
+use super::{bin, poll_until, TempDir, START_DEADLINE};
+
+// ---------------------------------------------------------------------------
+// DNS, just enough
+// ---------------------------------------------------------------------------
+
+/// An A query for `name` with transaction id `id` (recursion desired).
+pub fn query(id: u16, name: &str) -> Vec<u8> {
+    let mut q = Vec::with_capacity(32 + name.len());
+    q.extend_from_slice(&id.to_be_bytes());
+    q.extend_from_slice(&[0x01, 0x00, 0, 1, 0, 0, 0, 0, 0, 0]);
+    for label in name.trim_end_matches('.').split('.') {
+        q.push(label.len() as u8);
+        q.extend_from_slice(label.as_bytes());
+    }
+    q.extend_from_slice(&[0, 0, 1, 0, 1]);
+    q
+}
+
+/// Offset just past the question of a message with one question, if it is well formed.
+fn question_end(msg: &[u8]) -> Option<usize> {
+    let mut i = 12;
+    loop {
+        let len = *msg.get(i)? as usize;
+        if len == 0 {
+            i += 1;
+            break;
+        }
+        if len > 63 {
+            return None;
+        }
+        i += 1 + len;
+    }
+    let end = i + 4;
+    (end <= msg.len()).then_some(end)
+}
+
+/// The reply of a DNS server answering `q` with the A record `ip`, or None if `q` is not
+/// a query with exactly one question (additional records, such as dig's EDNS OPT record,
+/// are ignored and not echoed).
+pub fn reply_to(q: &[u8], ip: Ipv4Addr) -> Option<Vec<u8>> {
+    if q.len() < 12 || q[2] & 0x80 != 0 || q[4..6] != [0, 1] || q[6..10] != [0; 4] {
+        return None;
+    }
+    let end = question_end(q)?;
+    let mut r = Vec::with_capacity(end + 16);
+    r.extend_from_slice(&q[..2]);
+    r.extend_from_slice(&[0x85, 0x80, 0, 1, 0, 1, 0, 0, 0, 0]);
+    r.extend_from_slice(&q[12..end]);
+    // Name pointer to the question, type A, class IN, TTL 0, 4 bytes of address.
+    r.extend_from_slice(&[0xc0, 12, 0, 1, 0, 1, 0, 0, 0, 0, 0, 4]);
+    r.extend_from_slice(&ip.octets());
+    Some(r)
+}
+
+/// The address of the first A record of a reply to query `id`.
+pub fn answer(reply: &[u8], id: u16) -> Option<Ipv4Addr> {
+    if reply.len() < 12 || reply[..2] != id.to_be_bytes() || reply[2] & 0x80 == 0 {
+        return None;
+    }
+    if reply[6..8] == [0, 0] {
+        return None;
+    }
+    let end = question_end(reply)?;
+    let rdata = reply.get(end + 12..end + 16)?;
+    Some(Ipv4Addr::new(rdata[0], rdata[1], rdata[2], rdata[3]))
+}
+
+/// The answer address of backend number `n`: 10.0.0.n.
+pub fn backend_ip(n: u8) -> Ipv4Addr {
+    Ipv4Addr::new(10, 0, 0, n)
+}
+
+// ---------------------------------------------------------------------------
+// Backends
+// ---------------------------------------------------------------------------
+
+struct BackendInner {
+    ip: Ipv4Addr,
+    addr: SocketAddr,
+    silent: AtomicBool,
+    stop: AtomicBool,
+    received: AtomicUsize,
+    answered: AtomicUsize,
+    thread: Mutex<Option<JoinHandle<()>>>,
+}
+
+/// A DNS-speaking (and otherwise echoing) UDP backend; see the module documentation.
+pub struct DnsBackend {
+    inner: Arc<BackendInner>,
+}
+
+impl DnsBackend {
+    /// Backend answering 10.0.0.`n`, on 127.0.0.1:(free port).
+    pub fn start(n: u8) -> DnsBackend {
+        Self::start_on(n, "127.0.0.1:0")
+    }
+
+    /// Backend answering 10.0.0.`n`, on `addr` (e.g. "[::1]:0").
+    pub fn start_on(n: u8, addr: &str) -> DnsBackend {
+        let sock = UdpSocket::bind(addr).unwrap_or_else(|e| panic!("bind {addr}: {e}"));
+        let addr = sock.local_addr().expect("local_addr");
+        let inner = Arc::new(BackendInner {
+            ip: backend_ip(n),
+            addr,
+            silent: AtomicBool::new(false),
+            stop: AtomicBool::new(false),
+            received: AtomicUsize::new(0),
+            answered: AtomicUsize::new(0),
+            thread: Mutex::new(None),
+        });
+        run(&inner, sock);
+        DnsBackend { inner }
+    }
+
+    pub fn ip(&self) -> Ipv4Addr {
+        self.inner.ip
+    }
+
+    pub fn addr(&self) -> SocketAddr {
+        self.inner.addr
+    }
+
+    /// As a Pen server argument: "127.0.0.1:PORT" or "[::1]:PORT".
+    pub fn spec(&self) -> String {
+        match self.inner.addr {
+            SocketAddr::V4(a) => format!("{}:{}", a.ip(), a.port()),
+            SocketAddr::V6(a) => format!("[{}]:{}", a.ip(), a.port()),
+        }
+    }
+
+    /// Datagrams received so far.
+    pub fn received(&self) -> usize {
+        self.inner.received.load(Ordering::SeqCst)
+    }
+
+    /// Datagrams answered so far.
+    pub fn answered(&self) -> usize {
+        self.inner.answered.load(Ordering::SeqCst)
+    }
+
+    /// Keep reading but never answer (like a hung host), or answer again.
+    pub fn set_silent(&self, silent: bool) {
+        self.inner.silent.store(silent, Ordering::SeqCst);
+    }
+
+    /// Closes the socket: datagrams to the port now get ICMP port unreachable.
+    pub fn stop(&self) {
+        self.inner.stop.store(true, Ordering::SeqCst);
+        let t = self.inner.thread.lock().expect("lock").take();
+        if let Some(t) = t {
+            let _ = t.join();
+        }
+    }
+
+    /// Listens again on the same address after [`stop`](Self::stop).
+    pub fn restart(&self) {
+        self.stop();
+        let mut sock = None;
+        let addr = self.inner.addr;
+        assert!(
+            poll_until(Duration::from_secs(5), || {
+                sock = UdpSocket::bind(addr).ok();
+                sock.is_some()
+            }),
+            "cannot bind {addr} again"
+        );
+        self.inner.stop.store(false, Ordering::SeqCst);
+        run(&self.inner, sock.expect("socket"));
+    }
+}
+
+impl Drop for DnsBackend {
+    fn drop(&mut self) {
+        self.stop();
+    }
+}
+
+fn run(inner: &Arc<BackendInner>, sock: UdpSocket) {
+    // The read timeout only bounds how long stop() waits for the thread to notice.
+    sock.set_read_timeout(Some(Duration::from_millis(50)))
+        .expect("timeout");
+    let inner2 = Arc::clone(inner);
+    let t = thread::Builder::new()
+        .name(format!("dns-{}", inner.ip))
+        .spawn(move || {
+            let mut buf = vec![0u8; 65_536];
+            while !inner2.stop.load(Ordering::SeqCst) {
+                let Ok((n, from)) = sock.recv_from(&mut buf) else {
+                    continue;
+                };
+                inner2.received.fetch_add(1, Ordering::SeqCst);
+                if inner2.silent.load(Ordering::SeqCst) {
+                    continue;
+                }
+                let data = &buf[..n];
+                let sent = match reply_to(data, inner2.ip) {
+                    Some(r) => sock.send_to(&r, from),
+                    None => sock.send_to(data, from),
+                };
+                if sent.is_ok() {
+                    inner2.answered.fetch_add(1, Ordering::SeqCst);
+                }
+            }
+        })
+        .expect("spawn backend");
+    *inner.thread.lock().expect("lock") = Some(t);
+}
+
+// ---------------------------------------------------------------------------
+// Clients
+// ---------------------------------------------------------------------------
+
+static NEXT_ID: AtomicU16 = AtomicU16::new(1);
+
+/// One client flow: a socket bound to `src` (any port) and connected to the balancer.
+pub struct UdpClient {
+    pub sock: UdpSocket,
+}
+
+impl UdpClient {
+    /// A flow from `src` (e.g. "127.0.0.2", "::1") to `to`.
+    pub fn new(src: &str, to: SocketAddr) -> UdpClient {
+        let ip: IpAddr = src.parse().unwrap_or_else(|e| panic!("{src}: {e}"));
+        let sock = UdpSocket::bind(SocketAddr::new(ip, 0)).expect("bind client");
+        sock.connect(to).expect("connect client");
+        UdpClient { sock }
+    }
+
+    pub fn local_addr(&self) -> SocketAddr {
+        self.sock.local_addr().expect("local_addr")
+    }
+
+    /// Sends `data` and waits up to `wait` for one datagram back.
+    pub fn exchange(&self, data: &[u8], wait: Duration) -> Option<Vec<u8>> {
+        self.sock.send(data).ok()?;
+        self.receive(wait)
+    }
+
+    /// Waits up to `wait` for one datagram.
+    pub fn receive(&self, wait: Duration) -> Option<Vec<u8>> {
+        let deadline = Instant::now() + wait;
+        let mut buf = vec![0u8; 65_536];
+        loop {
+            let left = deadline.checked_duration_since(Instant::now())?;
+            self.sock
+                .set_read_timeout(Some(left.max(Duration::from_millis(1))))
+                .ok()?;
+            match self.sock.recv(&mut buf) {
+                Ok(n) => return Some(buf[..n].to_vec()),
+                Err(e) if e.kind() == io::ErrorKind::Interrupted => {}
+                // ECONNREFUSED (the balancer is gone) or a timeout: nothing came.
+                Err(_) if Instant::now() < deadline => {}
+                Err(_) => return None,
+            }
+        }
+    }
+
+    /// Sends one A query and waits up to `wait` for its answer.
+    pub fn ask(&self, wait: Duration) -> Option<Ipv4Addr> {
+        let id = NEXT_ID.fetch_add(1, Ordering::Relaxed);
+        self.sock.send(&query(id, "who.example")).ok()?;
+        let deadline = Instant::now() + wait;
+        loop {
+            let left = deadline.checked_duration_since(Instant::now())?;
+            let reply = self.receive(left)?;
+            // A late answer to an earlier query is skipped.
+            if let Some(ip) = answer(&reply, id) {
+                return Some(ip);
+            }
+        }
+    }
+
+    /// Asks again every `every` (as a resolver retries), on this same flow, until an
+    /// answer comes or `total` has passed.
+    pub fn ask_retrying(&self, every: Duration, total: Duration) -> Option<Ipv4Addr> {
+        let deadline = Instant::now() + total;
+        loop {
+            let left = deadline.checked_duration_since(Instant::now())?;
+            if let Some(ip) = self.ask(every.min(left)) {
+                return Some(ip);
+            }
+        }
+    }
+}
+
+/// `dig` is installed (Debian dnsutils).
+pub fn have_dig() -> bool {
+    Command::new("dig")
+        .arg("-v")
+        .stdout(Stdio::null())
+        .stderr(Stdio::null())
+        .status()
+        .is_ok()
+}
+
+/// Asks with `dig @HOST -p PORT -b SRC who.example A +short`, one try of `secs` seconds;
+/// the answer address, if any.
+pub fn dig(server: SocketAddr, src: &str, secs: u32) -> Option<Ipv4Addr> {
+    let out = Command::new("dig")
+        .arg(format!("@{}", server.ip()))
+        .args(["-p", &server.port().to_string(), "-b", src])
+        .args(["who.example", "A", "+short", "+tries=1"])
+        .arg(format!("+time={secs}"))
+        .output()
+        .ok()?;
+    String::from_utf8_lossy(&out.stdout)
+        .lines()
+        .find_map(|l| l.trim().parse().ok())
+}
+
+// ---------------------------------------------------------------------------
+// The daemon in UDP mode
+// ---------------------------------------------------------------------------
+
+/// A free UDP port (bound to 0.0.0.0:0, then released).
+pub fn free_udp_port() -> u16 {
+    let s = UdpSocket::bind("0.0.0.0:0").expect("bind udp 0");
+    s.local_addr().expect("local_addr").port()
+}
+
+/// A TCP port that was free a moment ago (for `-C`).
+pub fn free_tcp_port() -> u16 {
+    super::free_port()
+}
+
+/// quill (or Pen) started as `BIN -f -U ARGS...`; killed on drop.
+pub struct UdpQuill {
+    child: Child,
+    pub port: u16,
+    target: SocketAddr,
+    args: Vec<String>,
+    dir: TempDir,
+}
+
+fn socket_inodes(pid: u32) -> Vec<String> {
+    let mut out = Vec::new();
+    if let Ok(dir) = fs::read_dir(format!("/proc/{pid}/fd")) {
+        for e in dir.flatten() {
+            if let Ok(link) = fs::read_link(e.path()) {
+                let l = link.to_string_lossy();
+                if let Some(i) = l.strip_prefix("socket:[").and_then(|r| r.strip_suffix(']')) {
+                    out.push(i.to_string());
+                }
+            }
+        }
+    }
+    out
+}
+
+/// Whether `pid` has a UDP socket bound to `port`.
+fn udp_bound(pid: u32, port: u16) -> bool {
+    let inodes = socket_inodes(pid);
+    ["/proc/net/udp", "/proc/net/udp6"].iter().any(|table| {
+        fs::read_to_string(table).is_ok_and(|text| {
+            text.lines().skip(1).any(|line| {
+                let f: Vec<&str> = line.split_whitespace().collect();
+                f.len() >= 10
+                    && f[1]
+                        .rsplit(':')
+                        .next()
+                        .and_then(|p| u16::from_str_radix(p, 16).ok())
+                        == Some(port)
+                    && inodes.iter().any(|i| i == f[9])
+            })
+        })
+    })
+}
+
+fn read_lossy(p: &Path) -> String {
+    fs::read(p)
+        .map(|b| String::from_utf8_lossy(&b).into_owned())
+        .unwrap_or_default()
+}
+
+impl UdpQuill {
+    /// Starts `BIN -f -U ARGS...`, `{port}` standing for a free UDP port and `{cport}` for a
+    /// free TCP port; waits until the UDP port is bound. Panics with the daemon's stderr if
+    /// it does not come up.
+    pub fn start(args: &[&str]) -> UdpQuill {
+        UdpQuill::try_start(args).unwrap_or_else(|e| panic!("{e}"))
+    }
+
+    /// [`UdpQuill::start`] returning the failure (with the daemon's stderr) instead.
+    pub fn try_start(args: &[&str]) -> Result<UdpQuill, String> {
+        let mut failures = Vec::new();
+        for _ in 0..5 {
+            let dir = TempDir::new("udp");
+            let port = free_udp_port();
+            let cport = free_tcp_port();
+            let real: Vec<String> = args
+                .iter()
+                .map(|a| {
+                    a.replace("{port}", &port.to_string())
+                        .replace("{cport}", &cport.to_string())
+                        .replace("{dir}", &dir.path().to_string_lossy())
+                })
+                .collect();
+            let template = args
+                .iter()
+                .find(|a| a.contains("{port}"))
+                .copied()
+                .unwrap_or("{port}");
+            let ip: IpAddr = if template.starts_with('[') || template.starts_with("::") {
+                let host = template
+                    .trim_start_matches('[')
+                    .split(']')
+                    .next()
+                    .unwrap_or("");
+                match host.parse::<IpAddr>() {
+                    Ok(ip) if !ip.is_unspecified() => ip,
+                    _ => "::1".parse().expect("::1"),
+                }
+            } else {
+                match template.rsplit_once(':').map(|(h, _)| h.parse::<IpAddr>()) {
+                    Some(Ok(ip)) if !ip.is_unspecified() => ip,
+                    _ => IpAddr::V4(Ipv4Addr::LOCALHOST),
+                }
+            };
+            let out = fs::File::create(dir.path().join("stdout")).expect("stdout file");
+            let err = fs::File::create(dir.path().join("stderr")).expect("stderr file");
+            let mut child = Command::new(bin())
+                .args(["-f", "-U"])
+                .args(&real)
+                .stdin(Stdio::null())
+                .stdout(Stdio::from(out))
+                .stderr(Stdio::from(err))
+                .env_remove("RUST_LOG")
+                .spawn()
+                .unwrap_or_else(|e| panic!("cannot run {}: {e}", bin().display()));
+            let pid = child.id();
+            let mut exited = None;
+            let up = poll_until(START_DEADLINE, || {
+                if let Ok(Some(st)) = child.try_wait() {
+                    exited = Some(st);
+                    return true;
+                }
+                udp_bound(pid, port)
+            });
+            let stderr = read_lossy(&dir.path().join("stderr"));
+            match (up, exited) {
+                (true, None) => {
+                    return Ok(UdpQuill {
+                        child,
+                        port,
+                        target: SocketAddr::new(ip, port),
+                        args: real,
+                        dir,
+                    })
+                }
+                (_, Some(st)) => {
+                    failures.push(format!("{real:?} exited ({st}):\n{stderr}"));
+                    if !stderr.to_lowercase().contains("in use") {
+                        break;
+                    }
+                }
+                (false, None) => {
+                    let _ = child.kill();
+                    let _ = child.wait();
+                    return Err(format!(
+                        "{real:?} did not bind udp port {port} within {START_DEADLINE:?}:\n{stderr}"
+                    ));
+                }
+            }
+        }
+        Err(format!(
+            "could not start {}:\n{}",
+            bin().display(),
+            failures.join("\n")
+        ))
+    }
+
+    /// Where clients send (127.0.0.1 or ::1 for a wildcard listener).
+    pub fn addr(&self) -> SocketAddr {
+        self.target
+    }
+
+    /// The (substituted) argument that followed `flag` on the command line.
+    pub fn arg_after(&self, flag: &str) -> Option<&str> {
+        let i = self.args.iter().position(|a| a == flag)?;
+        self.args.get(i + 1).map(String::as_str)
+    }
+
+    /// A client flow from `src` to the balancer.
+    pub fn client(&self, src: &str) -> UdpClient {
+        UdpClient::new(src, self.addr())
+    }
+
+    pub fn pid(&self) -> u32 {
+        self.child.id()
+    }
+
+    pub fn stderr(&self) -> String {
+        read_lossy(&self.dir.path().join("stderr"))
+    }
+
+    /// Descriptors the daemon has open.
+    pub fn fd_count(&self) -> usize {
+        fs::read_dir(format!("/proc/{}/fd", self.pid()))
+            .map(|d| d.count())
+            .unwrap_or(0)
+    }
+
+    /// The daemon's UDP sockets connected to `server`: one per live flow to that server.
+    /// (Read from /proc/net/udp*; only the balancer connects sockets to a test backend.)
+    pub fn flows_to(&self, server: SocketAddr) -> usize {
+        let want = match server.ip() {
+            IpAddr::V4(ip) => format!(
+                "{:08X}:{:04X}",
+                u32::from_ne_bytes(ip.octets()),
+                server.port()
+            ),
+            IpAddr::V6(ip) => {
+                let o = ip.octets();
+                let words: String = o
+                    .chunks(4)
+                    .map(|c| format!("{:08X}", u32::from_ne_bytes([c[0], c[1], c[2], c[3]])))
+                    .collect();
+                format!("{words}:{:04X}", server.port())
+            }
+        };
+        ["/proc/net/udp", "/proc/net/udp6"]
+            .iter()
+            .filter_map(|t| fs::read_to_string(t).ok())
+            .map(|text| {
+                text.lines()
+                    .skip(1)
+                    .filter(|l| l.split_whitespace().nth(2) == Some(want.as_str()))
+                    .count()
+            })
+            .sum()
+    }
+
+    /// Resident memory of the daemon in KiB.
+    pub fn rss_kib(&self) -> usize {
+        fs::read_to_string(format!("/proc/{}/status", self.pid()))
+            .ok()
+            .and_then(|s| {
+                s.lines()
+                    .find(|l| l.starts_with("VmRSS:"))
+                    .and_then(|l| l.split_whitespace().nth(1))
+                    .and_then(|v| v.parse().ok())
+            })
+            .unwrap_or(0)
+    }
+
+    /// Sends a signal with kill(1).
+    pub fn signal(&self, sig: &str) {
+        let st = Command::new("kill")
+            .arg(format!("-{sig}"))
+            .arg(self.pid().to_string())
+            .status()
+            .expect("kill");
+        assert!(st.success());
+    }
+
+    /// Waits up to `timeout` for the daemon to exit; its exit status if it did.
+    pub fn wait_exit(&mut self, timeout: Duration) -> Option<std::process::ExitStatus> {
+        let mut status = None;
+        poll_until(timeout, || match self.child.try_wait() {
+            Ok(Some(s)) => {
+                status = Some(s);
+                true
+            }
+            _ => false,
+        });
+        status
+    }
+
+    /// Panics if the daemon has exited.
+    pub fn assert_running(&mut self) {
+        if let Ok(Some(st)) = self.child.try_wait() {
+            panic!(
+                "quill exited unexpectedly ({st}); stderr:\n{}",
+                self.stderr()
+            );
+        }
+    }
+}
+
+impl Drop for UdpQuill {
+    fn drop(&mut self) {
+        let _ = self.child.kill();
+        let _ = self.child.wait();
+        if thread::panicking() {
+            eprintln!(
+                "---- {} -f -U {:?} stderr ----\n{}---- end of stderr ----",
+                bin().display(),
+                self.args,
+                self.stderr()
+            );
+        }
+    }
+}
+
+/// Sends one control command with Pen's protocol (a line; the answer until close).
+pub fn control(port: u16, line: &str) -> io::Result<String> {
+    use std::io::{Read, Write};
+    let mut s = std::net::TcpStream::connect(("127.0.0.1", port))?;
+    s.set_read_timeout(Some(Duration::from_secs(5)))?;
+    s.write_all(line.as_bytes())?;
+    s.write_all(b"\n")?;
+    let mut out = String::new();
+    s.read_to_string(&mut out)?;
+    Ok(out)
+}

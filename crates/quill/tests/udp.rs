@@ -1,0 +1,606 @@
+//! UDP load balancing (`-U`): flows, selection, failover, expiry, datagram integrity.
+//!
+//! The backends speak just enough DNS to answer an A query with their own address
+//! (10.0.0.N), so a test sees who answered; anything else they echo. Clients are the
+//! test's own sockets (one socket = one flow) and `dig`.
+#![allow(clippy::unwrap_used, clippy::expect_used, clippy::panic)]
+
+mod support;
+
+use std::collections::HashSet;
+use std::net::{SocketAddr, UdpSocket};
+use std::time::{Duration, Instant};
+
+use support::dns::*;
+use support::{ipv6_available, skip_on_pen, wait_until, Rng};
+
+const WAIT: Duration = Duration::from_secs(3);
+const SHORT: Duration = Duration::from_millis(500);
+
+#[test]
+fn tracking_keeps_a_client_and_a_second_address_goes_to_the_other() {
+    let a = DnsBackend::start(1);
+    let b = DnsBackend::start(2);
+    let q = UdpQuill::start(&["{port}", &a.spec(), &b.spec()]);
+    let first = q.client("127.0.0.1").ask(WAIT).expect("an answer");
+    // New flows (new source ports) of the same client address go back to the same server.
+    for _ in 0..5 {
+        assert_eq!(q.client("127.0.0.1").ask(WAIT), Some(first));
+    }
+    let use_dig = have_dig();
+    if use_dig {
+        for _ in 0..2 {
+            assert_eq!(
+                dig(q.addr(), "127.0.0.1", 3),
+                Some(first),
+                "dig from 127.0.0.1"
+            );
+        }
+    } else {
+        eprintln!("SKIPPED the dig part: dig is not installed (Debian dnsutils)");
+    }
+    let other = if first == a.ip() { b.ip() } else { a.ip() };
+    let second = if use_dig {
+        dig(q.addr(), "127.0.0.2", 3)
+    } else {
+        q.client("127.0.0.2").ask(WAIT)
+    };
+    assert_eq!(
+        second,
+        Some(other),
+        "a second client address lands on the other server"
+    );
+    for _ in 0..3 {
+        assert_eq!(q.client("127.0.0.2").ask(WAIT), Some(other));
+        assert_eq!(q.client("127.0.0.1").ask(WAIT), Some(first));
+    }
+}
+
+#[test]
+fn round_robin_alternates_per_flow_and_a_flow_stays_put() {
+    let a = DnsBackend::start(1);
+    let b = DnsBackend::start(2);
+    let q = UdpQuill::start(&["-r", "{port}", &a.spec(), &b.spec()]);
+    let picks: Vec<_> = (0..6)
+        .map(|_| q.client("127.0.0.1").ask(WAIT).expect("an answer"))
+        .collect();
+    for w in picks.windows(2) {
+        assert_ne!(w[0], w[1], "round robin alternates: {picks:?}");
+    }
+    // Datagrams of one flow all go to the flow's server.
+    let c = q.client("127.0.0.3");
+    let first = c.ask(WAIT).expect("an answer");
+    for _ in 0..5 {
+        assert_eq!(c.ask(WAIT), Some(first));
+    }
+    if have_dig() {
+        let d1 = dig(q.addr(), "127.0.0.4", 3).expect("dig answer");
+        let d2 = dig(q.addr(), "127.0.0.4", 3).expect("dig answer");
+        assert_ne!(d1, d2, "each dig is a new flow, and -r alternates");
+    }
+}
+
+#[test]
+fn hash_is_stable_per_client_address() {
+    if skip_on_pen("Pen 0.34 -U -h sends every client to one server") {
+        return;
+    }
+    let a = DnsBackend::start(1);
+    let b = DnsBackend::start(2);
+    let q = UdpQuill::start(&["-h", "{port}", &a.spec(), &b.spec()]);
+    let mut seen = HashSet::new();
+    for n in 2..12 {
+        let src = format!("127.0.1.{n}");
+        let x = q.client(&src).ask(WAIT).expect("an answer");
+        assert_eq!(q.client(&src).ask(WAIT), Some(x));
+        seen.insert(x);
+    }
+    assert_eq!(seen.len(), 2, "ten clients spread over both servers");
+}
+
+#[test]
+fn failover_blacklist_all_then_whitelist_over_the_control_socket() {
+    if skip_on_pen("Pen 0.34 does not fail over UDP flows") {
+        return;
+    }
+    let a = DnsBackend::start(1);
+    let b = DnsBackend::start(2);
+    let mut args = vec!["-d", "-r", "-b", "60", "-t", "1", "-C", "127.0.0.1:{cport}"];
+    let root = std::fs::read_to_string("/proc/self/status")
+        .map(|s| {
+            s.lines()
+                .any(|l| l.starts_with("Uid:") && l.split_whitespace().nth(1) == Some("0"))
+        })
+        .unwrap_or(false);
+    if root {
+        args.extend(["-u", "root"]);
+    }
+    let spec_a = a.spec();
+    let spec_b = b.spec();
+    args.extend(["{port}", &spec_a, &spec_b]);
+    let q = match UdpQuill::try_start(&args) {
+        Ok(q) => q,
+        Err(e) if e.contains("not supported") || e.contains("-C") => {
+            eprintln!("SKIPPED: this build refuses the control socket (-C):\n{e}");
+            return;
+        }
+        Err(e) => panic!("{e}"),
+    };
+    let cport: u16 = q
+        .arg_after("-C")
+        .and_then(|v| v.rsplit(':').next().and_then(|p| p.parse().ok()))
+        .expect("control port");
+    let c = q.client("127.0.0.2");
+    assert_eq!(
+        c.ask(WAIT),
+        Some(a.ip()),
+        "round robin starts with server 0"
+    );
+
+    // One server down: its ICMP port unreachable blacklists it, and the flow's next
+    // datagram goes to the other server.
+    a.stop();
+    assert_eq!(
+        c.ask_retrying(Duration::from_millis(200), Duration::from_secs(5)),
+        Some(b.ip()),
+        "after server 0 went away"
+    );
+    for src in ["127.0.0.3", "127.0.0.4"] {
+        assert_eq!(
+            q.client(src).ask(WAIT),
+            Some(b.ip()),
+            "new flows avoid server 0"
+        );
+    }
+
+    // Both down: both blacklisted, no answer at all.
+    b.stop();
+    assert_eq!(
+        c.ask_retrying(Duration::from_millis(200), Duration::from_millis(1500)),
+        None
+    );
+    wait_until(
+        Duration::from_secs(5),
+        "quill logs that server 1 is blacklisted",
+        || q.stderr().contains("server 1"),
+    );
+    // Both back, but still blacklisted: still no answer.
+    a.restart();
+    b.restart();
+    assert_eq!(q.client("127.0.0.5").ask(SHORT), None);
+    assert_eq!(c.ask(SHORT), None);
+
+    // Whitelisting server 1 brings answers back at once.
+    let reply = control(cport, "server 1 blacklist 0").expect("control socket");
+    assert!(!reply.contains("error"), "control reply: {reply}");
+    assert_eq!(c.ask(WAIT), Some(b.ip()));
+    assert_eq!(q.client("127.0.0.6").ask(WAIT), Some(b.ip()));
+    let reply = control(cport, "server 0 blacklist 0").expect("control socket");
+    assert!(!reply.contains("error"), "control reply: {reply}");
+    let picks: HashSet<_> = (0..4)
+        .filter_map(|_| q.client("127.0.0.7").ask(WAIT))
+        .collect();
+    assert_eq!(picks.len(), 2, "both servers serve again: {picks:?}");
+}
+
+#[test]
+fn a_server_that_never_answers_is_blacklisted_after_the_timeout() {
+    if skip_on_pen("Pen 0.34 does not fail over UDP flows") {
+        return;
+    }
+    let a = DnsBackend::start(1);
+    let b = DnsBackend::start(2);
+    a.set_silent(true);
+    let q = UdpQuill::start(&["-r", "-t", "1", "-b", "60", "{port}", &a.spec(), &b.spec()]);
+    let c = q.client("127.0.0.2");
+    // Server 0 reads and never answers; within the answer timeout (plus a retry) the
+    // flow moves to server 1.
+    let start = Instant::now();
+    assert_eq!(
+        c.ask_retrying(Duration::from_millis(300), Duration::from_secs(6)),
+        Some(b.ip())
+    );
+    assert!(a.received() >= 1, "server 0 was tried first");
+    assert!(
+        start.elapsed() >= Duration::from_millis(900),
+        "not before the timeout"
+    );
+    // Now blacklisted: every new flow goes to server 1.
+    for n in 3..7 {
+        assert_eq!(q.client(&format!("127.0.0.{n}")).ask(WAIT), Some(b.ip()));
+    }
+}
+
+#[test]
+fn emergency_server_when_every_server_is_down() {
+    if skip_on_pen("Pen 0.34 does not notice a refused UDP server") {
+        return;
+    }
+    let a = DnsBackend::start(1);
+    let e = DnsBackend::start(9);
+    a.stop();
+    let q = UdpQuill::start(&["-e", &e.spec(), "-b", "60", "{port}", &a.spec()]);
+    let c = q.client("127.0.0.2");
+    assert_eq!(
+        c.ask_retrying(Duration::from_millis(200), Duration::from_secs(5)),
+        Some(e.ip())
+    );
+}
+
+#[test]
+fn client_acl_drops_or_sends_to_the_abuse_server() {
+    let a = DnsBackend::start(1);
+    let abuse = DnsBackend::start(7);
+    let q = UdpQuill::start(&[
+        "-O",
+        "acl 1 deny 127.0.0.9",
+        "-O",
+        "client_acl 1",
+        "{port}",
+        &a.spec(),
+    ]);
+    assert_eq!(q.client("127.0.0.8").ask(WAIT), Some(a.ip()));
+    let before = a.received();
+    assert_eq!(q.client("127.0.0.9").ask(SHORT), None, "denied and dropped");
+    assert_eq!(
+        a.received(),
+        before,
+        "the denied datagram never reached the server"
+    );
+    drop(q);
+    let q = UdpQuill::start(&[
+        "-O",
+        "acl 1 deny 127.0.0.9",
+        "-O",
+        "client_acl 1",
+        "-B",
+        &abuse.spec(),
+        "{port}",
+        &a.spec(),
+    ]);
+    assert_eq!(q.client("127.0.0.9").ask(WAIT), Some(abuse.ip()));
+    assert_eq!(q.client("127.0.0.8").ask(WAIT), Some(a.ip()));
+}
+
+#[test]
+fn conn_max_bounds_the_flows() {
+    if skip_on_pen("Pen 0.34 does not count UDP flows against -x") {
+        return;
+    }
+    let a = DnsBackend::start(1);
+    let q = UdpQuill::start(&["-x", "2", "-O", "udp_idle_timeout 1", "{port}", &a.spec()]);
+    let c1 = q.client("127.0.0.2");
+    let c2 = q.client("127.0.0.3");
+    assert!(c1.ask(WAIT).is_some());
+    assert!(c2.ask(WAIT).is_some());
+    let c3 = q.client("127.0.0.4");
+    assert_eq!(
+        c3.ask(Duration::from_millis(300)),
+        None,
+        "a third flow is over conn_max"
+    );
+    // Once the two flows have idled out, new flows are taken again.
+    assert!(
+        c3.ask_retrying(Duration::from_millis(300), Duration::from_secs(5))
+            .is_some(),
+        "flows expire and free their places"
+    );
+}
+
+#[test]
+fn ten_thousand_flows_expire_and_memory_returns() {
+    if skip_on_pen("Pen 0.34 keeps UDP flows in a fixed table") {
+        return;
+    }
+    let a = DnsBackend::start(1);
+    let q = UdpQuill::start(&[
+        "-d",
+        "-x",
+        "15000",
+        "-O",
+        "udp_idle_timeout 2",
+        "{port}",
+        &a.spec(),
+    ]);
+    // Warm up (buffers, runtime), then take the baseline once that flow is gone.
+    assert!(q.client("127.0.0.2").ask(WAIT).is_some());
+    assert_eq!(q.flows_to(a.addr()), 1);
+    wait_until(Duration::from_secs(10), "the warm-up flow expires", || {
+        q.flows_to(a.addr()) == 0
+    });
+    let base_fds = q.fd_count();
+    let base_rss = q.rss_kib();
+    let mut peak_rss = 0;
+    // Two rounds: the first shows the flows expire and their descriptors close; the
+    // second, that the memory they held is reused rather than leaked.
+    for round in 0..2u8 {
+        let start = Instant::now();
+        let sent = flood(&q, &a, 10 + round * 10);
+        let took = start.elapsed();
+        let flows = q.flows_to(a.addr());
+        let fds = q.fd_count();
+        let rss = q.rss_kib();
+        eprintln!("round {round}: {sent} flows in {took:?}: {flows} open, fds {base_fds} -> {fds}, RSS {base_rss} KiB -> {rss} KiB");
+        assert!(sent >= 9_900, "only {sent} flows could be started");
+        if took < Duration::from_millis(1500) {
+            assert!(
+                flows >= sent * 9 / 10,
+                "one upstream socket per live flow: {flows}"
+            );
+        }
+        wait_until(Duration::from_secs(15), "the flows expire", || {
+            q.flows_to(a.addr()) == 0
+        });
+        wait_until(
+            Duration::from_secs(5),
+            format_args!("their descriptors are closed (back to {base_fds})"),
+            || q.fd_count() <= base_fds,
+        );
+        let after = q.rss_kib();
+        eprintln!("round {round}: after expiry RSS {after} KiB");
+        if round == 0 {
+            peak_rss = rss.max(after);
+        } else {
+            assert!(
+                rss.max(after) <= peak_rss + peak_rss / 10,
+                "a second round of flows reuses the memory of the first: \
+                 baseline {base_rss} KiB, first peak {peak_rss} KiB, second {rss} KiB"
+            );
+        }
+    }
+    assert!(q.client("127.0.0.3").ask(WAIT).is_some(), "still serving");
+}
+
+/// Sends one query from each of 10,000 distinct flows (10 addresses from 127.0.2.`first`,
+/// 1,000 ports each), 64 at a time so that no burst overflows the listening socket's
+/// receive buffer; returns how many were sent.
+fn flood(q: &UdpQuill, backend: &DnsBackend, first: u8) -> usize {
+    let to = q.addr();
+    let payload = query(7, "flood.example");
+    let mut sent = 0usize;
+    let base = backend.received();
+    for host in first..first + 10 {
+        for port in (42_000u16..43_000).step_by(64) {
+            for p in port..(port + 64).min(43_000) {
+                let src = SocketAddr::from(([127, 0, 2, host], p));
+                let Ok(s) = UdpSocket::bind(src) else {
+                    continue;
+                };
+                if s.send_to(&payload, to).is_ok() {
+                    sent += 1;
+                }
+            }
+            let want = base + sent;
+            wait_until(
+                WAIT,
+                format_args!("the server got {sent} datagrams"),
+                || backend.received() >= want,
+            );
+        }
+    }
+    sent
+}
+
+#[test]
+fn datagrams_pass_whole_from_empty_to_65507_bytes() {
+    if skip_on_pen("Pen 0.34 truncates UDP datagrams to 32,768 bytes and drops empty ones") {
+        return;
+    }
+    let a = DnsBackend::start(1);
+    let q = UdpQuill::start(&["{port}", &a.spec()]);
+    let c = q.client("127.0.0.2");
+    let mut rng = Rng::new(42);
+    for len in [65_507usize, 0, 1, 11, 12, 1_472, 9_000, 65_507] {
+        let mut data = vec![0u8; len];
+        rng.fill(&mut data);
+        if len >= 3 {
+            data[2] |= 0x80; // never a DNS query: the backend echoes it
+        }
+        let back = c.exchange(&data, WAIT);
+        assert_eq!(back.as_ref().map(Vec::len), Some(len), "{len} bytes");
+        assert!(back == Some(data), "{len} bytes came back changed");
+    }
+}
+
+#[test]
+fn malformed_and_short_datagrams_are_relayed_as_bytes() {
+    if skip_on_pen("Pen 0.34 drops empty UDP datagrams") {
+        return;
+    }
+    let a = DnsBackend::start(1);
+    let q = UdpQuill::start(&["{port}", &a.spec()]);
+    let c = q.client("127.0.0.2");
+    let mut bad: Vec<Vec<u8>> = vec![
+        vec![],
+        vec![0],
+        vec![0xff; 5],
+        query(1, "x.example")[..11].to_vec(),
+        {
+            let mut v = query(2, "x.example");
+            v[4] = 0xff; // absurd question count
+            v[2] |= 0x80;
+            v
+        },
+        {
+            let mut v = query(3, "x.example");
+            v.truncate(v.len() - 3);
+            v[12] = 200; // label longer than the message
+            v
+        },
+    ];
+    let mut rng = Rng::new(7);
+    for len in [2usize, 13, 100, 512, 4096] {
+        let mut v = vec![0u8; len];
+        rng.fill(&mut v);
+        if len > 2 {
+            v[2] |= 0x80;
+        }
+        bad.push(v);
+    }
+    for d in &bad {
+        let back = c.exchange(d, WAIT);
+        assert_eq!(back.as_deref(), Some(&d[..]), "relayed unchanged: {d:?}");
+    }
+    // Garbage from many flows at once, then a real query still works.
+    for n in 0..50u8 {
+        let s = q.client("127.0.0.3");
+        let _ = s.sock.send(&[n; 3]);
+    }
+    assert_eq!(c.ask(WAIT), Some(a.ip()));
+    let mut q = q;
+    q.assert_running();
+}
+
+#[test]
+fn replies_leave_from_the_address_the_client_sent_to() {
+    if skip_on_pen("Pen 0.34 replies from the address the routing table picks") {
+        return;
+    }
+    let a = DnsBackend::start(1);
+    let q = UdpQuill::start(&["{port}", &a.spec()]);
+    // quill listens on 0.0.0.0; the client talks to 127.0.0.5 and its connected socket
+    // accepts only a reply from 127.0.0.5.
+    let to = SocketAddr::from(([127, 0, 0, 5], q.port));
+    let c = UdpClient::new("127.0.0.1", to);
+    assert_eq!(c.ask(WAIT), Some(a.ip()));
+    let c = UdpClient::new("127.0.0.2", SocketAddr::from(([127, 0, 0, 6], q.port)));
+    assert_eq!(c.ask(WAIT), Some(a.ip()));
+}
+
+#[test]
+fn ipv4_and_ipv6_in_every_combination() {
+    if skip_on_pen("Pen 0.34 -U does not listen on IPv6") {
+        return;
+    }
+    if !ipv6_available() {
+        eprintln!("SKIPPED: no IPv6 loopback");
+        return;
+    }
+    let v4 = DnsBackend::start_on(4, "127.0.0.1:0");
+    let v6 = DnsBackend::start_on(6, "[::1]:0");
+    for (listen, backend, clients) in [
+        ("[::1]:{port}", &v4, &["::1"][..]),
+        ("127.0.0.1:{port}", &v6, &["127.0.0.1"][..]),
+        ("[::1]:{port}", &v6, &["::1"][..]),
+        (":::{port}", &v4, &["::1", "127.0.0.1"][..]),
+        (":::{port}", &v6, &["::1", "127.0.0.1"][..]),
+    ] {
+        let q = UdpQuill::start(&["-dd", listen, &backend.spec()]);
+        for src in clients {
+            let to = match src.contains(':') {
+                true => SocketAddr::from((std::net::Ipv6Addr::LOCALHOST, q.port)),
+                false => SocketAddr::from(([127, 0, 0, 1], q.port)),
+            };
+            let c = UdpClient::new(src, to);
+            assert_eq!(
+                c.ask(WAIT),
+                Some(backend.ip()),
+                "listen {listen}, server {}, client {src}",
+                backend.spec()
+            );
+            let big = vec![0x5a; 60_000];
+            assert_eq!(c.exchange(&big, WAIT).map(|b| b.len()), Some(60_000));
+        }
+    }
+}
+
+#[test]
+fn a_flow_survives_while_active_and_expires_when_silent() {
+    if skip_on_pen("Pen 0.34 has no UDP idle time") {
+        return;
+    }
+    let a = DnsBackend::start(1);
+    let b = DnsBackend::start(2);
+    let q = UdpQuill::start(&[
+        "-dd",
+        "-r",
+        "-O",
+        "udp_idle_timeout 1",
+        "{port}",
+        &a.spec(),
+        &b.spec(),
+    ]);
+    let c = q.client("127.0.0.2");
+    let first = c.ask(WAIT).expect("answer");
+    let server = if first == a.ip() { a.addr() } else { b.addr() };
+    assert_eq!(q.flows_to(server), 1);
+    // Activity keeps the flow (and its server) for longer than the idle time.
+    let until = Instant::now() + Duration::from_millis(1500);
+    while Instant::now() < until {
+        assert_eq!(c.ask(WAIT), Some(first));
+        std::thread::sleep(Duration::from_millis(100)); // pacing of the client, not sync
+    }
+    // Silence ends it: its socket is closed.
+    assert_eq!(q.flows_to(server), 1, "the flow lives on while active");
+    wait_until(Duration::from_secs(5), "the silent flow expires", || {
+        q.flows_to(server) == 0
+    });
+    // The next datagram is a new flow, and round robin moves on.
+    assert_ne!(c.ask(WAIT), Some(first));
+}
+
+#[test]
+fn sigterm_stops_the_daemon_promptly() {
+    let a = DnsBackend::start(1);
+    let mut q = UdpQuill::start(&["{port}", &a.spec()]);
+    for n in 2..6 {
+        assert!(q.client(&format!("127.0.0.{n}")).ask(WAIT).is_some());
+    }
+    q.signal("TERM");
+    let st = q
+        .wait_exit(Duration::from_secs(5))
+        .expect("quill exits after SIGTERM");
+    assert!(st.success() || st.code().is_none(), "exit status {st}");
+}
+
+#[test]
+fn udp_idle_timeout_is_a_command() {
+    if skip_on_pen("udp_idle_timeout is a quill extension") {
+        return;
+    }
+    let (code, err) = support::Quill::start_expect_exit(&[
+        "-U",
+        "-O",
+        "udp_idle_timeout 0",
+        "{port}",
+        "127.0.0.1:1",
+    ]);
+    assert_eq!(code, Some(2), "{err}");
+    assert!(err.contains("udp_idle_timeout"), "{err}");
+}
+
+#[test]
+fn a_burst_keeps_every_datagram_boundary_and_its_order() {
+    let a = DnsBackend::start(1);
+    let q = UdpQuill::start(&["{port}", &a.spec()]);
+    let c = q.client("127.0.0.2");
+    assert!(c.ask(WAIT).is_some());
+    // Equal sizes (which quill may send as one segmented write) and mixed sizes, sent
+    // back to back so that they arrive in one batch.
+    let mut sent: Vec<Vec<u8>> = Vec::new();
+    for round in 0..4u8 {
+        for i in 0..16u8 {
+            let len = if round % 2 == 0 {
+                100
+            } else {
+                3 + usize::from(i) * 37
+            };
+            let mut d = vec![round.wrapping_mul(16).wrapping_add(i); len];
+            d[2] |= 0x80; // not a DNS query: echoed
+            sent.push(d);
+        }
+        sent.last_mut().unwrap().truncate(40);
+    }
+    for d in &sent {
+        c.sock.send(d).unwrap();
+    }
+    let mut got = Vec::new();
+    while got.len() < sent.len() {
+        match c.receive(WAIT) {
+            Some(d) => got.push(d),
+            None => break,
+        }
+    }
+    assert_eq!(got.len(), sent.len(), "every datagram came back");
+    assert!(got == sent, "same datagrams, same boundaries, same order");
+}
