@@ -86,12 +86,16 @@ pub enum Listener {
     Unix(StdUnixListener),
 }
 
-fn tcp_socket(addr: SocketAddr, reuse_port: bool, backlog: u32) -> io::Result<Socket> {
-    let socket = Socket::new(Domain::for_address(addr), Type::STREAM, Some(Protocol::TCP))?;
+/// A non-blocking socket of `kind` bound to `addr` for listening (TCP or UDP), with
+/// SO_REUSEADDR, SO_REUSEPORT if asked, and dual-stack for `:::port`.
+pub(crate) fn bound_socket(
+    addr: SocketAddr,
+    kind: Type,
+    protocol: Protocol,
+    reuse_port: bool,
+) -> io::Result<Socket> {
+    let socket = Socket::new(Domain::for_address(addr), kind, Some(protocol))?;
     socket.set_reuse_address(true)?;
-    // Accepted sockets inherit SO_KEEPALIVE, so dead clients are eventually noticed without
-    // a system call per connection (Pen's client sockets behave the same way).
-    socket.set_keepalive(true)?;
     if reuse_port {
         socket.set_reuse_port(true)?;
     }
@@ -101,6 +105,14 @@ fn tcp_socket(addr: SocketAddr, reuse_port: bool, backlog: u32) -> io::Result<So
     }
     socket.set_nonblocking(true)?;
     socket.bind(&addr.into())?;
+    Ok(socket)
+}
+
+fn tcp_socket(addr: SocketAddr, reuse_port: bool, backlog: u32) -> io::Result<Socket> {
+    let socket = bound_socket(addr, Type::STREAM, Protocol::TCP, reuse_port)?;
+    // Accepted sockets inherit SO_KEEPALIVE, so dead clients are eventually noticed without
+    // a system call per connection (Pen's client sockets behave the same way).
+    socket.set_keepalive(true)?;
     socket.listen(i32::try_from(backlog).unwrap_or(i32::MAX))?;
     Ok(socket)
 }

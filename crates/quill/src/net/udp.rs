@@ -45,18 +45,7 @@ pub struct UdpListener {
 }
 
 fn listen_socket(addr: SocketAddr, reuse_port: bool) -> io::Result<Socket> {
-    let socket = Socket::new(Domain::for_address(addr), Type::DGRAM, Some(Protocol::UDP))?;
-    socket.set_reuse_address(true)?;
-    if reuse_port {
-        socket.set_reuse_port(true)?;
-    }
-    if addr.is_ipv6() && addr.ip().is_unspecified() {
-        // `:::port` serves IPv4 clients too (as v4-mapped addresses), like the TCP listener.
-        socket.set_only_v6(false)?;
-    }
-    socket.set_nonblocking(true)?;
-    socket.bind(&addr.into())?;
-    Ok(socket)
+    super::listen::bound_socket(addr, Type::DGRAM, Protocol::UDP, reuse_port)
 }
 
 /// Opens `count` UDP listening sockets on `addr` (one per event loop).
