@@ -97,7 +97,8 @@ async fn accept_loop<L: Accept>(
     shutdown: &mut watch::Receiver<bool>,
     relisten: &mut mpsc::UnboundedReceiver<Listener>,
 ) -> Option<Listener> {
-    let mut streak = 0usize;
+    // Accepts left before yielding; the setting is read once per batch, not per accept.
+    let mut budget = state.settings().multi_accept;
     loop {
         tokio::select! {
             biased;
@@ -106,7 +107,7 @@ async fn accept_loop<L: Accept>(
             r = listener.accept_one() => match r {
                 Ok((sock, peer)) => {
                     spawn_connection(state, sock, peer, local_port);
-                    streak = yield_every(streak, state).await;
+                    budget = yield_when_spent(budget, state).await;
                 }
                 Err(e) => accept_failed(e).await,
             },
@@ -131,14 +132,14 @@ fn spawn_connection<C: ClientStream>(
     }
 }
 
-/// Pen's `multi_accept`: after that many accepts in a row, let connections run.
-async fn yield_every(streak: usize, state: &State) -> usize {
-    let streak = streak + 1;
-    if streak >= state.settings().multi_accept {
-        tokio::task::yield_now().await;
-        return 0;
+/// Pen's `multi_accept`: after that many accepts in a row, let connections run. Returns
+/// the budget for the next accepts.
+async fn yield_when_spent(budget: usize, state: &State) -> usize {
+    if budget > 1 {
+        return budget - 1;
     }
-    streak
+    tokio::task::yield_now().await;
+    state.settings().multi_accept
 }
 
 async fn accept_failed(e: io::Error) {
