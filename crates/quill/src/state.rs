@@ -44,8 +44,11 @@ pub struct State {
     pub cursor: AtomicUsize,
     /// Client connections currently open.
     pub active: AtomicUsize,
-    /// Upstream connects in progress.
+    /// Accepted connections whose upstream connect is not finished yet (`pending_max`).
     pub pending: AtomicUsize,
+    /// Notified when `pending` falls while at or above its limit: accept loops that
+    /// stopped accepting because of `pending_max` go on.
+    pub connect_done: tokio::sync::Notify,
     pub counters: Counters,
     /// Open connections by number; kept only when a control socket can ask for them.
     pub registry: Option<Arc<Registry>>,
@@ -68,6 +71,7 @@ impl State {
             cursor: AtomicUsize::new(usize::MAX),
             active: AtomicUsize::new(0),
             pending: AtomicUsize::new(0),
+            connect_done: tokio::sync::Notify::new(),
             counters: Counters::default(),
             registry: registry.then(Arc::default),
             log: ArcSwapOption::empty(),

@@ -113,8 +113,19 @@ pub enum End {
     FastClose,
     /// Nothing moved for `idle_timeout`.
     Idle,
-    /// A socket error (reset, broken pipe...).
+    /// A socket error on the client's side (reset, broken pipe...).
     Error(io::Error),
+    /// The server's socket failed (it reset the connection, or died mid-transfer): the
+    /// caller blacklists the server, as for a failed connect.
+    ServerError(io::Error),
+}
+
+/// Which socket of a pipe an error came from.
+enum Failed {
+    /// Reading from the source.
+    Source(io::Error),
+    /// Writing to the destination.
+    Destination(io::Error),
 }
 
 /// Totals of one relay.
@@ -158,18 +169,18 @@ impl Pipe {
         dst: &D,
         other_done: bool,
         active: &mut bool,
-    ) -> Poll<io::Result<()>> {
+    ) -> Poll<Result<(), Failed>> {
         let mut budget = BUDGET;
         loop {
             while self.written < self.pending.len() {
-                ready!(dst.poll_write_ready(cx))?;
+                ready!(dst.poll_write_ready(cx)).map_err(Failed::Destination)?;
                 match dst.try_write(&self.pending[self.written..]) {
                     Ok(n) => {
                         self.written += n;
                         *active = true;
                     }
                     Err(e) if e.kind() == ErrorKind::WouldBlock => continue,
-                    Err(e) => return Poll::Ready(Err(e)),
+                    Err(e) => return Poll::Ready(Err(Failed::Destination(e))),
                 }
             }
             if !self.pending.is_empty() {
@@ -185,7 +196,7 @@ impl Pipe {
                         Ok(()) => {}
                         // The peer is already gone; the other direction will notice.
                         Err(e) if e.kind() == ErrorKind::NotConnected => {}
-                        Err(e) => return Poll::Ready(Err(e)),
+                        Err(e) => return Poll::Ready(Err(Failed::Destination(e))),
                     }
                 }
                 self.done = true;
@@ -202,7 +213,7 @@ impl Pipe {
             if speculate {
                 self.speculated = true;
             } else {
-                ready!(src.poll_read_ready(cx))?;
+                ready!(src.poll_read_ready(cx)).map_err(Failed::Source)?;
             }
             let step = SCRATCH.with(|scratch| {
                 let mut buf = scratch.borrow_mut();
@@ -217,7 +228,7 @@ impl Pipe {
                         return Ok(());
                     }
                     Ok(n) => n,
-                    Err(e) => return Err(e),
+                    Err(e) => return Err(Failed::Source(e)),
                 };
                 self.bytes += n as u64;
                 *active = true;
@@ -227,7 +238,7 @@ impl Pipe {
                 let written = match dst.try_write(&buf[..n]) {
                     Ok(w) => w,
                     Err(e) if e.kind() == ErrorKind::WouldBlock => 0,
-                    Err(e) => return Err(e),
+                    Err(e) => return Err(Failed::Destination(e)),
                 };
                 if written < n {
                     self.pending = buf[written..n].to_vec();
@@ -236,7 +247,7 @@ impl Pipe {
             });
             match step {
                 Ok(()) => {}
-                Err(e) if e.kind() == ErrorKind::WouldBlock => {}
+                Err(Failed::Source(e)) if e.kind() == ErrorKind::WouldBlock => {}
                 Err(e) => return Poll::Ready(Err(e)),
             }
         }
@@ -263,13 +274,19 @@ pub async fn relay<C: Stream + ?Sized, S: Stream + ?Sized>(
         .map(|d| (d, Box::pin(tokio::time::sleep(d))));
     let end = poll_fn(|cx| {
         if !up.done {
-            if let Poll::Ready(Err(e)) = up.poll(cx, client, server, down.done, &mut active) {
-                return Poll::Ready(End::Error(e));
+            match up.poll(cx, client, server, down.done, &mut active) {
+                Poll::Ready(Err(Failed::Source(e))) => return Poll::Ready(End::Error(e)),
+                Poll::Ready(Err(Failed::Destination(e))) => {
+                    return Poll::Ready(End::ServerError(e))
+                }
+                _ => {}
             }
         }
         if !down.done {
-            if let Poll::Ready(Err(e)) = down.poll(cx, server, client, up.done, &mut active) {
-                return Poll::Ready(End::Error(e));
+            match down.poll(cx, server, client, up.done, &mut active) {
+                Poll::Ready(Err(Failed::Source(e))) => return Poll::Ready(End::ServerError(e)),
+                Poll::Ready(Err(Failed::Destination(e))) => return Poll::Ready(End::Error(e)),
+                _ => {}
             }
         }
         let fast = match opts.fastclose {

@@ -18,7 +18,7 @@ use super::registry::{Registered, Registry, Upstream};
 use super::relay::{self, relay, RelayOptions, Stream};
 use crate::balance::{clock, Choice, Selector, ServerState};
 use crate::connlog::unix_now;
-use crate::net::connect::{apply_options, connect, SocketOptions};
+use crate::net::connect::{apply_options, connect, is_local_failure, SocketOptions};
 use crate::net::Listener;
 use crate::settings::Settings;
 use crate::state::State;
@@ -97,20 +97,106 @@ async fn accept_loop<L: Accept>(
     shutdown: &mut watch::Receiver<bool>,
     relisten: &mut mpsc::UnboundedReceiver<Listener>,
 ) -> Option<Listener> {
-    // Accepts left before yielding; the setting is read once per batch, not per accept.
-    let mut budget = state.settings().multi_accept;
+    // Accepts left before yielding; the settings are read once per batch, not per accept.
+    let mut limits = AcceptLimits::read(state);
     loop {
+        if state.pending.load(Relaxed) >= limits.pending_max {
+            tokio::select! {
+                biased;
+                _ = shutdown.changed() => return None,
+                Some(next) = relisten.recv() => return Some(next),
+                () = connects_below(state, limits.pending_max) => {}
+            }
+        }
         tokio::select! {
             biased;
             _ = shutdown.changed() => return None,
             Some(next) = relisten.recv() => return Some(next),
             r = listener.accept_one() => match r {
                 Ok((sock, peer)) => {
-                    spawn_connection(state, sock, peer, local_port);
-                    budget = yield_when_spent(budget, state).await;
+                    let pending = Pending::take(state, limits.pending_max);
+                    spawn_connection(state, sock, peer, local_port, pending);
+                    limits = limits.next(state).await;
                 }
                 Err(e) => accept_failed(e).await,
             },
+        }
+    }
+}
+
+/// The settings an accept loop follows, read once per batch of accepts.
+struct AcceptLimits {
+    /// Accepts left before yielding (Pen's `multi_accept`).
+    budget: usize,
+    /// Pen's `pending_max`: with that many upstream connects in progress, new clients stay
+    /// in the kernel's backlog instead of being accepted (and then refused).
+    pending_max: usize,
+}
+
+impl AcceptLimits {
+    fn read(state: &State) -> AcceptLimits {
+        let settings = state.settings();
+        AcceptLimits {
+            budget: settings.multi_accept,
+            pending_max: settings.pending_max,
+        }
+    }
+
+    /// After one accept: after `multi_accept` in a row, let the connections run.
+    async fn next(self, state: &State) -> AcceptLimits {
+        if self.budget > 1 {
+            return AcceptLimits {
+                budget: self.budget - 1,
+                ..self
+            };
+        }
+        tokio::task::yield_now().await;
+        AcceptLimits::read(state)
+    }
+}
+
+/// How often a loop waiting for connects to finish looks again by itself (a safety net:
+/// a reload may change `pending_max` between a wait and the notification).
+const PENDING_RECHECK: Duration = Duration::from_millis(100);
+
+/// Returns once fewer than `max` upstream connects are in progress.
+async fn connects_below(state: &State, max: usize) {
+    loop {
+        let notified = state.connect_done.notified();
+        tokio::pin!(notified);
+        // Registered before the check, so a connect finishing in between is not missed.
+        notified.as_mut().enable();
+        if state.pending.load(Relaxed) < max {
+            return;
+        }
+        let _ = tokio::time::timeout(PENDING_RECHECK, notified).await;
+    }
+}
+
+/// One accepted connection whose upstream connect is not finished: counted in
+/// `State::pending` from the accept until dropped (when the connect phase ends, whatever
+/// its outcome).
+struct Pending {
+    state: Arc<State>,
+    max: usize,
+}
+
+impl Pending {
+    fn take(state: &Arc<State>, max: usize) -> Pending {
+        state.pending.fetch_add(1, Relaxed);
+        Pending {
+            state: Arc::clone(state),
+            max,
+        }
+    }
+}
+
+impl Drop for Pending {
+    fn drop(&mut self) {
+        // Accept loops wait only while the count is at its limit: no wake-up (and no lock
+        // in the Notify) on the ordinary path.
+        if self.state.pending.fetch_sub(1, Relaxed) >= self.max {
+            self.state.connect_done.notify_waiters();
         }
     }
 }
@@ -120,26 +206,24 @@ fn spawn_connection<C: ClientStream>(
     sock: C,
     peer: SocketAddr,
     local_port: u16,
+    pending: Pending,
 ) {
     let registered = state
         .registry
         .as_ref()
         .map(|r| r.register(peer, clock::now_ms()));
     let info = registered.as_ref().map(|r| Arc::clone(&r.info));
-    let task = tokio::task::spawn_local(handle(state.clone(), sock, peer, local_port, registered));
+    let task = tokio::task::spawn_local(handle(
+        state.clone(),
+        sock,
+        peer,
+        local_port,
+        registered,
+        pending,
+    ));
     if let Some(info) = info {
         Registry::set_abort(&info, task.abort_handle());
     }
-}
-
-/// Pen's `multi_accept`: after that many accepts in a row, let connections run. Returns
-/// the budget for the next accepts.
-async fn yield_when_spent(budget: usize, state: &State) -> usize {
-    if budget > 1 {
-        return budget - 1;
-    }
-    tokio::task::yield_now().await;
-    state.settings().multi_accept
 }
 
 async fn accept_failed(e: io::Error) {
@@ -198,6 +282,7 @@ async fn handle<C: ClientStream>(
     peer: SocketAddr,
     local_port: u16,
     registered: Option<Registered>,
+    pending: Pending,
 ) {
     let settings = state.settings();
     let log = state.log.load_full();
@@ -211,6 +296,7 @@ async fn handle<C: ClientStream>(
         return;
     }
     if settings.dummy {
+        drop(pending);
         super::dummy::serve(client, local_port).await;
         return;
     }
@@ -244,6 +330,7 @@ async fn handle<C: ClientStream>(
             }
         }
     };
+    drop(pending);
     let Some((server, lease)) = upstream else {
         if let Some(log) = &log {
             log.record(ip, started_unix, None, b"");
@@ -280,8 +367,23 @@ async fn handle<C: ClientStream>(
     if let Some(log) = &log {
         log.record(ip, started_unix, server_ip, &outcome.first);
     }
-    if let relay::End::Error(e) = &outcome.end {
-        tracing::debug!(%peer, server = ?lease.index, "connection ended: {e}");
+    match &outcome.end {
+        relay::End::Error(e) => {
+            tracing::debug!(%peer, server = ?lease.index, "connection ended: {e}");
+        }
+        relay::End::ServerError(e) => match lease.index {
+            // A server that resets a connection mid-transfer is treated like one that
+            // refuses: new clients go elsewhere for the blacklist time.
+            Some(index) => {
+                let blacklist = state.settings().blacklist;
+                tracing::info!(
+                    "server {index} failed mid-connection: {e}; blacklisted for {blacklist} s"
+                );
+                state.server_failed(index, blacklist);
+            }
+            None => tracing::debug!(%peer, "emergency or abuse server failed: {e}"),
+        },
+        _ => {}
     }
 }
 
@@ -296,12 +398,6 @@ async fn choose_and_connect<'s>(
     peer: SocketAddr,
     opts: SocketOptions,
 ) -> Option<(TcpStream, Lease<'s>)> {
-    if state.pending.fetch_add(1, Relaxed) >= settings.pending_max {
-        state.pending.fetch_sub(1, Relaxed);
-        tracing::debug!(%peer, "refused: pending_max {} reached", settings.pending_max);
-        return None;
-    }
-    let _pending = Held(&state.pending);
     let mut selector = Selector::new(
         settings,
         &state.servers,
@@ -330,6 +426,11 @@ async fn choose_and_connect<'s>(
                 }
                 tracing::debug!(%peer, "server {index} ({addr})");
                 return Some((stream, lease));
+            }
+            Err(e) if is_local_failure(&e) => {
+                tracing::warn!(%peer, "cannot connect to server {index} ({addr}): {e}");
+                state.counters.no_server.fetch_add(1, Relaxed);
+                return None;
             }
             Err(e) => {
                 drop(lease);

@@ -369,6 +369,63 @@ impl Quill {
             .map(|d| d.count())
     }
 
+    /// The number of descriptors once the daemon has finished starting. quill listens as
+    /// soon as its sockets are bound (so that a start that cannot bind fails early) and
+    /// only then builds its event loops, each with its own descriptors (epoll, eventfd,
+    /// signal pipe); a count read in between is lower than the steady state and makes a
+    /// later comparison report a leak that is only the rest of the start-up. So this waits
+    /// until every event-loop thread (`quill-loop-N` / `quill-udp-N`, one per core the
+    /// daemon may run on) exists. Pen has no such threads: its count is taken at once.
+    pub fn started_fd_count(&self) -> Option<usize> {
+        if !is_pen() {
+            let loops = thread::available_parallelism().map_or(1, |n| n.get());
+            wait_until(
+                START_DEADLINE,
+                format_args!("quill has started its {loops} event loops"),
+                || self.loop_threads() >= loops,
+            );
+        }
+        self.fd_count()
+    }
+
+    /// Event-loop threads of the daemon that exist now.
+    fn loop_threads(&self) -> usize {
+        let Ok(tasks) = fs::read_dir(format!("/proc/{}/task", self.pid())) else {
+            return usize::MAX; // no /proc: nothing to wait for
+        };
+        tasks
+            .flatten()
+            .filter(|t| {
+                fs::read_to_string(t.path().join("comm"))
+                    .is_ok_and(|c| c.starts_with("quill-loop-") || c.starts_with("quill-udp-"))
+            })
+            .count()
+    }
+
+    /// Resident memory of the daemon in KiB (VmRSS), None without /proc.
+    pub fn rss_kib(&self) -> Option<usize> {
+        let status = fs::read_to_string(format!("/proc/{}/status", self.pid())).ok()?;
+        status
+            .lines()
+            .find(|l| l.starts_with("VmRSS:"))?
+            .split_whitespace()
+            .nth(1)?
+            .parse()
+            .ok()
+    }
+
+    /// CPU time (user + system) the daemon has used so far, from /proc/PID/stat.
+    pub fn cpu_time(&self) -> Option<Duration> {
+        let stat = fs::read_to_string(format!("/proc/{}/stat", self.pid())).ok()?;
+        // The command name (field 2) may contain spaces: count fields after its ')'.
+        let rest = stat.rsplit_once(')')?.1;
+        let fields: Vec<&str> = rest.split_whitespace().collect();
+        let ticks: u64 =
+            fields.get(11)?.parse::<u64>().ok()? + fields.get(12)?.parse::<u64>().ok()?;
+        // /proc reports clock ticks of USER_HZ, which is 100 on every Linux architecture.
+        Some(Duration::from_millis(ticks * 10))
+    }
+
     /// The instance's private temporary directory (what `{dir}` stood for).
     pub fn dir(&self) -> &Path {
         self.dir.path()
