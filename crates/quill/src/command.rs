@@ -133,6 +133,15 @@ pub enum Command {
     Exit,
     /// `geoip_db FILE`: the MaxMind DB that `acl N ... country CC` rules use.
     GeoipDb(Word),
+    /// `dsr_if IF`: Direct Server Return on interface IF (read at start-up).
+    DsrIf(Word),
+    /// `tarpit_acl [N]`: in DSR mode, answer ARP and TCP SYNs for the addresses a permit
+    /// rule of list N matches; no argument asks.
+    TarpitAcl(Option<AclId>),
+    /// `no tarpit_acl` (extension): stop tarpitting.
+    NoTarpitAcl,
+    /// `transparent` / `no transparent`: connect to backends from the client's address.
+    Transparent(bool),
 }
 
 /// A single whitespace-free word: a file name or an address kept as written.
@@ -562,6 +571,9 @@ fn command_name(word: &str) -> Option<&'static str> {
         "write",
         "exit",
         "geoip_db",
+        "dsr_if",
+        "tarpit_acl",
+        "transparent",
     ];
     NAMES.iter().copied().find(|n| *n == word)
 }
@@ -616,6 +628,8 @@ fn parse_negated(command: &'static str, w: &mut Words<'_>) -> Result<Command, Pa
         "log" => Command::NoLog,
         "web_stats" => Command::NoWebStats,
         "abort_on_error" => Command::AbortOnError(false),
+        "tarpit_acl" => Command::NoTarpitAcl,
+        "transparent" => Command::Transparent(false),
         _ => return Err(ParseError::Unknown(format!("no {command}"))),
     })
 }
@@ -743,6 +757,23 @@ fn parse_positive(command: &'static str, w: &mut Words<'_>) -> Result<Command, P
         "write" => Command::Write(w.optional_word("a file name")?),
         "exit" => Command::Exit,
         "geoip_db" => Command::GeoipDb(w.word("a file name")?),
+        "dsr_if" => {
+            let name = w.word("an interface name")?;
+            // Linux interface names: 1-15 bytes, no '/' (they are sysfs file names).
+            if name.as_str().len() > 15 || name.as_str().contains('/') {
+                return Err(ParseError::Invalid {
+                    command,
+                    what: "interface name",
+                    value: name.to_string(),
+                });
+            }
+            Command::DsrIf(name)
+        }
+        "tarpit_acl" => Command::TarpitAcl(match w.iter.next() {
+            None => None,
+            Some(n) => Some(AclId::from_str(n).map_err(|_| ParseError::AclIndex(n.to_string()))?),
+        }),
+        "transparent" => Command::Transparent(true),
         _ => return Err(ParseError::Unknown(command.to_string())),
     })
 }
@@ -932,6 +963,10 @@ impl fmt::Display for Command {
             Command::Write(file) => with_optional(f, "write", file),
             Command::Exit => f.write_str("exit"),
             Command::GeoipDb(file) => write!(f, "geoip_db {file}"),
+            Command::DsrIf(name) => write!(f, "dsr_if {name}"),
+            Command::TarpitAcl(list) => with_optional(f, "tarpit_acl", list),
+            Command::NoTarpitAcl => f.write_str("no tarpit_acl"),
+            Command::Transparent(on) => on_off(f, *on, "transparent"),
         }
     }
 }
@@ -1161,6 +1196,10 @@ mod roundtrip {
             proptest::option::of(word()).prop_map(Command::Write),
             Just(Command::Exit),
             word().prop_map(Command::GeoipDb),
+            "[a-z][a-z0-9.-]{0,14}".prop_map(|w| Command::DsrIf(Word(w))),
+            proptest::option::of(acl_id()).prop_map(Command::TarpitAcl),
+            Just(Command::NoTarpitAcl),
+            any::<bool>().prop_map(Command::Transparent),
         ]
     }
 
