@@ -113,10 +113,12 @@ pub enum End {
     FastClose,
     /// Nothing moved for `idle_timeout`.
     Idle,
-    /// A socket error on the client's side (reset, broken pipe...).
+    /// A socket error (reset, broken pipe...) that says nothing against the server: on
+    /// the client's side, or on the server's after it had closed its side cleanly.
     Error(io::Error),
-    /// The server's socket failed (it reset the connection, or died mid-transfer): the
-    /// caller blacklists the server, as for a failed connect.
+    /// The server's socket failed before the server closed its side (it reset the
+    /// connection, or died mid-transfer): the caller blacklists the server, as for a
+    /// failed connect.
     ServerError(io::Error),
 }
 
@@ -276,6 +278,12 @@ pub async fn relay<C: Stream + ?Sized, S: Stream + ?Sized>(
         if !up.done {
             match up.poll(cx, client, server, down.done, &mut active) {
                 Poll::Ready(Err(Failed::Source(e))) => return Poll::Ready(End::Error(e)),
+                // A server that closed cleanly first and then resets what the client
+                // still sends (an HTTP keep-alive timeout racing a new request) has not
+                // failed: only one that resets without having closed is.
+                Poll::Ready(Err(Failed::Destination(e))) if down.eof => {
+                    return Poll::Ready(End::Error(e))
+                }
                 Poll::Ready(Err(Failed::Destination(e))) => {
                     return Poll::Ready(End::ServerError(e))
                 }
