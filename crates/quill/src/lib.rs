@@ -15,6 +15,7 @@ pub mod control;
 pub mod daemon;
 pub mod demo;
 pub mod geoip;
+pub mod health;
 pub mod net;
 pub mod privileges;
 pub mod proxy;
