@@ -133,6 +133,15 @@ pub enum Command {
     Exit,
     /// `geoip_db FILE`: the MaxMind DB that `acl N ... country CC` rules use.
     GeoipDb(Word),
+    /// `dsr_if IF`: Direct Server Return on interface IF (read at start-up).
+    DsrIf(Word),
+    /// `tarpit_acl [N]`: in DSR mode, answer ARP and TCP SYNs for the addresses a permit
+    /// rule of list N matches; no argument asks.
+    TarpitAcl(Option<AclId>),
+    /// `no tarpit_acl` (extension): stop tarpitting.
+    NoTarpitAcl,
+    /// `transparent` / `no transparent`: connect to backends from the client's address.
+    Transparent(bool),
     /// `check tcp` / `check http PATH [STATUS]` / `no check` (extension): the active
     /// health check of every server that does not choose its own (`server N check ...`).
     Check(Option<Probe>),
@@ -692,6 +701,9 @@ fn command_name(word: &str) -> Option<&'static str> {
         "check_rise",
         "check_fall",
         "slow_start",
+        "dsr_if",
+        "tarpit_acl",
+        "transparent",
     ];
     NAMES.iter().copied().find(|n| *n == word)
 }
@@ -747,6 +759,8 @@ fn parse_negated(command: &'static str, w: &mut Words<'_>) -> Result<Command, Pa
         "web_stats" => Command::NoWebStats,
         "abort_on_error" => Command::AbortOnError(false),
         "check" => Command::Check(None),
+        "tarpit_acl" => Command::NoTarpitAcl,
+        "transparent" => Command::Transparent(false),
         _ => return Err(ParseError::Unknown(format!("no {command}"))),
     })
 }
@@ -883,6 +897,23 @@ fn parse_positive(command: &'static str, w: &mut Words<'_>) -> Result<Command, P
         "check_rise" => Command::CheckRise(w.count()?),
         "check_fall" => Command::CheckFall(w.count()?),
         "slow_start" => Command::SlowStart(w.number("number of seconds")?),
+        "dsr_if" => {
+            let name = w.word("an interface name")?;
+            // Linux interface names: 1-15 bytes, no '/' (they are sysfs file names).
+            if name.as_str().len() > 15 || name.as_str().contains('/') {
+                return Err(ParseError::Invalid {
+                    command,
+                    what: "interface name",
+                    value: name.to_string(),
+                });
+            }
+            Command::DsrIf(name)
+        }
+        "tarpit_acl" => Command::TarpitAcl(match w.iter.next() {
+            None => None,
+            Some(n) => Some(AclId::from_str(n).map_err(|_| ParseError::AclIndex(n.to_string()))?),
+        }),
+        "transparent" => Command::Transparent(true),
         _ => return Err(ParseError::Unknown(command.to_string())),
     })
 }
@@ -1146,6 +1177,10 @@ impl fmt::Display for Command {
             Command::CheckRise(n) => write!(f, "check_rise {n}"),
             Command::CheckFall(n) => write!(f, "check_fall {n}"),
             Command::SlowStart(n) => write!(f, "slow_start {n}"),
+            Command::DsrIf(name) => write!(f, "dsr_if {name}"),
+            Command::TarpitAcl(list) => with_optional(f, "tarpit_acl", list),
+            Command::NoTarpitAcl => f.write_str("no tarpit_acl"),
+            Command::Transparent(on) => on_off(f, *on, "transparent"),
         }
     }
 }
@@ -1402,6 +1437,10 @@ mod roundtrip {
             (1u32..).prop_map(Command::CheckRise),
             (1u32..).prop_map(Command::CheckFall),
             any::<u64>().prop_map(Command::SlowStart),
+            "[a-z][a-z0-9.-]{0,14}".prop_map(|w| Command::DsrIf(Word(w))),
+            proptest::option::of(acl_id()).prop_map(Command::TarpitAcl),
+            Just(Command::NoTarpitAcl),
+            any::<bool>().prop_map(Command::Transparent),
         ]
     }
 

@@ -14,6 +14,7 @@ pub mod connlog;
 pub mod control;
 pub mod daemon;
 pub mod demo;
+pub mod dsr;
 pub mod geoip;
 pub mod health;
 pub mod net;

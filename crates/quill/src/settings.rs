@@ -181,6 +181,12 @@ pub struct Settings {
     pub check: HealthCheck,
     /// Seconds over which a server coming back up ramps to its full weight (0 = at once).
     pub slow_start: u64,
+    /// The Direct Server Return interface (`dsr_if IF`); read at start-up.
+    pub dsr_if: Option<Word>,
+    /// The access list whose permitted addresses the DSR plane tarpits.
+    pub tarpit_acl: Option<AclId>,
+    /// Connect to backends from the client's address (IP_TRANSPARENT).
+    pub transparent: bool,
 }
 
 /// Default `udp_idle_timeout`: as long as Linux conntrack keeps an unreplied UDP flow.
@@ -229,6 +235,9 @@ impl Default for Settings {
             geoip: None,
             check: HealthCheck::default(),
             slow_start: 0,
+            dsr_if: None,
+            tarpit_acl: None,
+            transparent: false,
         }
     }
 }
@@ -457,6 +466,15 @@ impl Settings {
             Command::CheckRise(n) => set(&mut self.check.rise, *n),
             Command::CheckFall(n) => set(&mut self.check.fall, *n),
             Command::SlowStart(n) => set(&mut self.slow_start, *n),
+            Command::DsrIf(name) => set(&mut self.dsr_if, Some(name.clone())),
+            Command::TarpitAcl(None) => Applied::value(
+                self.tarpit_acl
+                    .map(|l| l.to_string())
+                    .unwrap_or_else(|| "-1".to_string()),
+            ),
+            Command::TarpitAcl(Some(list)) => set(&mut self.tarpit_acl, Some(*list)),
+            Command::NoTarpitAcl => set(&mut self.tarpit_acl, None),
+            Command::Transparent(on) => set(&mut self.transparent, *on),
             other => return Err(ApplyError::NotASetting(other.to_string())),
         })
     }
@@ -614,6 +632,15 @@ impl Settings {
         if self.slow_start != d.slow_start {
             out.push(Command::SlowStart(self.slow_start));
         }
+        if let Some(name) = &self.dsr_if {
+            out.push(Command::DsrIf(name.clone()));
+        }
+        if let Some(list) = self.tarpit_acl {
+            out.push(Command::TarpitAcl(Some(list)));
+        }
+        if self.transparent {
+            out.push(Command::Transparent(true));
+        }
         for (index, s) in self.servers.iter().enumerate() {
             let Some(host) = &s.host else { continue };
             let mut fields = vec![
@@ -753,6 +780,10 @@ mod tests {
             "source 127.0.0.1",
             "emergency 127.0.0.1:9",
             "block",
+            "dsr_if eth1",
+            "acl 3 permit 10.77.0.200 255.255.255.248",
+            "tarpit_acl 3",
+            "transparent",
             "server 0 address 127.0.0.1 port 80 max 3 hard 4 weight 2 prio 1 acl 2",
             "server 3 address ::1 port 81 check http /health 204",
             "server 4 address ::1 port 82 check off",

@@ -58,6 +58,8 @@ async fn run(target: &Target, timeout: Duration) -> Result<(), ProbeError> {
     let opts = SocketOptions {
         nodelay: true,
         keepalive: false,
+        // Checks come from quill's own address (or `source`), never a client's.
+        transparent: false,
     };
     let mut stream = connect(target.addr, target.source, timeout, opts)
         .await
