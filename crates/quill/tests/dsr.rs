@@ -95,7 +95,9 @@ impl Segment {
     }
 
     fn quill(&self, options: &[&str], listen: &str) -> NsQuill {
-        let mut args: Vec<&str> = options.to_vec();
+        // -d: the start-up line says how frames are read.
+        let mut args: Vec<&str> = vec!["-d"];
+        args.extend(options);
         args.extend(["-O", "dsr_if l0", listen]);
         let ips = self.backend_ips();
         args.extend(ips.iter().map(String::as_str));
@@ -132,6 +134,14 @@ fn tcp_through_dsr_spreads_over_backends_and_replies_bypass_the_balancer() {
     let _backends = s.start_backends();
     let mut q = s.quill(&["-r"], &format!("{VIP}:80"));
     wait_started(&mut q, &s);
+    // Frames come from the TPACKET_V3 ring, unless the test run asked for plain reads.
+    let ring = std::env::var_os("QUILL_DSR_NO_RING").map_or(true, |v| v != "1");
+    let how = if ring {
+        "TPACKET_V3 receive ring"
+    } else {
+        "one frame per recv"
+    };
+    assert!(q.stderr().contains(how), "{}", q.stderr());
 
     // Flows are spread (hash of client address and port) and the backend sees the client.
     let mut seen = HashSet::new();

@@ -20,7 +20,7 @@ use super::frame::{
     self, Arp, Frame, Mac, Payload, ARP_REPLY, ARP_REQUEST, BROADCAST, L4, PROTO_TCP, PROTO_UDP,
 };
 use super::maglev::{mix64, Maglev};
-use super::packet::{PacketSocket, VNET_HDR_LEN};
+use super::packet::{PacketSocket, RxRing, VNET_HDR_LEN};
 use super::tarpit::{self, Syn, Tarpit};
 use super::{DsrConfig, DsrError, Transport};
 use crate::acl::AclAction;
@@ -32,6 +32,12 @@ use crate::state::State;
 const TICK: Duration = Duration::from_millis(100);
 /// Largest frame taken: a 64 KiB GSO super-frame plus headers.
 const RX_BUF: usize = VNET_HDR_LEN + 65_536 + 64;
+/// The receive ring: blocks larger than any frame (GSO super-frames are up to 64 KiB),
+/// 8 MiB in all; a block is handed over when full or 1 ms after its first frame (the
+/// most a frame waits at low rates).
+const RING_BLOCK: usize = 256 << 10;
+const RING_BLOCKS: usize = 32;
+const RING_RETIRE: Duration = Duration::from_millis(1);
 
 /// What the plane did, for status reports and tests (monotonic counters).
 #[derive(Debug, Default)]
@@ -68,6 +74,9 @@ pub struct Plane {
     /// the interface has none.
     our_ip: Ipv4Addr,
     counters: Arc<DsrCounters>,
+    /// The TPACKET_V3 receive ring; `None` where the kernel refused it (then one `recv`
+    /// per frame).
+    ring: Option<RxRing>,
 }
 
 /// The interface's MAC address, from sysfs.
@@ -117,12 +126,26 @@ impl Plane {
             return Err(DsrError::Socket { interface, source });
         }
         let our_ip = interface_ipv4(&interface).unwrap_or(Ipv4Addr::UNSPECIFIED);
+        // QUILL_DSR_NO_RING=1 reads one frame per call instead: a diagnostic switch, and
+        // what bench/dsr compares the ring with.
+        let no_ring = std::env::var_os("QUILL_DSR_NO_RING").is_some_and(|v| v == "1");
+        let ring = match (!no_ring).then(|| sock.rx_ring(RING_BLOCK, RING_BLOCKS, RING_RETIRE)) {
+            None => None,
+            Some(Ok(ring)) => Some(ring),
+            Some(Err(e)) => {
+                tracing::warn!(
+                    "DSR on {interface}: no receive ring ({e}); reading one frame per call"
+                );
+                None
+            }
+        };
         Ok(Plane {
             config,
             sock,
             our_mac,
             our_ip,
             counters: Arc::default(),
+            ring,
         })
     }
 
@@ -131,12 +154,17 @@ impl Plane {
     }
 
     /// Runs until `stop` turns true (checked every tick).
-    pub fn run(self, state: &State, stop: &watch::Receiver<bool>) {
+    pub fn run(mut self, state: &State, stop: &watch::Receiver<bool>) {
         tracing::info!(
-            "DSR on {} (MAC {}, ifindex {}): {} {}:{}",
+            "DSR on {} (MAC {}, ifindex {}, {}): {} {}:{}",
             self.config.interface,
             fmt_mac(&self.our_mac),
             self.sock.ifindex(),
+            if self.ring.is_some() {
+                "TPACKET_V3 receive ring"
+            } else {
+                "one frame per recv"
+            },
             match self.config.transport {
                 Transport::Tcp => "TCP",
                 Transport::Udp => "UDP",
@@ -157,7 +185,12 @@ impl Plane {
             recv_errors: 0,
             configured: false,
         };
-        let mut rx = vec![0u8; RX_BUF];
+        let mut ring = self.ring.take();
+        let mut rx = if ring.is_some() {
+            Vec::new()
+        } else {
+            vec![0u8; RX_BUF]
+        };
         while !*stop.borrow() {
             let now = Instant::now();
             if run
@@ -167,12 +200,20 @@ impl Plane {
                 run.last_tick = Some(now);
                 self.tick(&mut run, state, now);
             }
-            match self.sock.recv(&mut rx) {
-                Ok(Some(n)) => {
-                    run.recv_errors = 0;
-                    self.handle(&mut run, state, &mut rx[..n], now);
-                }
-                Ok(None) => {}
+            let received = match ring.as_mut() {
+                Some(ring) => ring
+                    .next_block(&self.sock, TICK, |frame| {
+                        self.handle(&mut run, state, frame, now);
+                    })
+                    .map(|_| ()),
+                None => self.sock.recv(&mut rx).map(|got| {
+                    if let Some(n) = got {
+                        self.handle(&mut run, state, &mut rx[..n], now);
+                    }
+                }),
+            };
+            match received {
+                Ok(()) => run.recv_errors = 0,
                 Err(e) => {
                     // The interface went down or away: say so once, then wait a tick
                     // between attempts instead of spinning.
