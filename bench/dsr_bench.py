@@ -91,13 +91,18 @@ def stat(ns, ifname, what):
 
 
 def cpu_seconds(pid):
-    """utime + stime of a process and its threads, in seconds."""
+    """CPU time of a process's threads, in seconds (schedstat: nanoseconds, not ticks)."""
+    total = 0
     try:
-        with open(f"/proc/{pid}/stat") as f:
-            fields = f.read().rsplit(")", 1)[1].split()
-        return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+        for tid in os.listdir(f"/proc/{pid}/task"):
+            try:
+                with open(f"/proc/{pid}/task/{tid}/schedstat") as f:
+                    total += int(f.read().split()[0])
+            except OSError:
+                pass
     except OSError:
         return 0.0
+    return total / 1e9
 
 
 def balancer_pid(proc):
@@ -141,8 +146,7 @@ def run_pps(name, start, stop, duration, senders):
         return None
     try:
         # Prime ARP (the client learns the VIP's MAC) and let the balancer find backends.
-        ok = wait_for(lambda: nsexec("cli", "ping", "-c", "1", "-W", "1", VIP, check=False,
-                                     stdout=subprocess.DEVNULL).returncode in (0, 1)
+        ok = wait_for(lambda: nsexec("cli", sys.executable, "-c", PRIME, VIP, check=False).returncode == 0
                       and arp_known())
         if not ok:
             print(f"  {name}: the VIP never answered ARP")
@@ -164,21 +168,34 @@ def run_pps(name, start, stop, duration, senders):
         stop()
 
 
+# One datagram to the VIP: makes the client resolve the VIP's MAC address.
+PRIME = "import socket, sys; socket.socket(socket.AF_INET, socket.SOCK_DGRAM).sendto(b'x', (sys.argv[1], 9))"
+
+
 def arp_known():
     out = nsexec("cli", "ip", "neigh", "show", VIP, capture_output=True, check=False)
     return b"lladdr" in out.stdout
 
 
-def run_download(url, pid, duration):
-    n = 0
+# A client loop: fetches URL for DURATION seconds with curl (keep-alive off: one
+# connection per request), prints how many succeeded.
+FETCHER = r"""
+import subprocess, sys, time
+url, end, n = sys.argv[1], time.time() + float(sys.argv[2]), 0
+while time.time() < end:
+    n += subprocess.run(["curl", "-s", "-o", "/dev/null", "--max-time", "10", url]).returncode == 0
+print(n)
+"""
+
+
+def run_download(url, pid, duration, clients):
     cpu0 = cpu_seconds(pid)
     t0 = time.time()
-    while time.time() - t0 < duration:
-        r = nsexec("cli", "curl", "-s", "-o", "/dev/null", "--max-time", "10", url, check=False)
-        if r.returncode == 0:
-            n += 1
+    procs = [popen("cli", sys.executable, "-c", FETCHER, url, str(duration), stdout=subprocess.PIPE)
+             for _ in range(clients)]
+    n = sum(int(p.communicate()[0] or 0) for p in procs)
     elapsed = time.time() - t0
-    return n / elapsed, n / max(cpu_seconds(pid) - cpu0, 1e-3)
+    return n / elapsed, n / max(cpu_seconds(pid) - cpu0, 1e-6)
 
 
 def main():
@@ -186,6 +203,7 @@ def main():
     ap.add_argument("--quick", action="store_true", help="short runs (3 s each)")
     ap.add_argument("--duration", type=float, default=10.0)
     ap.add_argument("--senders", type=int, default=2)
+    ap.add_argument("--clients", type=int, default=4, help="concurrent curl loops (download)")
     ap.add_argument("--quill-bin", default=None)
     ap.add_argument("--no-build", action="store_true")
     a = ap.parse_args()
@@ -209,8 +227,9 @@ def main():
         servers = topo_up(www)
         results = {}
 
-        def spawn(args):
-            p = popen("lb", *args, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+        def spawn(args, env=None):
+            p = popen("lb", *args, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+                      env=dict(os.environ, **(env or {})))
             holder["p"] = p
             time.sleep(0.3)
             return p.pid if p.poll() is None else None
@@ -230,6 +249,11 @@ def main():
         print(f"== forwarding rate: UDP to {VIP}:9, {a.senders} sender(s), {a.duration:.0f} s")
         results["quill"] = run_pps("quill", lambda: spawn([quill, "-f", "-U", "-r", "-O", "dsr_if l0", f"{VIP}:9", *backends]),
                                    kill, a.duration, a.senders)
+        # The same quill reading from a TPACKET_V3 ring, and one frame per recv().
+        for variant, mode in (("quill-v3", "v3"), ("quill-recv", "off")):
+            results[variant] = run_pps(variant, lambda: spawn([quill, "-f", "-U", "-r", "-O", "dsr_if l0", f"{VIP}:9", *backends],
+                                                              env={"QUILL_DSR_RING": mode}),
+                                       kill, a.duration, a.senders)
         if shutil.which("pen"):
             results["pen"] = run_pps("pen", lambda: spawn(["pen", "-f", "-U", "-r", "-O", "dsr_if l0", f"{VIP}:9", *backends]),
                                      kill, a.duration, a.senders)
@@ -249,26 +273,34 @@ def main():
             print("  ipvs: not measured (this kernel has no IPVS: /proc/net/ip_vs is missing, or ipvsadm is not installed)")
         for name, r in results.items():
             if r is None:
-                print(f"  {name:6} did not forward (not supported by this build, or failed to start)")
+                print(f"  {name:10} did not forward (not supported by this build, or failed to start)")
                 continue
             sent, fwd, cpu = r
             cpu_note = f", {fwd / cpu:,.0f} packets per balancer CPU second" if cpu > 0 else ""
-            print(f"  {name:6} sent {sent / a.duration:>10,.0f} pps  forwarded {fwd / a.duration:>10,.0f} pps"
+            print(f"  {name:10} sent {sent / a.duration:>10,.0f} pps  forwarded {fwd / a.duration:>10,.0f} pps"
                   f" ({100.0 * fwd / max(sent, 1):5.1f} %){cpu_note}")
+        for other in ("quill-v3", "quill-recv"):
+            if results.get("quill") and results.get(other):
+                print(f"  quill (V2 ring) / {other}: {results['quill'][1] / max(results[other][1], 1):.2f} x forwarding rate, "
+                      f"{(results['quill'][1] / max(results['quill'][2], 1e-9)) / (results[other][1] / max(results[other][2], 1e-9)):.2f} x per CPU second")
         if results.get("quill") and results.get("ipvs"):
             print(f"  quill / ipvs forwarding rate: {results['quill'][1] / max(results['ipvs'][1], 1):.2f}")
 
-        print(f"== 1 MiB download, sequential curl, {a.duration:.0f} s each")
-        pid = spawn([quill, "-f", "-r", "-O", "dsr_if l0", f"{VIP}:80", *backends])
-        wait_for(lambda: nsexec("cli", "curl", "-s", "-o", "/dev/null", "--max-time", "2", f"http://{VIP}/big", check=False).returncode == 0)
-        dsr = run_download(f"http://{VIP}/big", pid, a.duration)
-        kill()
+        print(f"== 1 MiB download, {a.clients} concurrent curl loops, {a.duration:.0f} s each")
+        downloads = {}
+        for name, env in (("DSR", None), ("DSR-v3", {"QUILL_DSR_RING": "v3"}), ("DSR-recv", {"QUILL_DSR_RING": "off"})):
+            pid = spawn([quill, "-f", "-r", "-O", "dsr_if l0", f"{VIP}:80", *backends], env)
+            wait_for(lambda: nsexec("cli", "curl", "-s", "-o", "/dev/null", "--max-time", "2", f"http://{VIP}/big", check=False).returncode == 0)
+            downloads[name] = run_download(f"http://{VIP}/big", pid, a.duration, a.clients)
+            kill()
+        dsr = downloads["DSR"]
         pid = spawn([quill, "-f", "-r", "10.77.0.2:8080", "10.77.0.11:80", "10.77.0.12:80"])
         wait_for(lambda: nsexec("cli", "curl", "-s", "-o", "/dev/null", "--max-time", "2", "http://10.77.0.2:8080/big", check=False).returncode == 0)
-        proxy = run_download("http://10.77.0.2:8080/big", pid, a.duration)
+        proxy = run_download("http://10.77.0.2:8080/big", pid, a.duration, a.clients)
         kill()
-        print(f"  DSR   {dsr[0]:7.1f} req/s  {dsr[1]:9.1f} req per balancer CPU second")
-        print(f"  proxy {proxy[0]:7.1f} req/s  {proxy[1]:9.1f} req per balancer CPU second")
+        downloads["proxy"] = proxy
+        for name, (rps, per_cpu) in downloads.items():
+            print(f"  {name:9} {rps:7.1f} req/s  {per_cpu:9.1f} req per balancer CPU second")
         print(f"  DSR / proxy: {dsr[0] / max(proxy[0], 1e-9):.2f}x req/s, "
               f"{dsr[1] / max(proxy[1], 1e-9):.1f}x req per balancer CPU second")
         print("NOTE: shared 2-core machine with other jobs running; read the ratios, not the absolute figures.")
