@@ -372,6 +372,8 @@ pub fn run(inv: Invocation) -> Result<(), StartError> {
     tracing::info!("listening on {listen_addr} with {workers} event loop(s)");
 
     rt.block_on(async {
+        // Health checks live on this (control) runtime, never on an event loop.
+        tokio::spawn(crate::health::supervise(Arc::clone(&state)));
         if let Some(l) = control_listener {
             let ctx = Arc::clone(&ctx);
             tokio::spawn(async move {

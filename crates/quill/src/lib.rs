@@ -16,6 +16,7 @@ pub mod daemon;
 pub mod demo;
 pub mod dsr;
 pub mod geoip;
+pub mod health;
 pub mod net;
 pub mod privileges;
 pub mod proxy;

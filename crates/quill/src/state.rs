@@ -46,6 +46,10 @@ pub struct State {
     pub active: AtomicUsize,
     /// Upstream connects in progress.
     pub pending: AtomicUsize,
+    /// Accept loops paused at `pending_max`, waiting on `pending_released`.
+    pub accept_paused: AtomicUsize,
+    /// Signalled when a connect finishes while an accept loop is paused.
+    pub pending_released: tokio::sync::Notify,
     pub counters: Counters,
     /// Open connections by number; kept only when a control socket can ask for them.
     pub registry: Option<Arc<Registry>>,
@@ -53,6 +57,8 @@ pub struct State {
     pub log: ArcSwapOption<ConnLog>,
     /// Process start, for uptime in status reports.
     pub started: std::time::Instant,
+    /// Bumped each time new settings are published (the health checks re-plan on it).
+    pub generation: tokio::sync::watch::Sender<u64>,
 }
 
 impl State {
@@ -68,10 +74,13 @@ impl State {
             cursor: AtomicUsize::new(usize::MAX),
             active: AtomicUsize::new(0),
             pending: AtomicUsize::new(0),
+            accept_paused: AtomicUsize::new(0),
+            pending_released: tokio::sync::Notify::new(),
             counters: Counters::default(),
             registry: registry.then(Arc::default),
             log: ArcSwapOption::empty(),
             started: std::time::Instant::now(),
+            generation: tokio::sync::watch::Sender::new(0),
         })
     }
 
@@ -88,6 +97,7 @@ impl State {
         let mut next = Settings::clone(&self.settings.load());
         let applied = next.apply(cmd)?;
         self.settings.store(Arc::new(next));
+        self.generation.send_modify(|g| *g = g.wrapping_add(1));
         let rest = applied
             .actions
             .into_iter()
@@ -103,6 +113,7 @@ impl State {
             self.clients.resize(settings.clients_max);
         }
         self.settings.store(Arc::new(settings));
+        self.generation.send_modify(|g| *g = g.wrapping_add(1));
         actions
             .into_iter()
             .filter_map(|a| self.perform(a))
@@ -116,6 +127,19 @@ impl State {
             Action::Blacklist { index, seconds } => {
                 if let Some(s) = self.servers.get(index) {
                     s.blacklist(clock::now_ms(), seconds);
+                }
+                None
+            }
+            Action::Drain { index, on } => {
+                if let Some(s) = self.servers.get(index) {
+                    if s.draining.swap(on, Relaxed) != on {
+                        let open = s.conns.load(Relaxed);
+                        if on {
+                            tracing::warn!("server {index} draining: no new connections, {open} open ones finish");
+                        } else {
+                            tracing::warn!("server {index} no longer draining");
+                        }
+                    }
                 }
                 None
             }
