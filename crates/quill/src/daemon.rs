@@ -390,7 +390,7 @@ pub fn run(inv: Invocation) -> Result<(), StartError> {
         relisten,
         exit: Arc::new(Notify::new()),
         listener_fds: std::sync::Mutex::new(Vec::new()),
-        control_fd,
+        control_fd: std::sync::Mutex::new(control_fd),
         upgraded: std::sync::atomic::AtomicBool::new(false),
     });
     ctx.remember_listeners(&listeners);
@@ -468,6 +468,7 @@ pub fn run(inv: Invocation) -> Result<(), StartError> {
     for t in tasks {
         t.abort();
     }
+    ctx.forget_sockets();
     if ctx.upgraded.load(Relaxed) {
         // The pid file and the sockets now belong to the new process.
         cleanup.0.clear();

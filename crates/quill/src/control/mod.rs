@@ -54,7 +54,7 @@ pub struct Context {
     /// Duplicates of the current listening sockets, for a binary upgrade to hand over.
     pub listener_fds: Mutex<Vec<OwnedFd>>,
     /// A duplicate of the Unix control socket, for a binary upgrade to hand over.
-    pub control_fd: Option<OwnedFd>,
+    pub control_fd: Mutex<Option<OwnedFd>>,
     /// A new process took the sockets over: stop, and leave its files in place.
     pub upgraded: AtomicBool,
 }
@@ -139,6 +139,17 @@ impl Context {
             .iter()
             .map(OwnedFd::try_clone)
             .collect()
+    }
+
+    /// Closes the duplicates kept for an upgrade, so that once the event loops and the
+    /// control task have let go of the sockets, they really close (or live on only in the
+    /// process that took them over).
+    pub fn forget_sockets(&self) {
+        self.listener_fds
+            .lock()
+            .unwrap_or_else(|p| p.into_inner())
+            .clear();
+        *self.control_fd.lock().unwrap_or_else(|p| p.into_inner()) = None;
     }
 
     /// A new process serves the sockets now: this one stops accepting and finishes.

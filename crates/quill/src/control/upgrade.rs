@@ -171,6 +171,8 @@ async fn send_offer(ctx: &Context, sock: &UnixStream) -> Result<(), String> {
     }
     let control = ctx
         .control_fd
+        .lock()
+        .unwrap_or_else(|p| p.into_inner())
         .as_ref()
         .ok_or("no control socket to hand over")?
         .try_clone()
