@@ -61,6 +61,8 @@ pub enum StartError {
     Unsupported(&'static str),
     #[error("{0}")]
     Privileges(String),
+    #[error("{0}")]
+    Metrics(String),
 }
 
 impl StartError {
@@ -238,6 +240,14 @@ pub fn run(inv: Invocation) -> Result<(), StartError> {
             Some(l)
         }
     };
+    // Bound like the other listeners: before detaching and before dropping privileges.
+    let metrics_listener = match settings.metrics_listen {
+        None => None,
+        Some(addr) => {
+            warn_if_control_open(&settings, addr);
+            Some(control::web::bind(addr).map_err(|e| StartError::Metrics(e.to_string()))?)
+        }
+    };
     if let Some(null) = dev_null {
         // Detach before any thread exists: fork() keeps only the calling thread.
         nix::unistd::daemon(true, true).map_err(|e| StartError::Daemon(e.into()))?;
@@ -280,6 +290,10 @@ pub fn run(inv: Invocation) -> Result<(), StartError> {
 
     let state = State::new(settings, control_addr.is_some());
     let (stop_tx, stop_rx) = watch::channel(false);
+    let (metrics_tx, metrics_rx) = mpsc::unbounded_channel();
+    if metrics_listener.is_some() {
+        let _ = metrics_tx.send(metrics_listener);
+    }
     let (relisten, receivers): (Vec<_>, Vec<_>) = (0..listeners.len())
         .map(|_| mpsc::unbounded_channel())
         .unzip();
@@ -295,13 +309,14 @@ pub fn run(inv: Invocation) -> Result<(), StartError> {
             .collect::<Vec<Command>>(),
         relisten,
         exit: Arc::new(Notify::new()),
+        metrics: metrics_tx,
     });
     // Before the first connection is accepted: the log is open and the start-up actions
     // (e.g. `server N blacklist T` in the file) are carried out. The listeners were opened
     // above, so re-listen actions are dropped.
     let start_actions = actions
         .into_iter()
-        .filter(|a| !matches!(a, Action::Relisten(_)))
+        .filter(|a| !matches!(a, Action::Relisten(_) | Action::MetricsListen(_)))
         .collect();
     ctx.carry_out(start_actions);
     ctx.reopen_log();
@@ -337,6 +352,7 @@ pub fn run(inv: Invocation) -> Result<(), StartError> {
     tracing::info!("listening on {listen_addr} with {workers} event loop(s)");
 
     rt.block_on(async {
+        tokio::spawn(control::web::run(Arc::clone(&ctx), metrics_rx));
         if let Some(l) = control_listener {
             let ctx = Arc::clone(&ctx);
             tokio::spawn(async move {
@@ -362,6 +378,20 @@ pub fn run(inv: Invocation) -> Result<(), StartError> {
     });
     drop(cleanup);
     Ok(())
+}
+
+/// The dashboard's control buttons answer whoever `control_acl` permits; with an empty
+/// list (Pen's "permit all") on a non-loopback address, say so once.
+fn warn_if_control_open(settings: &Settings, addr: std::net::SocketAddr) {
+    let acl = &settings.acls[settings.control_acl.index()];
+    if !addr.ip().is_loopback() && acl.rules().is_empty() {
+        tracing::warn!(
+            "metrics_listen {addr}: control_acl {} is empty, so any address that reaches \
+             it may blacklist servers from the dashboard; set 'control_acl N' to a list \
+             that permits only operators",
+            settings.control_acl
+        );
+    }
 }
 
 /// The signals quill reacts to, registered once at start-up.

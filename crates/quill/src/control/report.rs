@@ -13,8 +13,40 @@ use crate::balance::{clock, ServerState};
 use crate::settings::{ServerConf, Settings};
 use crate::state::State;
 
+/// What a server is doing now, named the same way in every report (`status`, JSON,
+/// Prometheus, the dashboard). A new condition is one variant here, listed in `ALL`.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Condition {
+    /// Selectable.
+    Up,
+    /// Skipped until its blacklist time runs out (a failure, or `server N blacklist T`).
+    Blacklisted,
+}
+
+impl Condition {
+    /// Every condition, in the order reports list them.
+    pub const ALL: &'static [Condition] = &[Condition::Up, Condition::Blacklisted];
+
+    /// The condition of server state `rt` at `now` (milliseconds of the balancer's clock).
+    pub fn of(rt: &ServerState, now: u64) -> Condition {
+        if rt.is_blacklisted(now) {
+            Condition::Blacklisted
+        } else {
+            Condition::Up
+        }
+    }
+
+    /// The word reports use.
+    pub fn name(self) -> &'static str {
+        match self {
+            Condition::Up => "up",
+            Condition::Blacklisted => "blacklisted",
+        }
+    }
+}
+
 /// The servers in use (those with an address), with their runtime state.
-fn in_use<'a>(
+pub fn in_use<'a>(
     settings: &'a Settings,
     state: &'a State,
 ) -> impl Iterator<Item = (usize, &'a ServerConf, IpAddr, &'a ServerState)> + 'a {
@@ -81,6 +113,32 @@ pub fn recent(state: &State, seconds: u64) -> String {
         );
     }
     out
+}
+
+/// Clients seen in the last `seconds`, most recent first, at most `limit` (the dashboard's
+/// list). Reads at most `limit` entries of each shard of the client table.
+pub fn recent_json(state: &State, seconds: u64, limit: usize) -> serde_json::Value {
+    let now = clock::now_ms();
+    let mut clients: Vec<_> = state
+        .clients
+        .most_recent(limit)
+        .into_iter()
+        .filter(|(_, e)| now.saturating_sub(e.last_seen) <= seconds.saturating_mul(1000))
+        .collect();
+    clients.sort_by_key(|(_, e)| std::cmp::Reverse(e.last_seen));
+    clients.truncate(limit);
+    let list: Vec<_> = clients
+        .into_iter()
+        .map(|(ip, e)| {
+            json!({
+                "address": ip.to_string(),
+                "server": e.server,
+                "connections": e.connections,
+                "last_seen_seconds_ago": now.saturating_sub(e.last_seen) / 1000,
+            })
+        })
+        .collect();
+    json!({ "tracked": state.clients.len(), "clients": list })
 }
 
 fn escape(s: &str) -> String {
@@ -152,7 +210,7 @@ pub fn json(ctx: &Context) -> String {
                 "host": s.host.as_ref().map(|h| h.to_string()),
                 "address": ip.to_string(),
                 "port": s.port,
-                "state": if rt.is_blacklisted(now) { "blacklisted" } else { "up" },
+                "state": Condition::of(rt, now).name(),
                 "blacklist_seconds_left": rt.blacklist_left(now),
                 "connections": rt.conns.load(Relaxed),
                 "max": s.max,
