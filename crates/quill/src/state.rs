@@ -20,7 +20,7 @@ use crate::settings::{Action, ApplyError, Reply, Settings};
 /// Process-wide counters (summed over all event loops).
 #[derive(Debug, Default)]
 pub struct Counters {
-    /// Client connections accepted.
+    /// Client connections accepted (UDP: new flows), including those then refused.
     pub accepted: AtomicU64,
     /// Client connections closed at once because `conn_max` was reached.
     pub refused_conn_max: AtomicU64,

@@ -66,7 +66,7 @@ fn load(a: &std::sync::atomic::AtomicU64) -> u64 {
 pub static FAMILIES: &[Family] = &[
     Family {
         name: "connections_accepted",
-        help: "Client connections (UDP: flows) accepted.",
+        help: "Client connections (UDP: new flows) accepted, including those then refused.",
         unit: None,
         kind: Kind::Counter,
         source: Source::Global(|s| load(&s.counters.accepted)),

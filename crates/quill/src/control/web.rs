@@ -57,6 +57,7 @@ pub const CONTROL_HEADER: &str = "x-quill-control";
 const DASHBOARD_HTML: &str = include_str!("dashboard/index.html");
 const DASHBOARD_JS: &str = include_str!("dashboard/dashboard.js");
 const DASHBOARD_CSS: &str = include_str!("dashboard/dashboard.css");
+const FAVICON_SVG: &str = include_str!("dashboard/favicon.svg");
 
 /// Why the metrics listener could not be opened.
 #[derive(Debug, thiserror::Error)]
@@ -296,6 +297,7 @@ async fn handle(site: &Site, peer: IpAddr, req: Request<Incoming>) -> Reply {
         "/dashboard.css" if read_only => {
             reply(StatusCode::OK, "text/css; charset=utf-8", DASHBOARD_CSS)
         }
+        "/favicon.svg" if read_only => reply(StatusCode::OK, "image/svg+xml", FAVICON_SVG),
         "/metrics" if read_only => match metrics::encode(&site.registry) {
             Ok(body) => reply(StatusCode::OK, metrics::CONTENT_TYPE, body),
             Err(_) => text(StatusCode::INTERNAL_SERVER_ERROR, "cannot encode metrics\n"),
@@ -313,8 +315,8 @@ async fn handle(site: &Site, peer: IpAddr, req: Request<Incoming>) -> Reply {
             .to_string(),
         ),
         "/control" if req.method() == Method::POST => control(site, peer, req).await,
-        "/" | "/index.html" | "/dashboard.js" | "/dashboard.css" | "/metrics" | "/status.json"
-        | "/history.json" | "/clients.json" | "/control" => {
+        "/" | "/index.html" | "/dashboard.js" | "/dashboard.css" | "/favicon.svg" | "/metrics"
+        | "/status.json" | "/history.json" | "/clients.json" | "/control" => {
             let mut r = text(StatusCode::METHOD_NOT_ALLOWED, "method not allowed\n");
             let allow = if req.uri().path() == "/control" {
                 "GET, HEAD, POST"

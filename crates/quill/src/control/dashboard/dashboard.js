@@ -152,7 +152,10 @@ function renderSummary(status) {
 
 function renderChart(history) {
   const svg = $("chart");
-  const W = 900, H = 220, left = 44, right = 44, top = 12, bottom = 24;
+  // Drawn at the element's own size, so text is never stretched.
+  const W = Math.max(300, Math.round(svg.getBoundingClientRect().width) || 900);
+  const H = 220, left = 44, right = 44, top = 12, bottom = 24;
+  svg.setAttribute("viewBox", "0 0 " + W + " " + H);
   const s = history.samples;
   const points = [];
   for (let i = 1; i < s.length; i++) {
@@ -169,11 +172,14 @@ function renderChart(history) {
     $("c-bytes").textContent = fmtBytes(Math.max(0, bytes)) + "/s";
   }
   const children = [];
-  const span = 300 * 1000;
   const end = points.length ? points[points.length - 1].at : Date.now();
+  // The window is the history there is (at least a minute, at most the five kept), so a
+  // freshly started quill fills the chart instead of a sliver at its right edge.
+  const have = points.length ? end - points[0].at : 0;
+  const span = Math.min(300, Math.max(60, Math.ceil(have / 60000) * 60)) * 1000;
   const x = (at) => left + (W - left - right) * (1 - (end - at) / span);
   const maxRate = niceMax(Math.max(1, ...points.map((p) => p.rate)));
-  const maxOpen = niceMax(Math.max(1, ...points.map((p) => p.open)));
+  const maxOpen = niceMax(Math.max(4, ...points.map((p) => p.open)));
   const yRate = (v) => top + (H - top - bottom) * (1 - v / maxRate);
   const yOpen = (v) => top + (H - top - bottom) * (1 - v / maxOpen);
   for (let k = 0; k <= 4; k++) {
@@ -182,9 +188,10 @@ function renderChart(history) {
     children.push(svgEl("text", { class: "axis", x: left - 6, y: y + 4, "text-anchor": "end" }, fmtAxis(maxRate * (1 - k / 4))));
     children.push(svgEl("text", { class: "axis", x: W - right + 6, y: y + 4, "text-anchor": "start" }, fmtAxis(maxOpen * (1 - k / 4))));
   }
-  for (const m of [5, 4, 3, 2, 1, 0]) {
-    const at = end - m * 60000;
-    children.push(svgEl("text", { class: "axis", x: x(at), y: H - 6, "text-anchor": "middle" }, m === 0 ? "now" : "−" + m + " min"));
+  const tick = span <= 60000 ? 10 : span <= 120000 ? 20 : 60;
+  for (let sec = span / 1000; sec >= 0; sec -= tick) {
+    const label = sec === 0 ? "now" : sec % 60 === 0 ? "−" + sec / 60 + " min" : "−" + sec + " s";
+    children.push(svgEl("text", { class: "axis", x: x(end - sec * 1000), y: H - 6, "text-anchor": "middle" }, label));
   }
   if (points.length < 2) {
     children.push(svgEl("text", { class: "empty", x: W / 2, y: H / 2, "text-anchor": "middle" }, "collecting samples…"));
@@ -209,9 +216,9 @@ function niceMax(v) {
 }
 
 function fmtAxis(v) {
-  if (v >= 1e6) return (v / 1e6).toFixed(1) + "M";
-  if (v >= 1e3) return (v / 1e3).toFixed(1) + "k";
-  return Number.isInteger(v) ? String(v) : v.toFixed(1);
+  if (v >= 1e6) return +(v / 1e6).toFixed(2) + "M";
+  if (v >= 1e3) return +(v / 1e3).toFixed(2) + "k";
+  return String(+v.toFixed(2));
 }
 
 function svgEl(tag, attrs, text) {
