@@ -523,13 +523,20 @@ fn browser_dir() -> PathBuf {
 
 /// What the browser test needs, or why it cannot run here.
 fn browser_tools() -> Result<PathBuf, String> {
-    let node = Command::new("node")
-        .arg("--version")
-        .stdout(Stdio::null())
-        .stderr(Stdio::null())
-        .status();
-    if !node.is_ok_and(|s| s.success()) {
+    let node = Command::new("node").arg("--version").output();
+    let Ok(node) = node else {
         return Err("node is not installed".into());
+    };
+    // Playwright needs Node 20 or later.
+    let version = String::from_utf8_lossy(&node.stdout).trim().to_string();
+    let major: u32 = version
+        .trim_start_matches('v')
+        .split('.')
+        .next()
+        .and_then(|m| m.parse().ok())
+        .unwrap_or(0);
+    if major < 20 {
+        return Err(format!("node {version} is older than 20"));
     }
     if !Path::new(CHROMIUM).exists() {
         return Err(format!(
