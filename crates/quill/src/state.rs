@@ -53,6 +53,10 @@ pub struct State {
     pub log: ArcSwapOption<ConnLog>,
     /// Process start, for uptime in status reports.
     pub started: std::time::Instant,
+    /// The DSR plane's counters, once it runs (`dsr_if`), for the metrics.
+    pub dsr: std::sync::OnceLock<Arc<crate::dsr::DsrCounters>>,
+    /// Bumped each time new settings are published (the health checks re-plan on it).
+    pub generation: tokio::sync::watch::Sender<u64>,
 }
 
 impl State {
@@ -72,6 +76,8 @@ impl State {
             registry: registry.then(Arc::default),
             log: ArcSwapOption::empty(),
             started: std::time::Instant::now(),
+            dsr: std::sync::OnceLock::new(),
+            generation: tokio::sync::watch::Sender::new(0),
         })
     }
 
@@ -88,6 +94,7 @@ impl State {
         let mut next = Settings::clone(&self.settings.load());
         let applied = next.apply(cmd)?;
         self.settings.store(Arc::new(next));
+        self.generation.send_modify(|g| *g = g.wrapping_add(1));
         let rest = applied
             .actions
             .into_iter()
@@ -103,6 +110,7 @@ impl State {
             self.clients.resize(settings.clients_max);
         }
         self.settings.store(Arc::new(settings));
+        self.generation.send_modify(|g| *g = g.wrapping_add(1));
         actions
             .into_iter()
             .filter_map(|a| self.perform(a))
@@ -116,6 +124,19 @@ impl State {
             Action::Blacklist { index, seconds } => {
                 if let Some(s) = self.servers.get(index) {
                     s.blacklist(clock::now_ms(), seconds);
+                }
+                None
+            }
+            Action::Drain { index, on } => {
+                if let Some(s) = self.servers.get(index) {
+                    if s.draining.swap(on, Relaxed) != on {
+                        let open = s.conns.load(Relaxed);
+                        if on {
+                            tracing::warn!("server {index} draining: no new connections, {open} open ones finish");
+                        } else {
+                            tracing::warn!("server {index} no longer draining");
+                        }
+                    }
                 }
                 None
             }

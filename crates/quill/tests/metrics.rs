@@ -373,6 +373,18 @@ fn post_control_honours_control_acl_and_refuses_cross_site_requests() {
         .map(|_| exchange_through(&q, "127.0.0.1", b"x").0)
         .collect();
     assert!(names.iter().any(|n| n == "alpha"), "{names:?}");
+
+    // Drain and undrain, the dashboard's other pair of buttons.
+    assert_eq!(post_control("127.0.0.1", m, "server 1 drain").status, 200);
+    assert_eq!(server_state(m, 1), "draining");
+    for _ in 0..4 {
+        assert_eq!(exchange_through(&q, "127.0.0.1", b"x").0, "alpha");
+    }
+    assert_eq!(post_control("127.0.0.1", m, "server 1 drain 0").status, 200);
+    assert_eq!(server_state(m, 1), "up");
+    // Refused from elsewhere, like blacklisting.
+    assert_eq!(post_control("127.0.0.2", m, "server 1 drain").status, 403);
+    assert_eq!(server_state(m, 1), "up");
 }
 
 #[test]

@@ -16,8 +16,10 @@ use prometheus_client::metrics::gauge::ConstGauge;
 use prometheus_client::metrics::MetricType;
 use prometheus_client::registry::{Registry, Unit};
 
-use super::report::{self, Condition};
+use super::report;
+use crate::balance::servers::Condition;
 use crate::balance::{clock, ServerState};
+use crate::dsr::DsrCounters;
 use crate::state::State;
 
 /// The content type of [`encode`]'s output (OpenMetrics text, which Prometheus reads).
@@ -45,6 +47,9 @@ pub enum Source {
     },
     /// One value per server in use, labelled `server` (its number) and `address`.
     PerServer(fn(&ServerState) -> u64),
+    /// One value for the process, from a part that may not run (e.g. the DSR plane): the
+    /// family is left out when the reader gives `None`.
+    IfRunning(fn(&State) -> Option<u64>),
 }
 
 /// One metric family.
@@ -60,6 +65,11 @@ pub struct Family {
 
 fn load(a: &std::sync::atomic::AtomicU64) -> u64 {
     a.load(Relaxed)
+}
+
+/// A DSR counter, when the DSR plane runs.
+fn dsr(s: &State, read: fn(&DsrCounters) -> &std::sync::atomic::AtomicU64) -> Option<u64> {
+    s.dsr.get().map(|c| load(read(c)))
 }
 
 /// The exported families besides `server_state` (which is a state set, see [`Metrics`]).
@@ -136,6 +146,20 @@ pub static FAMILIES: &[Family] = &[
         source: Source::PerServer(|s| load(&s.failures)),
     },
     Family {
+        name: "server_checks_passed",
+        help: "Active health checks of the server that passed.",
+        unit: None,
+        kind: Kind::Counter,
+        source: Source::PerServer(|s| load(&s.checks_passed)),
+    },
+    Family {
+        name: "server_checks_failed",
+        help: "Active health checks of the server that failed.",
+        unit: None,
+        kind: Kind::Counter,
+        source: Source::PerServer(|s| load(&s.checks_failed)),
+    },
+    Family {
         name: "server_sent",
         help: "Bytes relayed from clients to the server.",
         unit: Some(Unit::Bytes),
@@ -148,6 +172,48 @@ pub static FAMILIES: &[Family] = &[
         unit: Some(Unit::Bytes),
         kind: Kind::Counter,
         source: Source::PerServer(|s| load(&s.bytes_from)),
+    },
+    Family {
+        name: "dsr_forwarded_frames",
+        help: "DSR: frames forwarded to a server.",
+        unit: None,
+        kind: Kind::Counter,
+        source: Source::IfRunning(|s| dsr(s, |c| &c.forwarded)),
+    },
+    Family {
+        name: "dsr_no_server_frames",
+        help: "DSR: frames for the virtual address dropped because no server was up.",
+        unit: None,
+        kind: Kind::Counter,
+        source: Source::IfRunning(|s| dsr(s, |c| &c.no_backend)),
+    },
+    Family {
+        name: "dsr_arp_replies",
+        help: "DSR: ARP replies sent for the virtual address or a tarpitted address.",
+        unit: None,
+        kind: Kind::Counter,
+        source: Source::IfRunning(|s| dsr(s, |c| &c.arp_replies)),
+    },
+    Family {
+        name: "dsr_tarpit_synacks",
+        help: "DSR: SYN+ACKs sent by the tarpit.",
+        unit: None,
+        kind: Kind::Counter,
+        source: Source::IfRunning(|s| dsr(s, |c| &c.tarpit_synack)),
+    },
+    Family {
+        name: "dsr_tarpit_dropped_frames",
+        help: "DSR: other frames to tarpitted addresses, dropped.",
+        unit: None,
+        kind: Kind::Counter,
+        source: Source::IfRunning(|s| dsr(s, |c| &c.tarpit_dropped)),
+    },
+    Family {
+        name: "dsr_send_errors",
+        help: "DSR: frames that could not be sent (buffer full, interface down).",
+        unit: None,
+        kind: Kind::Counter,
+        source: Source::IfRunning(|s| dsr(s, |c| &c.send_errors)),
     },
 ];
 
@@ -223,20 +289,29 @@ impl Collector for Metrics {
             MetricType::Gauge,
         )?;
         for (labels, rt) in &servers {
-            let current = Condition::of(rt, now);
+            let current = rt.condition(now);
             for condition in Condition::ALL {
                 let mut with_state = labels.clone();
-                with_state.push(("state", Cow::Borrowed(condition.name())));
+                with_state.push(("state", Cow::Borrowed(condition.word())));
                 let v = u64::from(*condition == current);
                 ConstGauge::new(v).encode(family.encode_family(&with_state)?)?;
             }
         }
 
         for f in FAMILIES {
+            // A part that does not run has no family at all (not a misleading 0).
+            let running = match f.source {
+                Source::IfRunning(read) => match read(state) {
+                    Some(v) => Some(v),
+                    None => continue,
+                },
+                _ => None,
+            };
             let mut family =
                 encoder.encode_descriptor(f.name, f.help, f.unit.as_ref(), metric_type(f.kind))?;
             match f.source {
                 Source::Global(read) => write_value(family, f.kind, read(state))?,
+                Source::IfRunning(_) => write_value(family, f.kind, running.unwrap_or(0))?,
                 Source::ByLabel { label, values } => {
                     for (value, read) in values {
                         let labels = [(label, *value)];
@@ -294,7 +369,9 @@ mod tests {
             s.bytes_to.store(1234, Relaxed);
             s.blacklist(clock::now_ms(), 60);
         }
-        let text = encode(&registry(Arc::clone(&state))).unwrap();
+        let registry = registry(Arc::clone(&state));
+        let text = encode(&registry).unwrap();
+        assert!(!text.contains("quill_dsr_"), "no DSR families without DSR");
         for line in [
             "quill_connections_accepted_total 7",
             "quill_connections_refused_total{reason=\"acl\"} 2",

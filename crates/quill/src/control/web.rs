@@ -78,17 +78,24 @@ pub fn bind(addr: SocketAddr) -> Result<std::net::TcpListener, BindError> {
 }
 
 /// The commands `POST /control` accepts: per-server operations an operator takes from a
-/// dashboard and can take back (`server N blacklist SECONDS`, 0 whitelisting). Everything
-/// else (files, listeners, `exit`, settings) stays on the control socket, which has its
-/// own opt-in (`-C`).
+/// dashboard and can take back (`server N blacklist SECONDS`, 0 whitelisting; `server N
+/// drain`, `drain 0` undoing it). Everything else (files, listeners, `exit`, settings)
+/// stays on the control socket, which has its own opt-in (`-C`).
 pub fn allowed_over_http(cmd: &Command) -> bool {
     match cmd {
         Command::Server { fields, .. } => fields
             .iter()
-            .all(|f| matches!(f, ServerField::Blacklist(_))),
+            .all(|f| matches!(f, ServerField::Blacklist(_) | ServerField::Drain(_))),
         _ => false,
     }
 }
+
+/// The commands of [`allowed_over_http`], as `GET /control` lists them.
+const HTTP_COMMANDS: &[&str] = &[
+    "server N blacklist SECONDS",
+    "server N drain",
+    "server N drain 0",
+];
 
 /// One point of the dashboard's history.
 #[derive(Debug, Clone, Copy)]
@@ -310,7 +317,7 @@ async fn handle(site: &Site, peer: IpAddr, req: Request<Incoming>) -> Reply {
         "/control" if read_only => json_reply(
             json!({
                 "permitted": permitted(&site.ctx, peer),
-                "commands": ["server N blacklist SECONDS"],
+                "commands": HTTP_COMMANDS,
             })
             .to_string(),
         ),
@@ -375,8 +382,8 @@ async fn control(site: &Site, peer: IpAddr, req: Request<Incoming>) -> Reply {
     if !allowed_over_http(&cmd) {
         return text(
             StatusCode::FORBIDDEN,
-            "error: over HTTP only 'server N blacklist SECONDS' is accepted; use the control \
-             socket for other commands\n",
+            "error: over HTTP only 'server N blacklist SECONDS' and 'server N drain [0]' are \
+             accepted; use the control socket for other commands\n",
         );
     }
     if let Command::Server { index, .. } = &cmd {
@@ -415,6 +422,8 @@ mod tests {
         let ok = |l: &str| allowed_over_http(&l.parse::<Command>().unwrap());
         assert!(ok("server 1 blacklist 60"));
         assert!(ok("server 1 blacklist 0"));
+        assert!(ok("server 1 drain"));
+        assert!(ok("server 1 drain 0"));
         assert!(!ok("server 1 address 10.0.0.1"));
         assert!(!ok("server 1 blacklist 5 port 80"));
         assert!(!ok("exit"));

@@ -1,6 +1,6 @@
 // quill's live dashboard: polls /status.json and /history.json every second and
 // /clients.json every five, draws the servers, a traffic chart and the recent clients.
-// Buttons POST one command line to /control (with the X-Quill-Control header the server
+// Buttons (blacklist / whitelist, drain / undrain) POST one command line to /control (with the X-Quill-Control header the server
 // requires); they are shown only when GET /control says control_acl permits this viewer.
 "use strict";
 
@@ -75,21 +75,36 @@ function loadCell(s, busiest) {
   return el("td", { class: "load" }, el("div", { class: "bar" }, fill), el("div", { class: "bar-label" }, label));
 }
 
+function button(label, action, title, line, danger) {
+  const b = el("button", { class: danger ? "danger" : "", "data-action": action, title }, label);
+  b.addEventListener("click", () => control(line, b));
+  return b;
+}
+
 function actionsCell(s) {
   const td = el("td", { class: "actions" });
   if (!canControl) return td;
-  if (s.state === "blacklisted") {
-    const b = el("button", { "data-action": "whitelist", title: "Send traffic to this server again" }, "Whitelist");
-    b.addEventListener("click", () => control("server " + s.index + " blacklist 0", b));
-    td.append(b);
+  const n = s.index;
+  if (s.blacklisted ?? s.state === "blacklisted") {
+    td.append(button("Whitelist", "whitelist", "Send traffic to this server again", "server " + n + " blacklist 0"));
   } else {
-    const b = el("button", {
-      class: "danger",
-      "data-action": "blacklist",
-      title: "Send no new connections to this server for one hour (Whitelist undoes it)",
-    }, "Blacklist");
-    b.addEventListener("click", () => control("server " + s.index + " blacklist " + BLACKLIST_SECONDS, b));
-    td.append(b);
+    td.append(button("Blacklist", "blacklist",
+      "Send no new connections to this server for one hour (Whitelist undoes it)",
+      "server " + n + " blacklist " + BLACKLIST_SECONDS, true));
+  }
+  if (s.draining === true) {
+    td.append(button("Undrain", "undrain", "Accept new connections again", "server " + n + " drain 0"));
+  } else if (s.draining === false) {
+    td.append(button("Drain", "drain",
+      "No new connections; open ones finish (Undrain undoes it)", "server " + n + " drain"));
+  }
+  return td;
+}
+
+function stateCell(s) {
+  const td = el("td", { class: "state" }, el("span", { class: "badge " + s.state }, stateLabel(s)));
+  if (s.health_check) {
+    td.append(el("div", { class: "bar-label" }, "check " + s.health_check + ": " + s.health));
   }
   return td;
 }
@@ -110,7 +125,7 @@ function renderServers(status) {
     el("tr", { "data-server": String(s.index), "data-state": s.state },
       el("td", {}, String(s.index)),
       el("td", { class: "mono" }, (s.host && s.host !== s.address ? s.host + " · " : "") + hostPort(s.address, s.port)),
-      el("td", { class: "state" }, el("span", { class: "badge " + s.state }, stateLabel(s))),
+      stateCell(s),
       loadCell(s, busiest),
       el("td", { class: "num" }, fmtInt(s.connections)),
       el("td", { class: "num rate" }, serverRates.has(s.index) ? fmtRate(serverRates.get(s.index)) : "–"),
@@ -298,7 +313,7 @@ async function start() {
     canControl = false;
   }
   $("control-note").textContent = canControl
-    ? "Blacklist sends no new connection to a server for an hour; Whitelist undoes it."
+    ? "Blacklist: no new connections to a server for an hour. Drain: none until undrained; open ones finish."
     : "Read-only: control_acl does not permit your address.";
   await Promise.all([refresh(), refreshClients()]);
   setInterval(refresh, 1000);
