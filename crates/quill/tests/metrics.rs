@@ -683,3 +683,36 @@ fn dashboard_in_a_browser_blacklists_a_server_and_traffic_moves() {
     assert!(png.starts_with(b"\x89PNG"), "a PNG screenshot");
     eprintln!("screenshot: {}", screenshot.display());
 }
+
+#[test]
+fn after_a_binary_upgrade_the_new_process_serves_the_metrics() {
+    let a = IdentityBackend::start("alpha");
+    let spec = a.spec();
+    let dir = TempDir::new("metrics-upgrade");
+    let ctl = dir.path().join("ctl.sock").to_string_lossy().into_owned();
+    let listen = format!("127.0.0.1:{}", free_port());
+    let m = SocketAddr::from(([127, 0, 0, 1], free_port()));
+    let metrics = format!("metrics_listen {m}");
+    let mut args = vec!["-C", &ctl];
+    args.extend(run_as_args());
+    args.extend(["-O", &metrics, &listen, &spec]);
+    let mut old = Quill::start_on(&args, Target::Tcp(listen.parse().unwrap())).unwrap();
+    assert_eq!(status(m)["pid"], old.pid());
+
+    let mut new_args = vec!["--takeover"];
+    new_args.extend(args.iter().copied());
+    let new = Quill::start_on(&new_args, Target::Tcp(old.addr())).unwrap();
+    // The old process closes its metrics listener when it hands over; the new one binds
+    // the same address as soon as it is free.
+    wait_until(
+        DEADLINE,
+        "the new process answers on the metrics port",
+        || {
+            request_from("127.0.0.1", m, "GET", "/status.json", &[], b"")
+                .is_ok_and(|r| r.status == 200 && r.json()["pid"] == new.pid())
+        },
+    );
+    assert_eq!(old.wait_exit(DEADLINE), Some(Some(0)), "{}", old.stderr());
+    assert_eq!(status(m)["pid"], new.pid());
+    assert!(!new.stderr().contains("ERROR"), "{}", new.stderr());
+}

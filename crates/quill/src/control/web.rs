@@ -172,16 +172,16 @@ pub async fn run(
         ctx,
         history: History::default(),
     });
-    let mut current: Option<tokio::task::JoinHandle<()>> = None;
+    // Dropped (also when this task is aborted at shutdown or after an upgrade), the guard
+    // aborts the accept loop, which closes the listening socket.
+    let mut current: Option<AbortOnDrop> = None;
     let mut tick = tokio::time::interval(SAMPLE_INTERVAL);
     tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
     loop {
         tokio::select! {
             next = listeners.recv() => {
                 let Some(next) = next else { break };
-                if let Some(old) = current.take() {
-                    old.abort();
-                }
+                current = None;
                 let Some(l) = next else {
                     tracing::info!("metrics listener closed");
                     continue;
@@ -191,7 +191,7 @@ pub async fn run(
                         if let Ok(a) = l.local_addr() {
                             tracing::info!("metrics and dashboard on http://{a}/");
                         }
-                        current = Some(tokio::spawn(accept_loop(Arc::clone(&site), l)));
+                        current = Some(AbortOnDrop(tokio::spawn(accept_loop(Arc::clone(&site), l))));
                     }
                     Err(e) => tracing::error!("metrics listener: {e}"),
                 }
@@ -199,8 +199,14 @@ pub async fn run(
             _ = tick.tick(), if current.is_some() => site.history.record(&site.ctx),
         }
     }
-    if let Some(old) = current {
-        old.abort();
+}
+
+/// Aborts its task when dropped.
+struct AbortOnDrop(tokio::task::JoinHandle<()>);
+
+impl Drop for AbortOnDrop {
+    fn drop(&mut self) {
+        self.0.abort();
     }
 }
 
