@@ -7,7 +7,9 @@
 //! starts a thread, so a bad start exits with a message and nothing is half started.
 //! Signals: HUP reloads the configuration file and reopens the log; USR1 reports statistics
 //! and rewrites the `web_stats` file; TERM and INT stop accepting, let open connections
-//! finish for a bounded time, remove the pid file and Unix sockets, and exit 0.
+//! finish for `shutdown_grace` (a second TERM/INT cuts that short), remove the pid file and
+//! Unix sockets, and exit 0. After a binary upgrade (`--takeover` in the new process) the
+//! old one stops the same way but leaves the files, which are the new process's.
 
 use std::io;
 use std::path::PathBuf;
@@ -22,14 +24,13 @@ use tokio::sync::{mpsc, watch, Notify};
 use crate::cli::{Invocation, Protocol};
 use crate::command::Command;
 use crate::config::{self, ConfigError};
-use crate::control::{self, Context, ControlAddr};
+use crate::control::upgrade::{self, UpgradeError};
+use crate::control::{self, Context, ControlAddr, ControlListener};
 use crate::net::{listen, ListenAddr};
 use crate::privileges;
 use crate::settings::{Action, Settings};
 use crate::state::State;
-
-/// How long established connections may run on after SIGTERM/SIGINT.
-const SHUTDOWN_GRACE: Duration = Duration::from_secs(10);
+use crate::systemd::{self, ActivationError};
 
 /// Why the daemon could not start. Each variant carries what the user needs to fix it.
 #[derive(Debug, thiserror::Error)]
@@ -61,6 +62,8 @@ pub enum StartError {
     Unsupported(&'static str),
     #[error("{0}")]
     Privileges(String),
+    #[error("{0}")]
+    Metrics(String),
     #[error(transparent)]
     Dsr(#[from] crate::dsr::DsrError),
     #[error(
@@ -69,6 +72,10 @@ pub enum StartError {
          docs/TRANSPARENT.md"
     )]
     Transparent(io::Error),
+    #[error("binary upgrade: {0}")]
+    Upgrade(#[from] UpgradeError),
+    #[error(transparent)]
+    Activation(#[from] ActivationError),
 }
 
 impl StartError {
@@ -81,6 +88,7 @@ impl StartError {
             | StartError::ControlAsRoot
             | StartError::Privileges(_)
             | StartError::Unsupported(_)
+            | StartError::Upgrade(UpgradeError::NeedsUnixControl | UpgradeError::Udp)
             | StartError::Dsr(crate::dsr::DsrError::Listen { .. })
             | StartError::Dsr(crate::dsr::DsrError::Server { .. }) => 2,
             _ => 1,
@@ -237,17 +245,63 @@ pub fn run(inv: Invocation) -> Result<(), StartError> {
             Some(crate::dsr::open(config)?)
         }
     };
-    let (listeners, udp_listeners) = match inv.protocol {
+    // The listening sockets come from the running quill (binary upgrade), from systemd
+    // (socket activation), or from our own bind, in that order of preference.
+    let takeover = if inv.takeover {
+        if inv.protocol == Protocol::Udp {
+            return Err(UpgradeError::Udp.into());
+        }
+        let Some(ControlAddr::Unix(path)) = &control_addr else {
+            return Err(UpgradeError::NeedsUnixControl.into());
+        };
+        Some(upgrade::take_over(path, &listen_addr)?)
+    } else {
+        None
+    };
+    let activated = match takeover {
+        Some(_) => None,
+        None => systemd::activated_listeners()?,
+    };
+    let (takeover_control, handshake, taken) = match takeover {
+        Some(t) => (Some(t.control), Some(t.handshake), Some(t.listeners)),
+        None => (None, None, None),
+    };
+    let (listeners, udp_listeners) = match (inv.protocol, taken, activated) {
         _ if dsr.is_some() => (Vec::new(), Vec::new()),
-        Protocol::Tcp => (
+        (Protocol::Udp, _, Some(_)) => {
+            return Err(StartError::Unsupported(
+                "socket activation of UDP sockets (-U)",
+            ))
+        }
+        (Protocol::Udp, _, None) => (Vec::new(), crate::net::udp::open(&listen_addr, workers)?),
+        (Protocol::Tcp, Some(taken), _) => {
+            if taken.len() != workers {
+                tracing::info!(
+                    "binary upgrade: {} event loop(s), one per listener handed over",
+                    taken.len()
+                );
+            }
+            (taken, Vec::new())
+        }
+        (Protocol::Tcp, None, Some(sockets)) => {
+            tracing::info!(
+                "socket activation: {} listener(s) from systemd",
+                sockets.len()
+            );
+            (
+                systemd::spread(sockets, workers).map_err(StartError::Runtime)?,
+                Vec::new(),
+            )
+        }
+        (Protocol::Tcp, None, None) => (
             listen::open(&listen_addr, workers, settings.backlog)?,
             Vec::new(),
         ),
-        Protocol::Udp => (Vec::new(), crate::net::udp::open(&listen_addr, workers)?),
     };
-    let control_listener = match &control_addr {
-        None => None,
-        Some(addr) => {
+    let control_listener = match (&control_addr, takeover_control) {
+        (_, Some(l)) => Some(ControlListener::Unix(l)),
+        (None, None) => None,
+        (Some(addr), None) => {
             let bound = addr.clone();
             let l = control::bind(&bound).map_err(|e| StartError::Control {
                 addr: addr.to_string(),
@@ -262,6 +316,32 @@ pub fn run(inv: Invocation) -> Result<(), StartError> {
             }
             Some(l)
         }
+    };
+    // Bound like the other listeners: before detaching and before dropping privileges.
+    // In a binary upgrade the old process still holds it: it is bound once that one has
+    // let go (see `rebind_metrics_after_upgrade`).
+    let metrics_listener = match settings.metrics_listen {
+        None => None,
+        Some(addr) => {
+            warn_if_control_open(&settings, addr);
+            if inv.takeover {
+                None
+            } else {
+                Some(control::web::bind(addr).map_err(|e| StartError::Metrics(e.to_string()))?)
+            }
+        }
+    };
+    // Kept for a later binary upgrade to hand over.
+    let control_fd = match &control_listener {
+        Some(ControlListener::Unix(l)) => {
+            use std::os::fd::AsFd;
+            Some(
+                l.as_fd()
+                    .try_clone_to_owned()
+                    .map_err(StartError::Runtime)?,
+            )
+        }
+        _ => None,
     };
     if let Some(null) = dev_null {
         // Detach before any thread exists: fork() keeps only the calling thread.
@@ -309,6 +389,10 @@ pub fn run(inv: Invocation) -> Result<(), StartError> {
 
     let state = State::new(settings, control_addr.is_some());
     let (stop_tx, stop_rx) = watch::channel(false);
+    let (metrics_tx, metrics_rx) = mpsc::unbounded_channel();
+    if metrics_listener.is_some() {
+        let _ = metrics_tx.send(metrics_listener);
+    }
     let (relisten, receivers): (Vec<_>, Vec<_>) = (0..listeners.len())
         .map(|_| mpsc::unbounded_channel())
         .unzip();
@@ -324,13 +408,18 @@ pub fn run(inv: Invocation) -> Result<(), StartError> {
             .collect::<Vec<Command>>(),
         relisten,
         exit: Arc::new(Notify::new()),
+        metrics: metrics_tx,
+        listener_fds: std::sync::Mutex::new(Vec::new()),
+        control_fd: std::sync::Mutex::new(control_fd),
+        upgraded: std::sync::atomic::AtomicBool::new(false),
     });
+    ctx.remember_listeners(&listeners);
     // Before the first connection is accepted: the log is open and the start-up actions
     // (e.g. `server N blacklist T` in the file) are carried out. The listeners were opened
     // above, so re-listen actions are dropped.
     let start_actions = actions
         .into_iter()
-        .filter(|a| !matches!(a, Action::Relisten(_)))
+        .filter(|a| !matches!(a, Action::Relisten(_) | Action::MetricsListen(_)))
         .collect();
     ctx.carry_out(start_actions);
     ctx.reopen_log();
@@ -366,39 +455,132 @@ pub fn run(inv: Invocation) -> Result<(), StartError> {
         let running = dsr
             .spawn(Arc::clone(&state), stop_rx.clone())
             .map_err(StartError::Runtime)?;
+        let _ = state.dsr.set(Arc::clone(&running.counters));
         threads.push(running.thread);
     }
 
     tracing::info!("listening on {listen_addr} with {workers} event loop(s)");
 
-    rt.block_on(async {
-        // Health checks live on this (control) runtime, never on an event loop.
-        tokio::spawn(crate::health::supervise(Arc::clone(&state)));
+    let tasks = rt.block_on(async {
+        // Health checks and the metrics listener live on this (control) runtime, never on
+        // an event loop.
+        let mut tasks = vec![
+            tokio::spawn(crate::health::supervise(Arc::clone(&state))),
+            tokio::spawn(control::web::run(Arc::clone(&ctx), metrics_rx)),
+        ];
         if let Some(l) = control_listener {
             let ctx = Arc::clone(&ctx);
-            tokio::spawn(async move {
+            tasks.push(tokio::spawn(async move {
                 if let Err(e) = control::serve(ctx, l).await {
                     tracing::error!("control socket: {e}");
                 }
-            });
+            }));
+        }
+        systemd::ready();
+        if let Some(h) = handshake {
+            // From here the old process stops accepting: this one serves alone.
+            match h.ready() {
+                Ok(()) => tracing::info!("binary upgrade: took over the listening sockets"),
+                Err(e) => tracing::error!("binary upgrade: could not tell the old process: {e}"),
+            }
+            if let Some(addr) = ctx.state.settings().metrics_listen {
+                tasks.push(tokio::spawn(rebind_metrics_after_upgrade(
+                    Arc::clone(&ctx),
+                    addr,
+                )));
+            }
         }
         handle_signals(&ctx, &mut signals).await;
+        tasks
     });
+    systemd::stopping();
+    // No more control connections or health checks: after an upgrade, the control socket
+    // is the new process's alone.
+    for t in tasks {
+        t.abort();
+    }
+    ctx.forget_sockets();
+    if ctx.upgraded.load(Relaxed) {
+        // The pid file and the sockets now belong to the new process.
+        cleanup.0.clear();
+    }
 
+    // `shutdown_grace`: how long established connections may run on (0 = no limit).
+    let grace = state.settings().shutdown_grace;
+    let deadline = (grace > 0).then(|| Instant::now() + Duration::from_secs(grace));
     tracing::info!(
-        "stopping: no new connections; waiting up to {:?} for {} open",
-        SHUTDOWN_GRACE,
+        "stopping: no new connections; waiting {} for {} open",
+        if grace > 0 {
+            format!("up to {grace} s")
+        } else {
+            "without limit".to_string()
+        },
         state.active.load(Relaxed)
     );
     let _ = stop_tx.send(true);
-    let deadline = Instant::now() + SHUTDOWN_GRACE;
     rt.block_on(async {
-        while state.active.load(Relaxed) > 0 && Instant::now() < deadline {
-            tokio::time::sleep(Duration::from_millis(20)).await;
+        let drained = async {
+            while state.active.load(Relaxed) > 0
+                && match deadline {
+                    Some(d) => Instant::now() < d,
+                    None => true,
+                }
+            {
+                tokio::time::sleep(Duration::from_millis(20)).await;
+            }
+        };
+        // A second TERM or INT ends the wait at once (the way out of an unlimited grace).
+        tokio::select! {
+            () = drained => {}
+            _ = signals.term.recv() => tracing::warn!("second signal: closing {} open connection(s) now", state.active.load(Relaxed)),
+            _ = signals.int.recv() => tracing::warn!("second signal: closing {} open connection(s) now", state.active.load(Relaxed)),
         }
     });
     drop(cleanup);
     Ok(())
+}
+
+/// After a binary upgrade: binds the metrics listener as soon as the old process has
+/// closed it (it does when this one says `ready`), unless the address changed meanwhile.
+async fn rebind_metrics_after_upgrade(ctx: Arc<Context>, addr: std::net::SocketAddr) {
+    const PATIENCE: Duration = Duration::from_secs(30);
+    let deadline = tokio::time::Instant::now() + PATIENCE;
+    loop {
+        if ctx.state.settings().metrics_listen != Some(addr) {
+            return;
+        }
+        match control::web::bind(addr) {
+            Ok(l) => {
+                ctx.hand_over_metrics(Some(l));
+                return;
+            }
+            Err(e)
+                if e.source.kind() == io::ErrorKind::AddrInUse
+                    && tokio::time::Instant::now() < deadline =>
+            {
+                // The old process is letting go: a short pause, then try again.
+                tokio::time::sleep(Duration::from_millis(50)).await;
+            }
+            Err(e) => {
+                tracing::error!("binary upgrade: {e}");
+                return;
+            }
+        }
+    }
+}
+
+/// The dashboard's control buttons answer whoever `control_acl` permits; with an empty
+/// list (Pen's "permit all") on a non-loopback address, say so once.
+fn warn_if_control_open(settings: &Settings, addr: std::net::SocketAddr) {
+    let acl = &settings.acls[settings.control_acl.index()];
+    if !addr.ip().is_loopback() && acl.rules().is_empty() {
+        tracing::warn!(
+            "metrics_listen {addr}: control_acl {} is empty, so any address that reaches \
+             it may blacklist servers from the dashboard; set 'control_acl N' to a list \
+             that permits only operators",
+            settings.control_acl
+        );
+    }
 }
 
 /// The signals quill reacts to, registered once at start-up.
@@ -429,10 +611,14 @@ async fn handle_signals(ctx: &Context, signals: &mut Signals) {
             _ = signals.term.recv() => return,
             _ = signals.int.recv() => return,
             _ = ctx.exit.notified() => return,
-            _ = signals.hup.recv() => match ctx.reload() {
-                Ok(()) => tracing::info!("configuration reloaded"),
-                Err(e) => tracing::error!("reload failed, the running configuration stays: {e}"),
-            },
+            _ = signals.hup.recv() => {
+                systemd::reloading();
+                match ctx.reload() {
+                    Ok(()) => tracing::info!("configuration reloaded"),
+                    Err(e) => tracing::error!("reload failed, the running configuration stays: {e}"),
+                }
+                systemd::ready();
+            }
             _ = signals.usr1.recv() => {
                 let stats = control::report::servers(&ctx.state);
                 tracing::warn!(

@@ -20,7 +20,7 @@ use crate::settings::{Action, ApplyError, Reply, Settings};
 /// Process-wide counters (summed over all event loops).
 #[derive(Debug, Default)]
 pub struct Counters {
-    /// Client connections accepted.
+    /// Client connections accepted (UDP: new flows), including those then refused.
     pub accepted: AtomicU64,
     /// Client connections closed at once because `conn_max` was reached.
     pub refused_conn_max: AtomicU64,
@@ -44,11 +44,12 @@ pub struct State {
     pub cursor: AtomicUsize,
     /// Client connections currently open.
     pub active: AtomicUsize,
-    /// Accepted connections whose upstream connect is not finished yet (`pending_max`).
+    /// Upstream connects in progress.
     pub pending: AtomicUsize,
-    /// Notified when `pending` falls while at or above its limit: accept loops that
-    /// stopped accepting because of `pending_max` go on.
-    pub connect_done: tokio::sync::Notify,
+    /// Accept loops paused at `pending_max`, waiting on `pending_released`.
+    pub accept_paused: AtomicUsize,
+    /// Signalled when a connect finishes while an accept loop is paused.
+    pub pending_released: tokio::sync::Notify,
     pub counters: Counters,
     /// Open connections by number; kept only when a control socket can ask for them.
     pub registry: Option<Arc<Registry>>,
@@ -56,6 +57,8 @@ pub struct State {
     pub log: ArcSwapOption<ConnLog>,
     /// Process start, for uptime in status reports.
     pub started: std::time::Instant,
+    /// The DSR plane's counters, once it runs (`dsr_if`), for the metrics.
+    pub dsr: std::sync::OnceLock<Arc<crate::dsr::DsrCounters>>,
     /// Bumped each time new settings are published (the health checks re-plan on it).
     pub generation: tokio::sync::watch::Sender<u64>,
 }
@@ -73,11 +76,13 @@ impl State {
             cursor: AtomicUsize::new(usize::MAX),
             active: AtomicUsize::new(0),
             pending: AtomicUsize::new(0),
-            connect_done: tokio::sync::Notify::new(),
+            accept_paused: AtomicUsize::new(0),
+            pending_released: tokio::sync::Notify::new(),
             counters: Counters::default(),
             registry: registry.then(Arc::default),
             log: ArcSwapOption::empty(),
             started: std::time::Instant::now(),
+            dsr: std::sync::OnceLock::new(),
             generation: tokio::sync::watch::Sender::new(0),
         })
     }

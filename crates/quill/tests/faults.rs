@@ -255,7 +255,9 @@ fn blackholed_backend_times_out_fails_over_and_stalls_nobody() {
         "the other clients were served only after the connect to the black hole ended"
     );
     // After the connect timeout the first client fails over to b, transparently.
-    first.set_read_timeout(Some(Duration::from_secs(30))).unwrap();
+    first
+        .set_read_timeout(Some(Duration::from_secs(30)))
+        .unwrap();
     assert_eq!(backend_name(&mut first).as_deref(), Some("b"));
     echo_on(&mut first, b"failed over\n");
     let status = status_json(&ctl);

@@ -7,7 +7,10 @@
 
 use std::io;
 use std::net::{IpAddr, Ipv4Addr, SocketAddr};
-use std::sync::atomic::{AtomicUsize, Ordering::Relaxed};
+use std::sync::atomic::{
+    AtomicUsize,
+    Ordering::{Relaxed, SeqCst},
+};
 use std::sync::Arc;
 use std::time::Duration;
 
@@ -98,15 +101,26 @@ async fn accept_loop<L: Accept>(
     relisten: &mut mpsc::UnboundedReceiver<Listener>,
 ) -> Option<Listener> {
     // Accepts left before yielding; the settings are read once per batch, not per accept.
-    let mut limits = AcceptLimits::read(state);
+    let mut budget = state.settings().multi_accept;
     loop {
-        if state.pending.load(Relaxed) >= limits.pending_max {
-            tokio::select! {
-                biased;
-                _ = shutdown.changed() => return None,
-                Some(next) = relisten.recv() => return Some(next),
-                () = connects_below(state, limits.pending_max) => {}
+        // Pen's pending_max: while that many connections are still connecting to their
+        // server, stop accepting and let the kernel's backlog hold the next clients, rather
+        // than accept them only to close them.
+        if state.pending.load(Relaxed) >= state.settings().pending_max {
+            let notified = state.pending_released.notified();
+            // SeqCst here and in `Connecting::drop`: either this check sees the connect
+            // finished, or that connect sees the pause and notifies; never neither.
+            state.accept_paused.fetch_add(1, SeqCst);
+            let _paused = Held(&state.accept_paused);
+            if state.pending.load(SeqCst) >= state.settings().pending_max {
+                tokio::select! {
+                    biased;
+                    _ = shutdown.changed() => return None,
+                    Some(next) = relisten.recv() => return Some(next),
+                    _ = notified => {}
+                }
             }
+            continue;
         }
         tokio::select! {
             biased;
@@ -114,89 +128,11 @@ async fn accept_loop<L: Accept>(
             Some(next) = relisten.recv() => return Some(next),
             r = listener.accept_one() => match r {
                 Ok((sock, peer)) => {
-                    let pending = Pending::take(state, limits.pending_max);
-                    spawn_connection(state, sock, peer, local_port, pending);
-                    limits = limits.next(state).await;
+                    spawn_connection(state, sock, peer, local_port);
+                    budget = yield_when_spent(budget, state).await;
                 }
                 Err(e) => accept_failed(e).await,
             },
-        }
-    }
-}
-
-/// The settings an accept loop follows, read once per batch of accepts.
-struct AcceptLimits {
-    /// Accepts left before yielding (Pen's `multi_accept`).
-    budget: usize,
-    /// Pen's `pending_max`: with that many upstream connects in progress, new clients stay
-    /// in the kernel's backlog instead of being accepted (and then refused).
-    pending_max: usize,
-}
-
-impl AcceptLimits {
-    fn read(state: &State) -> AcceptLimits {
-        let settings = state.settings();
-        AcceptLimits {
-            budget: settings.multi_accept,
-            pending_max: settings.pending_max,
-        }
-    }
-
-    /// After one accept: after `multi_accept` in a row, let the connections run.
-    async fn next(self, state: &State) -> AcceptLimits {
-        if self.budget > 1 {
-            return AcceptLimits {
-                budget: self.budget - 1,
-                ..self
-            };
-        }
-        tokio::task::yield_now().await;
-        AcceptLimits::read(state)
-    }
-}
-
-/// How often a loop waiting for connects to finish looks again by itself (a safety net:
-/// a reload may change `pending_max` between a wait and the notification).
-const PENDING_RECHECK: Duration = Duration::from_millis(100);
-
-/// Returns once fewer than `max` upstream connects are in progress.
-async fn connects_below(state: &State, max: usize) {
-    loop {
-        let notified = state.connect_done.notified();
-        tokio::pin!(notified);
-        // Registered before the check, so a connect finishing in between is not missed.
-        notified.as_mut().enable();
-        if state.pending.load(Relaxed) < max {
-            return;
-        }
-        let _ = tokio::time::timeout(PENDING_RECHECK, notified).await;
-    }
-}
-
-/// One accepted connection whose upstream connect is not finished: counted in
-/// `State::pending` from the accept until dropped (when the connect phase ends, whatever
-/// its outcome).
-struct Pending {
-    state: Arc<State>,
-    max: usize,
-}
-
-impl Pending {
-    fn take(state: &Arc<State>, max: usize) -> Pending {
-        state.pending.fetch_add(1, Relaxed);
-        Pending {
-            state: Arc::clone(state),
-            max,
-        }
-    }
-}
-
-impl Drop for Pending {
-    fn drop(&mut self) {
-        // Accept loops wait only while the count is at its limit: no wake-up (and no lock
-        // in the Notify) on the ordinary path.
-        if self.state.pending.fetch_sub(1, Relaxed) >= self.max {
-            self.state.connect_done.notify_waiters();
         }
     }
 }
@@ -206,24 +142,26 @@ fn spawn_connection<C: ClientStream>(
     sock: C,
     peer: SocketAddr,
     local_port: u16,
-    pending: Pending,
 ) {
     let registered = state
         .registry
         .as_ref()
         .map(|r| r.register(peer, clock::now_ms()));
     let info = registered.as_ref().map(|r| Arc::clone(&r.info));
-    let task = tokio::task::spawn_local(handle(
-        state.clone(),
-        sock,
-        peer,
-        local_port,
-        registered,
-        pending,
-    ));
+    let task = tokio::task::spawn_local(handle(state.clone(), sock, peer, local_port, registered));
     if let Some(info) = info {
         Registry::set_abort(&info, task.abort_handle());
     }
+}
+
+/// Pen's `multi_accept`: after that many accepts in a row, let connections run. Returns
+/// the budget for the next accepts.
+async fn yield_when_spent(budget: usize, state: &State) -> usize {
+    if budget > 1 {
+        return budget - 1;
+    }
+    tokio::task::yield_now().await;
+    state.settings().multi_accept
 }
 
 async fn accept_failed(e: io::Error) {
@@ -257,6 +195,26 @@ impl Drop for Held<'_> {
     }
 }
 
+/// One upstream connect in progress, counted in `State::pending` until dropped; accept
+/// loops paused at `pending_max` are woken when it ends.
+struct Connecting<'a>(&'a State);
+
+impl<'a> Connecting<'a> {
+    fn start(state: &'a State) -> Connecting<'a> {
+        state.pending.fetch_add(1, Relaxed);
+        Connecting(state)
+    }
+}
+
+impl Drop for Connecting<'_> {
+    fn drop(&mut self) {
+        self.0.pending.fetch_sub(1, SeqCst);
+        if self.0.accept_paused.load(SeqCst) > 0 {
+            self.0.pending_released.notify_waiters();
+        }
+    }
+}
+
 /// A connection slot held on one upstream (server, emergency or abuse).
 struct Lease<'a> {
     server: &'a ServerState,
@@ -282,7 +240,6 @@ async fn handle<C: ClientStream>(
     peer: SocketAddr,
     local_port: u16,
     registered: Option<Registered>,
-    pending: Pending,
 ) {
     let settings = state.settings();
     let log = state.log.load_full();
@@ -296,7 +253,6 @@ async fn handle<C: ClientStream>(
         return;
     }
     if settings.dummy {
-        drop(pending);
         super::dummy::serve(client, local_port).await;
         return;
     }
@@ -338,7 +294,6 @@ async fn handle<C: ClientStream>(
             }
         }
     };
-    drop(pending);
     let Some((server, lease)) = upstream else {
         if let Some(log) = &log {
             log.record(ip, started_unix, None, b"");
@@ -406,6 +361,9 @@ async fn choose_and_connect<'s>(
     peer: SocketAddr,
     opts: SocketOptions,
 ) -> Option<(TcpStream, Lease<'s>)> {
+    // The accept loop keeps this near `pending_max`; a burst accepted before the limit
+    // was seen may pass it briefly, which is better than closing those clients.
+    let _pending = Connecting::start(state);
     let mut selector = Selector::new(
         settings,
         &state.servers,
