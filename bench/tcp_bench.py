@@ -876,7 +876,8 @@ class Bench:
             busy1 = (cores1[c1][0] - cores0[c1][0]) / CLK_TCK
             ours = (run.balancer_cpu_s or 0.0) + (run.backend_cpu_s or 0.0) + load_cpu
             # Only meaningful for the one-core layout, where each process has its core.
-            run.core0_other_cpu_s = max(0.0, busy0 - (run.balancer_cpu_s or 0.0))
+            # Without a balancer core 0 is free for anything: nothing to flag there.
+            run.core0_other_cpu_s = None if proc is None else max(0.0, busy0 - (run.balancer_cpu_s or 0.0))
             run.core1_other_cpu_s = max(0.0, busy1 - load_cpu - (run.backend_cpu_s or 0.0))
             run.metrics["foreign_cpu_s"] = round(max(0.0, busy0 + busy1 - ours), 3)
         return result
