@@ -11,7 +11,10 @@ use std::net::{IpAddr, SocketAddr, ToSocketAddrs};
 use std::sync::Arc;
 
 use crate::acl::{Acl, AclId, GeoRef, ACL_LISTS};
-use crate::command::{Command, FastClose, Host, HostPort, ServerField, Word, MAX_SERVERS};
+use crate::command::{
+    Command, FastClose, Host, HostPort, Hsts, ProxyVersion, ServerField, ServerProxy, Word,
+    MAX_SERVERS,
+};
 use crate::geoip::GeoIp;
 use crate::net::ListenAddr;
 
@@ -31,6 +34,8 @@ pub struct ServerConf {
     pub prio: u32,
     /// Only clients permitted by this list may be sent here.
     pub acl: Option<AclId>,
+    /// PROXY protocol towards this server (`server N proxy_protocol`).
+    pub proxy_protocol: ServerProxy,
 }
 
 impl Default for ServerConf {
@@ -44,6 +49,7 @@ impl Default for ServerConf {
             weight: 1,
             prio: 0,
             acl: None,
+            proxy_protocol: ServerProxy::Global,
         }
     }
 }
@@ -135,6 +141,17 @@ pub struct Settings {
     pub abort_on_error: bool,
     /// The GeoIP database (`geoip_db FILE`) and the name it was given as.
     pub geoip: Option<(Word, GeoRef)>,
+    /// `http` (`-H`): HTTP/1.x framing with `X-Forwarded-For` / `X-Forwarded-Proto`.
+    pub http: bool,
+    /// Largest request head with `http` (`http_header_max`).
+    pub http_header_max: usize,
+    /// `Strict-Transport-Security` for TLS-terminated HTTP responses (`hsts`).
+    pub hsts: Option<Hsts>,
+    /// PROXY protocol header sent to backends (`proxy_protocol`), unless a server says
+    /// otherwise.
+    pub proxy_protocol: Option<ProxyVersion>,
+    /// Clients start with a PROXY protocol header (`accept_proxy`).
+    pub accept_proxy: bool,
 }
 
 /// Default `udp_idle_timeout`: as long as Linux conntrack keeps an unreplied UDP flow.
@@ -181,6 +198,11 @@ impl Default for Settings {
             web_stats: None,
             abort_on_error: false,
             geoip: None,
+            http: false,
+            http_header_max: crate::proxy::http::DEFAULT_HEADER_MAX,
+            hsts: None,
+            proxy_protocol: None,
+            accept_proxy: false,
         }
     }
 }
@@ -401,6 +423,11 @@ impl Settings {
             Command::WebStats(Some(file)) => set(&mut self.web_stats, Some(file.clone())),
             Command::NoWebStats => set(&mut self.web_stats, None),
             Command::AbortOnError(on) => set(&mut self.abort_on_error, *on),
+            Command::Http(on) => set(&mut self.http, *on),
+            Command::HttpHeaderMax(v) => query_or_set(&mut self.http_header_max, *v),
+            Command::Hsts(h) => set(&mut self.hsts, *h),
+            Command::ProxyProtocol(v) => set(&mut self.proxy_protocol, *v),
+            Command::AcceptProxy(on) => set(&mut self.accept_proxy, *on),
             other => return Err(ApplyError::NotASetting(other.to_string())),
         })
     }
@@ -425,6 +452,7 @@ impl Settings {
                 ServerField::Hard(h) => conf.hard = *h,
                 ServerField::Weight(w) => conf.weight = *w,
                 ServerField::Prio(p) => conf.prio = *p,
+                ServerField::ProxyProtocol(pp) => conf.proxy_protocol = *pp,
                 ServerField::Blacklist(t) => {
                     if conf.ip.is_none() {
                         return Err(ApplyError::NoSuchServer(index));
@@ -533,6 +561,21 @@ impl Settings {
         if self.abort_on_error {
             out.push(Command::AbortOnError(true));
         }
+        if self.http {
+            out.push(Command::Http(true));
+        }
+        if self.http_header_max != d.http_header_max {
+            out.push(Command::HttpHeaderMax(Some(self.http_header_max)));
+        }
+        if self.hsts.is_some() {
+            out.push(Command::Hsts(self.hsts));
+        }
+        if self.proxy_protocol.is_some() {
+            out.push(Command::ProxyProtocol(self.proxy_protocol));
+        }
+        if self.accept_proxy {
+            out.push(Command::AcceptProxy(true));
+        }
         for (index, s) in self.servers.iter().enumerate() {
             let Some(host) = &s.host else { continue };
             let mut fields = vec![
@@ -545,6 +588,9 @@ impl Settings {
             ];
             if let Some(a) = s.acl {
                 fields.push(ServerField::Acl(a));
+            }
+            if s.proxy_protocol != ServerProxy::Global {
+                fields.push(ServerField::ProxyProtocol(s.proxy_protocol));
             }
             out.push(Command::Server { index, fields });
         }
@@ -669,7 +715,12 @@ mod tests {
             "source 127.0.0.1",
             "emergency 127.0.0.1:9",
             "block",
-            "server 0 address 127.0.0.1 port 80 max 3 hard 4 weight 2 prio 1 acl 2",
+            "http",
+            "http_header_max 8192",
+            "hsts 31536000 include_subdomains",
+            "proxy_protocol v2",
+            "accept_proxy",
+            "server 0 address 127.0.0.1 port 80 max 3 hard 4 weight 2 prio 1 acl 2 proxy_protocol off",
             "server 3 address ::1 port 81",
         ]);
         let mut rebuilt = Settings::default();

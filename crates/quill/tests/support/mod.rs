@@ -26,6 +26,7 @@
 
 pub mod ctl;
 pub mod dns;
+pub mod http;
 
 use std::collections::{HashMap, HashSet};
 use std::fmt::Display;
