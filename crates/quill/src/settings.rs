@@ -12,8 +12,8 @@ use std::sync::Arc;
 
 use crate::acl::{Acl, AclId, GeoRef, ACL_LISTS};
 use crate::command::{
-    Command, FastClose, Host, HostPort, Hsts, ProxyVersion, ServerField, ServerProxy, Word,
-    MAX_SERVERS,
+    Command, FastClose, Host, HostPort, Hsts, Millis, Probe, ProxyVersion, ServerCheck,
+    ServerField, ServerProxy, Word, MAX_SERVERS,
 };
 use crate::geoip::GeoIp;
 use crate::net::ListenAddr;
@@ -36,6 +36,8 @@ pub struct ServerConf {
     pub acl: Option<AclId>,
     /// PROXY protocol towards this server (`server N proxy_protocol`).
     pub proxy_protocol: ServerProxy,
+    /// This server's own health check, or the global one.
+    pub check: ServerCheck,
 }
 
 impl Default for ServerConf {
@@ -50,6 +52,7 @@ impl Default for ServerConf {
             prio: 0,
             acl: None,
             proxy_protocol: ServerProxy::Global,
+            check: ServerCheck::Inherit,
         }
     }
 }
@@ -69,6 +72,43 @@ impl ServerConf {
             self.max
         } else {
             self.hard
+        }
+    }
+}
+
+/// Active health checking (`check`, `check_interval`, ...).
+#[derive(Debug, Clone, PartialEq, Eq, Hash)]
+pub struct HealthCheck {
+    /// The check of servers that do not choose their own; `None` = no check.
+    pub probe: Option<Probe>,
+    pub interval: Millis,
+    pub timeout: Millis,
+    /// Successes in a row that bring a down server back.
+    pub rise: u32,
+    /// Failures in a row that take a server down.
+    pub fall: u32,
+}
+
+impl Default for HealthCheck {
+    /// HAProxy's defaults, which operators know: every 2 s, rise 2, fall 3.
+    fn default() -> HealthCheck {
+        HealthCheck {
+            probe: None,
+            interval: Millis(2000),
+            timeout: Millis(1000),
+            rise: 2,
+            fall: 3,
+        }
+    }
+}
+
+impl Settings {
+    /// The health check that applies to server `index`, if any.
+    pub fn probe_of(&self, index: usize) -> Option<&Probe> {
+        match &self.servers.get(index)?.check {
+            ServerCheck::Inherit => self.check.probe.as_ref(),
+            ServerCheck::Off => None,
+            ServerCheck::Probe(p) => Some(p),
         }
     }
 }
@@ -152,6 +192,16 @@ pub struct Settings {
     pub proxy_protocol: Option<ProxyVersion>,
     /// Clients start with a PROXY protocol header (`accept_proxy`).
     pub accept_proxy: bool,
+    /// Active health checks.
+    pub check: HealthCheck,
+    /// Seconds over which a server coming back up ramps to its full weight (0 = at once).
+    pub slow_start: u64,
+    /// The Direct Server Return interface (`dsr_if IF`); read at start-up.
+    pub dsr_if: Option<Word>,
+    /// The access list whose permitted addresses the DSR plane tarpits.
+    pub tarpit_acl: Option<AclId>,
+    /// Connect to backends from the client's address (IP_TRANSPARENT).
+    pub transparent: bool,
 }
 
 /// Default `udp_idle_timeout`: as long as Linux conntrack keeps an unreplied UDP flow.
@@ -203,6 +253,11 @@ impl Default for Settings {
             hsts: None,
             proxy_protocol: None,
             accept_proxy: false,
+            check: HealthCheck::default(),
+            slow_start: 0,
+            dsr_if: None,
+            tarpit_acl: None,
+            transparent: false,
         }
     }
 }
@@ -228,6 +283,8 @@ pub enum Action {
     Relisten(ListenAddr),
     /// The connection log must be reopened (new file, or none).
     ReopenLog,
+    /// Stop (or resume) sending new connections to server `index`.
+    Drain { index: usize, on: bool },
 }
 
 /// The outcome of a successful [`Settings::apply`].
@@ -428,6 +485,21 @@ impl Settings {
             Command::Hsts(h) => set(&mut self.hsts, *h),
             Command::ProxyProtocol(v) => set(&mut self.proxy_protocol, *v),
             Command::AcceptProxy(on) => set(&mut self.accept_proxy, *on),
+            Command::Check(probe) => set(&mut self.check.probe, probe.clone()),
+            Command::CheckInterval(d) => set(&mut self.check.interval, *d),
+            Command::CheckTimeout(d) => set(&mut self.check.timeout, *d),
+            Command::CheckRise(n) => set(&mut self.check.rise, *n),
+            Command::CheckFall(n) => set(&mut self.check.fall, *n),
+            Command::SlowStart(n) => set(&mut self.slow_start, *n),
+            Command::DsrIf(name) => set(&mut self.dsr_if, Some(name.clone())),
+            Command::TarpitAcl(None) => Applied::value(
+                self.tarpit_acl
+                    .map(|l| l.to_string())
+                    .unwrap_or_else(|| "-1".to_string()),
+            ),
+            Command::TarpitAcl(Some(list)) => set(&mut self.tarpit_acl, Some(*list)),
+            Command::NoTarpitAcl => set(&mut self.tarpit_acl, None),
+            Command::Transparent(on) => set(&mut self.transparent, *on),
             other => return Err(ApplyError::NotASetting(other.to_string())),
         })
     }
@@ -459,6 +531,13 @@ impl Settings {
                     }
                     actions.push(Action::Blacklist { index, seconds: *t });
                 }
+                ServerField::Drain(on) => {
+                    if conf.ip.is_none() {
+                        return Err(ApplyError::NoSuchServer(index));
+                    }
+                    actions.push(Action::Drain { index, on: *on });
+                }
+                ServerField::Check(c) => conf.check = c.clone(),
             }
         }
         if self.servers.len() <= index {
@@ -576,6 +655,33 @@ impl Settings {
         if self.accept_proxy {
             out.push(Command::AcceptProxy(true));
         }
+        if let Some(p) = &self.check.probe {
+            out.push(Command::Check(Some(p.clone())));
+        }
+        if self.check.interval != d.check.interval {
+            out.push(Command::CheckInterval(self.check.interval));
+        }
+        if self.check.timeout != d.check.timeout {
+            out.push(Command::CheckTimeout(self.check.timeout));
+        }
+        if self.check.rise != d.check.rise {
+            out.push(Command::CheckRise(self.check.rise));
+        }
+        if self.check.fall != d.check.fall {
+            out.push(Command::CheckFall(self.check.fall));
+        }
+        if self.slow_start != d.slow_start {
+            out.push(Command::SlowStart(self.slow_start));
+        }
+        if let Some(name) = &self.dsr_if {
+            out.push(Command::DsrIf(name.clone()));
+        }
+        if let Some(list) = self.tarpit_acl {
+            out.push(Command::TarpitAcl(Some(list)));
+        }
+        if self.transparent {
+            out.push(Command::Transparent(true));
+        }
         for (index, s) in self.servers.iter().enumerate() {
             let Some(host) = &s.host else { continue };
             let mut fields = vec![
@@ -591,6 +697,9 @@ impl Settings {
             }
             if s.proxy_protocol != ServerProxy::Global {
                 fields.push(ServerField::ProxyProtocol(s.proxy_protocol));
+            }
+            if s.check != ServerCheck::Inherit {
+                fields.push(ServerField::Check(s.check.clone()));
             }
             out.push(Command::Server { index, fields });
         }
@@ -720,8 +829,19 @@ mod tests {
             "hsts 31536000 include_subdomains",
             "proxy_protocol v2",
             "accept_proxy",
+            "dsr_if eth1",
+            "acl 3 permit 10.77.0.200 255.255.255.248",
+            "tarpit_acl 3",
+            "transparent",
             "server 0 address 127.0.0.1 port 80 max 3 hard 4 weight 2 prio 1 acl 2 proxy_protocol off",
-            "server 3 address ::1 port 81",
+            "server 3 address ::1 port 81 check http /health 204",
+            "server 4 address ::1 port 82 check off",
+            "check tcp",
+            "check_interval 500ms",
+            "check_timeout 2",
+            "check_rise 1",
+            "check_fall 5",
+            "slow_start 30",
         ]);
         let mut rebuilt = Settings::default();
         for cmd in s.to_commands() {

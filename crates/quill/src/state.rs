@@ -58,6 +58,8 @@ pub struct State {
     pub log: ArcSwapOption<ConnLog>,
     /// Process start, for uptime in status reports.
     pub started: std::time::Instant,
+    /// Bumped each time new settings are published (the health checks re-plan on it).
+    pub generation: tokio::sync::watch::Sender<u64>,
 }
 
 impl State {
@@ -77,6 +79,7 @@ impl State {
             registry: registry.then(Arc::default),
             log: ArcSwapOption::empty(),
             started: std::time::Instant::now(),
+            generation: tokio::sync::watch::Sender::new(0),
         })
     }
 
@@ -93,6 +96,7 @@ impl State {
         let mut next = Settings::clone(&self.settings.load());
         let applied = next.apply(cmd)?;
         self.settings.store(Arc::new(next));
+        self.generation.send_modify(|g| *g = g.wrapping_add(1));
         let rest = applied
             .actions
             .into_iter()
@@ -108,6 +112,7 @@ impl State {
             self.clients.resize(settings.clients_max);
         }
         self.settings.store(Arc::new(settings));
+        self.generation.send_modify(|g| *g = g.wrapping_add(1));
         actions
             .into_iter()
             .filter_map(|a| self.perform(a))
@@ -121,6 +126,19 @@ impl State {
             Action::Blacklist { index, seconds } => {
                 if let Some(s) = self.servers.get(index) {
                     s.blacklist(clock::now_ms(), seconds);
+                }
+                None
+            }
+            Action::Drain { index, on } => {
+                if let Some(s) = self.servers.get(index) {
+                    if s.draining.swap(on, Relaxed) != on {
+                        let open = s.conns.load(Relaxed);
+                        if on {
+                            tracing::warn!("server {index} draining: no new connections, {open} open ones finish");
+                        } else {
+                            tracing::warn!("server {index} no longer draining");
+                        }
+                    }
                 }
                 None
             }

@@ -22,7 +22,7 @@ use super::relay::{self, relay, RelayOptions, Stream};
 use crate::balance::{clock, Choice, Selector, ServerState};
 use crate::command::{ProxyVersion, ServerProxy};
 use crate::connlog::unix_now;
-use crate::net::connect::{apply_options, connect, SocketOptions};
+use crate::net::connect::{apply_options, connect, source_for, SocketOptions};
 use crate::net::Listener;
 use crate::settings::Settings;
 use crate::state::State;
@@ -255,6 +255,7 @@ async fn handle<C: ClientStream>(
     let opts = SocketOptions {
         nodelay: settings.tcp_nodelay,
         keepalive: settings.keepalive,
+        transparent: settings.transparent,
     };
     client.set_options(opts);
 
@@ -267,7 +268,14 @@ async fn handle<C: ClientStream>(
             Some(abuse) => {
                 tracing::debug!(%peer, "denied by client_acl {}: sent to the abuse server", settings.client_acl);
                 let lease = Lease::take(&state.abuse, None);
-                match connect(abuse.addr, settings.source, timeout(&settings), opts).await {
+                match connect(
+                    abuse.addr,
+                    source_for(&settings, peer),
+                    timeout(&settings),
+                    opts,
+                )
+                .await
+                {
                     Ok(s) => Some((s, lease)),
                     Err(e) => {
                         tracing::warn!(%peer, "abuse server {}: {e}", abuse.name);
@@ -405,7 +413,7 @@ async fn choose_and_connect<'s>(
             continue;
         };
         let lease = Lease::take(server, Some(index));
-        match connect(addr, settings.source, timeout(settings), opts).await {
+        match connect(addr, source_for(settings, peer), timeout(settings), opts).await {
             Ok(stream) => {
                 server.total.fetch_add(1, Relaxed);
                 if selector.tracks() {
@@ -429,7 +437,7 @@ async fn choose_and_connect<'s>(
     }
     if let Some(em) = &settings.emergency {
         let lease = Lease::take(&state.emergency, None);
-        match connect(em.addr, settings.source, timeout(settings), opts).await {
+        match connect(em.addr, source_for(settings, peer), timeout(settings), opts).await {
             Ok(stream) => {
                 tracing::debug!(%peer, "emergency server {}", em.name);
                 state.emergency.total.fetch_add(1, Relaxed);

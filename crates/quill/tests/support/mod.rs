@@ -26,7 +26,9 @@
 
 pub mod ctl;
 pub mod dns;
+pub mod hosts;
 pub mod http;
+pub mod netns;
 
 use std::collections::{HashMap, HashSet};
 use std::fmt::Display;
