@@ -153,6 +153,9 @@ pub enum Command {
     CheckRise(u32),
     /// `check_fall N` (extension): failures in a row that take a server down.
     CheckFall(u32),
+    /// `shutdown_grace N` (extension): seconds open connections may run on after quill
+    /// stops accepting (TERM, `exit`, a binary upgrade); 0 = as long as they last.
+    ShutdownGrace(u64),
     /// `slow_start N` (extension): seconds over which a server that comes back up ramps
     /// from a small share of its weight to all of it (0 = at once).
     SlowStart(u64),
@@ -784,6 +787,7 @@ fn command_name(word: &str) -> Option<&'static str> {
         "check_rise",
         "check_fall",
         "slow_start",
+        "shutdown_grace",
         "dsr_if",
         "tarpit_acl",
         "transparent",
@@ -989,6 +993,7 @@ fn parse_positive(command: &'static str, w: &mut Words<'_>) -> Result<Command, P
         "check_rise" => Command::CheckRise(w.count()?),
         "check_fall" => Command::CheckFall(w.count()?),
         "slow_start" => Command::SlowStart(w.number("number of seconds")?),
+        "shutdown_grace" => Command::ShutdownGrace(w.number("number of seconds")?),
         "dsr_if" => {
             let name = w.word("an interface name")?;
             // Linux interface names: 1-15 bytes, no '/' (they are sysfs file names).
@@ -1329,6 +1334,7 @@ impl fmt::Display for Command {
             Command::CheckRise(n) => write!(f, "check_rise {n}"),
             Command::CheckFall(n) => write!(f, "check_fall {n}"),
             Command::SlowStart(n) => write!(f, "slow_start {n}"),
+            Command::ShutdownGrace(n) => write!(f, "shutdown_grace {n}"),
             Command::DsrIf(name) => write!(f, "dsr_if {name}"),
             Command::TarpitAcl(list) => with_optional(f, "tarpit_acl", list),
             Command::NoTarpitAcl => f.write_str("no tarpit_acl"),
@@ -1603,6 +1609,7 @@ mod roundtrip {
             (1u32..).prop_map(Command::CheckRise),
             (1u32..).prop_map(Command::CheckFall),
             any::<u64>().prop_map(Command::SlowStart),
+            any::<u64>().prop_map(Command::ShutdownGrace),
             "[a-z][a-z0-9.-]{0,14}".prop_map(|w| Command::DsrIf(Word(w))),
             proptest::option::of(acl_id()).prop_map(Command::TarpitAcl),
             Just(Command::NoTarpitAcl),

@@ -7,7 +7,9 @@
 //! starts a thread, so a bad start exits with a message and nothing is half started.
 //! Signals: HUP reloads the configuration file and reopens the log; USR1 reports statistics
 //! and rewrites the `web_stats` file; TERM and INT stop accepting, let open connections
-//! finish for a bounded time, remove the pid file and Unix sockets, and exit 0.
+//! finish for `shutdown_grace` (a second TERM/INT cuts that short), remove the pid file and
+//! Unix sockets, and exit 0. After a binary upgrade (`--takeover` in the new process) the
+//! old one stops the same way but leaves the files, which are the new process's.
 
 use std::io;
 use std::path::PathBuf;
@@ -29,9 +31,6 @@ use crate::privileges;
 use crate::settings::{Action, Settings};
 use crate::state::State;
 use crate::systemd::{self, ActivationError};
-
-/// How long established connections may run on after SIGTERM/SIGINT.
-const SHUTDOWN_GRACE: Duration = Duration::from_secs(10);
 
 /// Why the daemon could not start. Each variant carries what the user needs to fix it.
 #[derive(Debug, thiserror::Error)]
@@ -474,16 +473,35 @@ pub fn run(inv: Invocation) -> Result<(), StartError> {
         cleanup.0.clear();
     }
 
+    // `shutdown_grace`: how long established connections may run on (0 = no limit).
+    let grace = state.settings().shutdown_grace;
+    let deadline = (grace > 0).then(|| Instant::now() + Duration::from_secs(grace));
     tracing::info!(
-        "stopping: no new connections; waiting up to {:?} for {} open",
-        SHUTDOWN_GRACE,
+        "stopping: no new connections; waiting {} for {} open",
+        if grace > 0 {
+            format!("up to {grace} s")
+        } else {
+            "without limit".to_string()
+        },
         state.active.load(Relaxed)
     );
     let _ = stop_tx.send(true);
-    let deadline = Instant::now() + SHUTDOWN_GRACE;
     rt.block_on(async {
-        while state.active.load(Relaxed) > 0 && Instant::now() < deadline {
-            tokio::time::sleep(Duration::from_millis(20)).await;
+        let drained = async {
+            while state.active.load(Relaxed) > 0
+                && match deadline {
+                    Some(d) => Instant::now() < d,
+                    None => true,
+                }
+            {
+                tokio::time::sleep(Duration::from_millis(20)).await;
+            }
+        };
+        // A second TERM or INT ends the wait at once (the way out of an unlimited grace).
+        tokio::select! {
+            () = drained => {}
+            _ = signals.term.recv() => tracing::warn!("second signal: closing {} open connection(s) now", state.active.load(Relaxed)),
+            _ = signals.int.recv() => tracing::warn!("second signal: closing {} open connection(s) now", state.active.load(Relaxed)),
         }
     });
     drop(cleanup);

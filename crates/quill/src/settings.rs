@@ -196,6 +196,8 @@ pub struct Settings {
     pub check: HealthCheck,
     /// Seconds over which a server coming back up ramps to its full weight (0 = at once).
     pub slow_start: u64,
+    /// Seconds open connections may run on once quill stops accepting (0 = no limit).
+    pub shutdown_grace: u64,
     /// The Direct Server Return interface (`dsr_if IF`); read at start-up.
     pub dsr_if: Option<Word>,
     /// The access list whose permitted addresses the DSR plane tarpits.
@@ -203,6 +205,10 @@ pub struct Settings {
     /// Connect to backends from the client's address (IP_TRANSPARENT).
     pub transparent: bool,
 }
+
+/// Default `shutdown_grace`: long enough for requests in flight, short enough for a
+/// service manager's stop timeout.
+pub const DEFAULT_SHUTDOWN_GRACE: u64 = 10;
 
 /// Default `udp_idle_timeout`: as long as Linux conntrack keeps an unreplied UDP flow.
 pub const DEFAULT_UDP_IDLE_TIMEOUT: u64 = 30;
@@ -255,6 +261,7 @@ impl Default for Settings {
             accept_proxy: false,
             check: HealthCheck::default(),
             slow_start: 0,
+            shutdown_grace: DEFAULT_SHUTDOWN_GRACE,
             dsr_if: None,
             tarpit_acl: None,
             transparent: false,
@@ -491,6 +498,7 @@ impl Settings {
             Command::CheckRise(n) => set(&mut self.check.rise, *n),
             Command::CheckFall(n) => set(&mut self.check.fall, *n),
             Command::SlowStart(n) => set(&mut self.slow_start, *n),
+            Command::ShutdownGrace(n) => set(&mut self.shutdown_grace, *n),
             Command::DsrIf(name) => set(&mut self.dsr_if, Some(name.clone())),
             Command::TarpitAcl(None) => Applied::value(
                 self.tarpit_acl
@@ -673,6 +681,9 @@ impl Settings {
         if self.slow_start != d.slow_start {
             out.push(Command::SlowStart(self.slow_start));
         }
+        if self.shutdown_grace != d.shutdown_grace {
+            out.push(Command::ShutdownGrace(self.shutdown_grace));
+        }
         if let Some(name) = &self.dsr_if {
             out.push(Command::DsrIf(name.clone()));
         }
@@ -842,6 +853,7 @@ mod tests {
             "check_rise 1",
             "check_fall 5",
             "slow_start 30",
+            "shutdown_grace 0",
         ]);
         let mut rebuilt = Settings::default();
         for cmd in s.to_commands() {

@@ -7,5 +7,6 @@ pub mod proxy_protocol;
 pub mod pump;
 pub mod registry;
 pub mod relay;
+pub mod splice;
 pub mod tcp;
 pub mod udp;
