@@ -10,7 +10,7 @@ use std::net::Shutdown;
 use std::process::Command;
 use std::time::Duration;
 
-use support::http::{read_final_response, read_response, sha256_hex, EchoServer};
+use support::http_echo::{read_final_response, read_response, sha256_hex, EchoServer};
 use support::*;
 
 fn random_bytes(n: usize, seed: u64) -> Vec<u8> {

@@ -14,7 +14,7 @@ use std::path::Path;
 use std::process::{Child, Command, Stdio};
 use std::time::Duration;
 
-use support::http::{read_response, EchoServer};
+use support::http_echo::{read_response, EchoServer};
 use support::*;
 
 /// A daemon of the test (nginx, haproxy), killed when dropped.

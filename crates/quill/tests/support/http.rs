@@ -1,299 +1,225 @@
-//! A small HTTP/1.1 backend and client for the `http` (-H) tests.
-//!
-//! [`EchoServer`] answers every request with a body that reports what it received: the
-//! request head exactly as it arrived, and the length and SHA-256 of the de-chunked body.
-//! It understands Content-Length and chunked bodies (with trailers), answers
-//! `Expect: 100-continue` with `100 Continue` before reading the body, and switches an
-//! `Upgrade: websocket` request to a raw echo after `101 Switching Protocols`.
+//! HTTP pieces of the harness, for `tests/metrics.rs`: starting quill with a metrics
+//! listener on a free port, a minimal HTTP/1.1 client (one request per connection, from a
+//! chosen loopback source address), and the Prometheus parser of the reference client
+//! library (Python's `prometheus_client`, strict OpenMetrics), run as a subprocess.
 #![allow(dead_code)]
 
-use std::io::{self, BufRead, BufReader, Read, Write};
-use std::net::{SocketAddr, TcpListener, TcpStream};
-use std::sync::atomic::{AtomicUsize, Ordering};
-use std::sync::Arc;
-use std::thread;
+use std::collections::BTreeMap;
+use std::io::{Read, Write};
+use std::net::SocketAddr;
+use std::path::Path;
+use std::process::{Command, Stdio};
 
-use sha2::{Digest, Sha256};
+use super::{client_from, free_port, Quill};
 
-use super::IO_TIMEOUT;
-
-/// What the echo server saw of one request.
-#[derive(Debug, Clone, PartialEq, Eq)]
-pub struct Seen {
-    /// The head as received (request line and fields, CRLF line ends, no empty line).
-    pub head: String,
-    pub body_len: usize,
-    pub body_sha256: String,
-}
-
-impl Seen {
-    /// The values of every field called `name` (case-insensitive).
-    pub fn fields(&self, name: &str) -> Vec<String> {
-        self.head
-            .split("\r\n")
-            .skip(1)
-            .filter_map(|l| l.split_once(':'))
-            .filter(|(n, _)| n.trim().eq_ignore_ascii_case(name))
-            .map(|(_, v)| v.trim().to_string())
-            .collect()
-    }
-
-    pub fn request_line(&self) -> &str {
-        self.head.split("\r\n").next().unwrap_or_default()
-    }
-}
-
-/// The HTTP backend; see the module documentation.
-pub struct EchoServer {
-    addr: SocketAddr,
-    requests: Arc<AtomicUsize>,
-    connections: Arc<AtomicUsize>,
-}
-
-impl EchoServer {
-    pub fn start() -> EchoServer {
-        let listener = TcpListener::bind("127.0.0.1:0").expect("bind echo server");
-        let addr = listener.local_addr().expect("local_addr");
-        let requests = Arc::new(AtomicUsize::new(0));
-        let connections = Arc::new(AtomicUsize::new(0));
-        let (r, c) = (requests.clone(), connections.clone());
-        thread::spawn(move || {
-            for conn in listener.incoming() {
-                let Ok(conn) = conn else { continue };
-                c.fetch_add(1, Ordering::SeqCst);
-                let r = r.clone();
-                thread::spawn(move || {
-                    let _ = serve(conn, &r);
-                });
-            }
-        });
-        EchoServer {
-            addr,
-            requests,
-            connections,
+/// Starts quill with `{metrics}` (and `{ctl}`, if present) in `args` replaced by free
+/// ports; returns the daemon and the metrics address. Retries when a port was taken.
+pub fn start_with_metrics(args: &[&str]) -> (Quill, SocketAddr) {
+    let mut failures = Vec::new();
+    for _ in 0..5 {
+        let metrics = free_port();
+        let ctl = free_port();
+        let real: Vec<String> = args
+            .iter()
+            .map(|a| {
+                a.replace("{metrics}", &metrics.to_string())
+                    .replace("{ctl}", &ctl.to_string())
+            })
+            .collect();
+        let refs: Vec<&str> = real.iter().map(String::as_str).collect();
+        match Quill::try_start(&refs) {
+            Ok(q) => return (q, SocketAddr::from(([127, 0, 0, 1], metrics))),
+            Err(e) if e.to_lowercase().contains("in use") => failures.push(e),
+            Err(e) => panic!("{e}"),
         }
     }
-
-    pub fn spec(&self) -> String {
-        format!("127.0.0.1:{}", self.addr.port())
-    }
-
-    pub fn addr(&self) -> SocketAddr {
-        self.addr
-    }
-
-    /// Requests answered so far.
-    pub fn requests(&self) -> usize {
-        self.requests.load(Ordering::SeqCst)
-    }
-
-    /// Connections accepted so far.
-    pub fn connections(&self) -> usize {
-        self.connections.load(Ordering::SeqCst)
-    }
+    panic!(
+        "could not start quill with a metrics listener:\n{}",
+        failures.join("\n")
+    );
 }
 
-fn serve(conn: TcpStream, requests: &AtomicUsize) -> io::Result<()> {
-    conn.set_read_timeout(Some(IO_TIMEOUT))?;
-    let mut w = conn.try_clone()?;
-    let mut r = BufReader::new(conn);
-    loop {
-        let mut head = String::new();
-        loop {
-            let mut line = String::new();
-            if r.read_line(&mut line)? == 0 {
-                return Ok(());
-            }
-            if line == "\r\n" {
-                break;
-            }
-            head.push_str(&line);
-        }
-        let head = head.trim_end_matches("\r\n").to_string();
-        let seen_head = Seen {
-            head: head.clone(),
-            body_len: 0,
-            body_sha256: String::new(),
-        };
-        let field = |n: &str| seen_head.fields(n).into_iter().next();
-        if field("expect").is_some_and(|v| v.eq_ignore_ascii_case("100-continue")) {
-            w.write_all(b"HTTP/1.1 100 Continue\r\n\r\n")?;
-        }
-        let body = if field("transfer-encoding").is_some_and(|v| v.contains("chunked")) {
-            read_chunked(&mut r)?
-        } else {
-            let n: usize = field("content-length").map_or(0, |v| v.parse().unwrap_or(0));
-            let mut b = vec![0; n];
-            r.read_exact(&mut b)?;
-            b
-        };
-        requests.fetch_add(1, Ordering::SeqCst);
-        if field("upgrade").is_some_and(|v| v.eq_ignore_ascii_case("websocket")) {
-            w.write_all(
-                b"HTTP/1.1 101 Switching Protocols\r\nUpgrade: websocket\r\nConnection: Upgrade\r\n\r\n",
-            )?;
-            // From here on: a raw echo, as a websocket server echoing frames would.
-            let mut buf = [0u8; 4096];
-            loop {
-                match r.read(&mut buf)? {
-                    0 => return Ok(()),
-                    n => w.write_all(&buf[..n])?,
-                }
-            }
-        }
-        let text = format!(
-            "{head}\r\n--\r\nlen {}\r\nsha256 {}\r\n",
-            body.len(),
-            hex(&Sha256::digest(&body))
-        );
-        let close = field("connection").is_some_and(|v| v.eq_ignore_ascii_case("close"));
-        if head.starts_with("HEAD ") {
-            // No body, as HTTP requires; the request line is reported in a field.
-            let line = head.split("\r\n").next().unwrap_or_default();
-            w.write_all(
-                format!(
-                    "HTTP/1.1 200 OK\r\nContent-Length: {}\r\nX-Request-Line: {line}\r\n{}\r\n",
-                    text.len(),
-                    if close { "Connection: close\r\n" } else { "" }
-                )
-                .as_bytes(),
-            )?;
-            if close {
-                return Ok(());
-            }
-            continue;
-        }
-        w.write_all(
-            format!(
-                "HTTP/1.1 200 OK\r\nContent-Type: text/plain\r\nContent-Length: {}\r\n{}\r\n{text}",
-                text.len(),
-                if close { "Connection: close\r\n" } else { "" }
-            )
-            .as_bytes(),
-        )?;
-        if close {
-            return Ok(());
-        }
-    }
-}
-
-fn read_chunked(r: &mut impl BufRead) -> io::Result<Vec<u8>> {
-    let mut body = Vec::new();
-    loop {
-        let mut line = String::new();
-        r.read_line(&mut line)?;
-        let size = line.trim_end().split(';').next().unwrap_or_default();
-        let size = usize::from_str_radix(size.trim(), 16)
-            .map_err(|e| io::Error::new(io::ErrorKind::InvalidData, format!("{line:?}: {e}")))?;
-        if size == 0 {
-            // Trailers, up to the empty line.
-            loop {
-                let mut t = String::new();
-                if r.read_line(&mut t)? == 0 || t == "\r\n" {
-                    return Ok(body);
-                }
-            }
-        }
-        let start = body.len();
-        body.resize(start + size, 0);
-        r.read_exact(&mut body[start..])?;
-        let mut crlf = [0u8; 2];
-        r.read_exact(&mut crlf)?;
-    }
-}
-
-pub fn hex(b: &[u8]) -> String {
-    b.iter().map(|x| format!("{x:02x}")).collect()
-}
-
-pub fn sha256_hex(b: &[u8]) -> String {
-    hex(&Sha256::digest(b))
-}
-
-/// One response as the client read it.
-#[derive(Debug, Clone)]
+/// A parsed HTTP response.
+#[derive(Debug)]
 pub struct Response {
     pub status: u16,
-    pub head: String,
+    /// Header names in lower case.
+    pub headers: BTreeMap<String, String>,
     pub body: Vec<u8>,
 }
 
 impl Response {
-    /// What the echo server reported seeing.
-    pub fn seen(&self) -> Seen {
-        let text = String::from_utf8_lossy(&self.body);
-        let (head, rest) = text.split_once("\r\n--\r\n").unwrap_or_else(|| {
-            panic!("not an echo server answer: {text:?}");
-        });
-        let mut len = 0;
-        let mut sha = String::new();
-        for line in rest.split("\r\n") {
-            if let Some(v) = line.strip_prefix("len ") {
-                len = v.parse().unwrap_or(0);
-            }
-            if let Some(v) = line.strip_prefix("sha256 ") {
-                sha = v.to_string();
-            }
-        }
-        Seen {
-            head: head.to_string(),
-            body_len: len,
-            body_sha256: sha,
-        }
+    pub fn text(&self) -> String {
+        String::from_utf8_lossy(&self.body).into_owned()
     }
 
-    pub fn field(&self, name: &str) -> Option<String> {
-        self.head
-            .split("\r\n")
-            .skip(1)
-            .filter_map(|l| l.split_once(':'))
-            .find(|(n, _)| n.trim().eq_ignore_ascii_case(name))
-            .map(|(_, v)| v.trim().to_string())
+    pub fn header(&self, name: &str) -> Option<&str> {
+        self.headers.get(name).map(String::as_str)
+    }
+
+    pub fn json(&self) -> serde_json::Value {
+        serde_json::from_slice(&self.body)
+            .unwrap_or_else(|e| panic!("not JSON ({e}): {}", self.text()))
     }
 }
 
-/// Reads one response (Content-Length bodies, or none) from `r`, byte by byte up to
-/// the end of the head so that nothing after it is consumed. `None` at EOF.
-pub fn read_response(r: &mut impl Read) -> Option<Response> {
-    let mut head = Vec::new();
-    let mut b = [0u8; 1];
-    while !head.ends_with(b"\r\n\r\n") {
-        match r.read(&mut b) {
-            Ok(0) => return None,
-            Ok(_) => head.push(b[0]),
-            Err(e) if e.kind() == io::ErrorKind::ConnectionReset => return None,
-            Err(e) => panic!(
-                "reading a response: {e} (got {:?})",
-                String::from_utf8_lossy(&head)
-            ),
-        }
+/// Sends one request (`Connection: close`) from source address `src` and reads the whole
+/// response. `headers` are extra `Name: value` lines.
+pub fn request_from(
+    src: &str,
+    addr: SocketAddr,
+    method: &str,
+    path: &str,
+    headers: &[&str],
+    body: &[u8],
+) -> std::io::Result<Response> {
+    let mut s = client_from(src, addr)?;
+    let mut head = format!("{method} {path} HTTP/1.1\r\nHost: {addr}\r\nConnection: close\r\n");
+    for h in headers {
+        head.push_str(h);
+        head.push_str("\r\n");
     }
-    let head = String::from_utf8_lossy(&head[..head.len() - 4]).into_owned();
-    let status = head
-        .split(' ')
+    if !body.is_empty() || method == "POST" {
+        head.push_str(&format!("Content-Length: {}\r\n", body.len()));
+    }
+    head.push_str("\r\n");
+    s.write_all(head.as_bytes())?;
+    s.write_all(body)?;
+    let mut raw = Vec::new();
+    s.read_to_end(&mut raw)?;
+    parse_response(&raw, method == "HEAD")
+}
+
+fn parse_response(raw: &[u8], head_only: bool) -> std::io::Result<Response> {
+    let bad = |what: &str| std::io::Error::new(std::io::ErrorKind::InvalidData, what.to_string());
+    let end = raw
+        .windows(4)
+        .position(|w| w == b"\r\n\r\n")
+        .ok_or_else(|| bad("no end of headers"))?;
+    let head = std::str::from_utf8(&raw[..end]).map_err(|_| bad("head is not UTF-8"))?;
+    let mut lines = head.split("\r\n");
+    let status_line = lines.next().ok_or_else(|| bad("no status line"))?;
+    let status = status_line
+        .split_whitespace()
         .nth(1)
         .and_then(|s| s.parse().ok())
-        .unwrap_or_else(|| panic!("bad status line: {head:?}"));
-    let mut resp = Response {
+        .ok_or_else(|| bad("bad status line"))?;
+    let mut headers = BTreeMap::new();
+    for line in lines {
+        let (k, v) = line.split_once(':').ok_or_else(|| bad("bad header"))?;
+        headers.insert(k.trim().to_ascii_lowercase(), v.trim().to_string());
+    }
+    let mut body = raw[end + 4..].to_vec();
+    if head_only {
+        body.clear();
+    } else if let Some(n) = headers
+        .get("content-length")
+        .and_then(|n| n.parse::<usize>().ok())
+    {
+        if body.len() < n {
+            return Err(bad("body shorter than Content-Length"));
+        }
+        body.truncate(n);
+    }
+    Ok(Response {
         status,
-        head,
-        body: Vec::new(),
-    };
-    let len: usize = resp
-        .field("content-length")
-        .map_or(0, |v| v.parse().unwrap_or(0));
-    resp.body = vec![0; len];
-    r.read_exact(&mut resp.body)
-        .unwrap_or_else(|e| panic!("reading a body of {len} bytes: {e}"));
-    Some(resp)
+        headers,
+        body,
+    })
 }
 
-/// Reads the next final response, skipping interim (1xx) ones.
-pub fn read_final_response(r: &mut impl Read) -> Option<Response> {
-    loop {
-        let resp = read_response(r)?;
-        if resp.status >= 200 {
-            return Some(resp);
-        }
-    }
+/// `GET path` from 127.0.0.1; panics on an I/O error.
+pub fn get(addr: SocketAddr, path: &str) -> Response {
+    request_from("127.0.0.1", addr, "GET", path, &[], b"")
+        .unwrap_or_else(|e| panic!("GET http://{addr}{path}: {e}"))
+}
+
+/// `POST /control` with `line` from `src`, with the header the dashboard sends.
+pub fn post_control(src: &str, addr: SocketAddr, line: &str) -> Response {
+    request_from(
+        src,
+        addr,
+        "POST",
+        "/control",
+        &["X-Quill-Control: 1", "Content-Type: text/plain"],
+        line.as_bytes(),
+    )
+    .unwrap_or_else(|e| panic!("POST /control {line:?}: {e}"))
+}
+
+/// One sample of a metrics scrape.
+#[derive(Debug, Clone)]
+pub struct Sample {
+    /// The family (for counters, without `_total`).
+    pub family: String,
+    /// The family's type as the parser read it (`counter`, `gauge`, ...).
+    pub kind: String,
+    /// The sample's own name (e.g. `quill_connections_accepted_total`).
+    pub name: String,
+    pub labels: BTreeMap<String, String>,
+    pub value: f64,
+}
+
+const PARSER: &str = r#"
+import json, sys
+from prometheus_client.openmetrics.parser import text_string_to_metric_families
+out = []
+for family in text_string_to_metric_families(sys.stdin.read()):
+    for s in family.samples:
+        out.append({"family": family.name, "kind": family.type, "name": s.name,
+                    "labels": s.labels, "value": s.value})
+print(json.dumps(out))
+"#;
+
+/// The system Python with the reference Prometheus client library, when installed
+/// (Debian's `python3-prometheus-client`, which .ci/run installs).
+pub fn prometheus_parser() -> Option<&'static Path> {
+    let python = Path::new("/usr/bin/python3");
+    let ok = Command::new(python)
+        .args(["-c", "import prometheus_client.openmetrics.parser"])
+        .stdout(Stdio::null())
+        .stderr(Stdio::null())
+        .status()
+        .is_ok_and(|s| s.success());
+    ok.then_some(python)
+}
+
+/// Parses an exposition with the reference parser (strict OpenMetrics); panics with the
+/// parser's complaint when the text is not valid.
+pub fn parse_metrics(python: &Path, text: &str) -> Vec<Sample> {
+    let mut child = Command::new(python)
+        .args(["-c", PARSER])
+        .stdin(Stdio::piped())
+        .stdout(Stdio::piped())
+        .stderr(Stdio::piped())
+        .spawn()
+        .unwrap_or_else(|e| panic!("cannot run {}: {e}", python.display()));
+    let mut stdin = child.stdin.take().expect("stdin");
+    let input = text.to_string();
+    let writer = std::thread::spawn(move || stdin.write_all(input.as_bytes()));
+    let out = child.wait_with_output().expect("parser output");
+    let _ = writer.join();
+    assert!(
+        out.status.success(),
+        "the Prometheus parser rejected the metrics:\n{}\n--- metrics ---\n{text}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    let parsed: Vec<serde_json::Value> = serde_json::from_slice(&out.stdout).expect("parser JSON");
+    parsed
+        .iter()
+        .map(|v| Sample {
+            family: v["family"].as_str().unwrap_or_default().to_string(),
+            kind: v["kind"].as_str().unwrap_or_default().to_string(),
+            name: v["name"].as_str().unwrap_or_default().to_string(),
+            labels: v["labels"]
+                .as_object()
+                .map(|m| {
+                    m.iter()
+                        .map(|(k, v)| (k.clone(), v.as_str().unwrap_or_default().to_string()))
+                        .collect()
+                })
+                .unwrap_or_default(),
+            value: v["value"].as_f64().unwrap_or(f64::NAN),
+        })
+        .collect()
 }
