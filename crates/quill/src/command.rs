@@ -101,6 +101,11 @@ pub enum Command {
     Listen(Option<Word>),
     /// `control_acl N`: check control-socket clients against list N.
     ControlAcl(AclId),
+    /// `metrics_listen [[ADDR:]PORT]` (extension): serve Prometheus metrics, the JSON status
+    /// and the web dashboard over HTTP there (a bare port means 127.0.0.1); no argument asks.
+    MetricsListen(Option<Word>),
+    /// `no metrics_listen` (extension): close the metrics listener.
+    NoMetricsListen,
     /// `log [FILE]` / `no log`: the connection log.
     Log(Option<Word>),
     NoLog,
@@ -683,6 +688,7 @@ fn command_name(word: &str) -> Option<&'static str> {
         "udp_idle_timeout",
         "listen",
         "control_acl",
+        "metrics_listen",
         "log",
         "web_stats",
         "abort_on_error",
@@ -761,6 +767,7 @@ fn parse_negated(command: &'static str, w: &mut Words<'_>) -> Result<Command, Pa
         "acl" => Command::NoAcl(w.acl_id()?),
         "log" => Command::NoLog,
         "web_stats" => Command::NoWebStats,
+        "metrics_listen" => Command::NoMetricsListen,
         "abort_on_error" => Command::AbortOnError(false),
         "check" => Command::Check(None),
         "tarpit_acl" => Command::NoTarpitAcl,
@@ -867,6 +874,7 @@ fn parse_positive(command: &'static str, w: &mut Words<'_>) -> Result<Command, P
         }
         "listen" => Command::Listen(w.optional_word("an address")?),
         "control_acl" => Command::ControlAcl(w.acl_id()?),
+        "metrics_listen" => Command::MetricsListen(w.optional_word("[address:]port")?),
         "log" => Command::Log(w.optional_word("a file name")?),
         "web_stats" => Command::WebStats(w.optional_word("a file name")?),
         "abort_on_error" => Command::AbortOnError(true),
@@ -1157,6 +1165,8 @@ impl fmt::Display for Command {
             Command::UdpIdleTimeout(v) => with_optional(f, "udp_idle_timeout", v),
             Command::Listen(a) => with_optional(f, "listen", a),
             Command::ControlAcl(list) => write!(f, "control_acl {list}"),
+            Command::MetricsListen(a) => with_optional(f, "metrics_listen", a),
+            Command::NoMetricsListen => f.write_str("no metrics_listen"),
             Command::Log(file) => with_optional(f, "log", file),
             Command::NoLog => f.write_str("no log"),
             Command::WebStats(file) => with_optional(f, "web_stats", file),
@@ -1419,6 +1429,8 @@ mod roundtrip {
             proptest::option::of(1u64..).prop_map(Command::UdpIdleTimeout),
             proptest::option::of(word()).prop_map(Command::Listen),
             acl_id().prop_map(Command::ControlAcl),
+            proptest::option::of(word()).prop_map(Command::MetricsListen),
+            Just(Command::NoMetricsListen),
             proptest::option::of(word()).prop_map(Command::Log),
             Just(Command::NoLog),
             proptest::option::of(word()).prop_map(Command::WebStats),

@@ -12,7 +12,8 @@ use std::sync::Arc;
 
 use crate::acl::{Acl, AclId, GeoRef, ACL_LISTS};
 use crate::command::{
-    Command, FastClose, Host, HostPort, Millis, Probe, ServerCheck, ServerField, Word, MAX_SERVERS,
+    parse_port, split_host_port, Command, FastClose, Host, HostPort, Millis, Probe, ServerCheck,
+    ServerField, Word, MAX_SERVERS,
 };
 use crate::geoip::GeoIp;
 use crate::net::ListenAddr;
@@ -167,8 +168,11 @@ pub struct Settings {
     pub compat: Vec<Command>,
     /// Where clients connect (`listen`, or the first argument of the command line).
     pub listen: Option<ListenAddr>,
-    /// Access list checked for TCP control-socket clients.
+    /// Access list checked for TCP control-socket clients (and for control requests on
+    /// the metrics listener).
     pub control_acl: AclId,
+    /// Where the HTTP metrics / status / dashboard listener is (`metrics_listen`).
+    pub metrics_listen: Option<SocketAddr>,
     /// The connection log file (`-l`, `log FILE`).
     pub log: Option<Word>,
     /// The HTML status file written on SIGUSR1 (`-w`, `web_stats FILE`).
@@ -235,6 +239,7 @@ impl Default for Settings {
             compat: Vec::new(),
             listen: None,
             control_acl: AclId::default(),
+            metrics_listen: None,
             log: None,
             web_stats: None,
             abort_on_error: false,
@@ -270,6 +275,8 @@ pub enum Action {
     Relisten(ListenAddr),
     /// The connection log must be reopened (new file, or none).
     ReopenLog,
+    /// The metrics listener must move to this address, or close (`None`).
+    MetricsListen(Option<SocketAddr>),
     /// Stop (or resume) sending new connections to server `index`.
     Drain { index: usize, on: bool },
 }
@@ -322,6 +329,21 @@ pub enum ApplyError {
     Listen(String),
     #[error("'{0}' is not a configuration command")]
     NotASetting(String),
+}
+
+/// The address of `metrics_listen [ADDR:]PORT`: a bare port means 127.0.0.1, because the
+/// listener shows client addresses and can take control commands; exposing it on a
+/// network is a choice the user spells out.
+pub fn metrics_addr(s: &str) -> Result<SocketAddr, ApplyError> {
+    let invalid = |e: String| ApplyError::Listen(format!("metrics_listen {s}: {e}"));
+    let (host, port) = match split_host_port(s).map_err(|e| invalid(e.to_string()))? {
+        (port, None) => ("127.0.0.1", port),
+        ("", Some(port)) => ("0.0.0.0", port),
+        (host, Some(port)) => (host, port),
+    };
+    let port = parse_port(port).map_err(|e| invalid(e.to_string()))?;
+    let host = Host::new(host).map_err(|e| invalid(e.to_string()))?;
+    Ok(SocketAddr::new(resolve(&host)?, port))
 }
 
 /// Resolves a host to one address (the first the resolver gives), at configuration time.
@@ -446,6 +468,25 @@ impl Settings {
             Command::ControlAcl(list) => {
                 self.control_acl = *list;
                 Applied::value(list)
+            }
+            Command::MetricsListen(None) => Applied::value(
+                self.metrics_listen
+                    .map(|a| a.to_string())
+                    .unwrap_or_default(),
+            ),
+            Command::MetricsListen(Some(word)) => {
+                let addr = metrics_addr(word.as_str())?;
+                if self.metrics_listen == Some(addr) {
+                    return Ok(Applied::done());
+                }
+                self.metrics_listen = Some(addr);
+                Applied::action(Action::MetricsListen(Some(addr)))
+            }
+            Command::NoMetricsListen => {
+                if self.metrics_listen.take().is_none() {
+                    return Ok(Applied::done());
+                }
+                Applied::action(Action::MetricsListen(None))
             }
             Command::Log(None) => {
                 Applied::value(self.log.as_ref().map(Word::to_string).unwrap_or_default())
@@ -612,6 +653,9 @@ impl Settings {
         }
         if self.control_acl != d.control_acl {
             out.push(Command::ControlAcl(self.control_acl));
+        }
+        if let Some(addr) = self.metrics_listen {
+            out.extend(Word::new(&addr.to_string()).map(|w| Command::MetricsListen(Some(w))));
         }
         if let Some(f) = &self.log {
             out.push(Command::Log(Some(f.clone())));
