@@ -264,11 +264,14 @@ async fn handle<C: ClientStream>(
         tracing::debug!(%peer, "refused: conn_max {} reached", settings.conn_max);
         return;
     }
-    // The destination the client reached: the listener, or what a PROXY header says.
-    let mut destination = client.local();
+    // The destination the client reached, when a PROXY header (in or out) needs it: the
+    // listener, or what the client's own PROXY header says.
+    let mut destination = None;
     if settings.accept_proxy {
+        // Boxed, as every phase that plain connections skip: the task's size is that of
+        // its largest phase, and it is allocated for the whole life of the connection.
         let read = proxy_protocol::read_header(&client);
-        match tokio::time::timeout(timeout(&settings), read).await {
+        match Box::pin(tokio::time::timeout(timeout(&settings), read)).await {
             Ok(Ok(header)) => {
                 if let Some((source, dest)) = header.addrs {
                     peer = source;
@@ -291,7 +294,7 @@ async fn handle<C: ClientStream>(
         }
     }
     if settings.dummy {
-        super::dummy::serve(client, local_port).await;
+        Box::pin(super::dummy::serve(client, local_port)).await;
         return;
     }
     let opts = SocketOptions {
@@ -310,14 +313,13 @@ async fn handle<C: ClientStream>(
             Some(abuse) => {
                 tracing::debug!(%peer, "denied by client_acl {}: sent to the abuse server", settings.client_acl);
                 let lease = Lease::take(&state.abuse, None);
-                match connect(
+                let to_abuse = connect(
                     abuse.addr,
                     source_for(&settings, peer),
                     timeout(&settings),
                     opts,
-                )
-                .await
-                {
+                );
+                match Box::pin(to_abuse).await {
                     Ok(s) => Some((s, lease)),
                     Err(e) => {
                         tracing::warn!(%peer, "abuse server {}: {e}", abuse.name);
@@ -365,26 +367,28 @@ async fn handle<C: ClientStream>(
         None => settings.proxy_protocol,
     };
     if let Some(version) = proxy_version {
-        if let Err(e) = send_proxy_header(&mut server, version, peer, destination).await {
+        let destination = destination.or_else(|| client.local());
+        let send = Box::pin(send_proxy_header(&mut server, version, peer, destination));
+        if let Err(e) = send.await {
             tracing::debug!(%peer, server = ?lease.index, "PROXY protocol header: {e}");
             return;
         }
     }
     let exchange = settings.http.then(|| {
-        Exchange::new(HttpParams {
+        Box::new(Exchange::new(HttpParams {
             client: ip,
             scheme: Scheme::Http,
             header_max: settings.http_header_max,
             hsts: settings.hsts,
-        })
+        }))
     });
     // The relay may last for hours: do not pin the settings snapshot that long.
     drop(settings);
     let outcome = match exchange {
         None => relay(&client, &server, relay_opts).await,
         Some(exchange) => {
-            let outcome =
-                super::pump::relay(&mut client, &mut server, Some(exchange), relay_opts).await;
+            let pump = super::pump::relay(&mut client, &mut server, Some(*exchange), relay_opts);
+            let outcome = Box::pin(pump).await;
             if matches!(outcome.end, relay::End::Refused) {
                 state.counters.http_refused.fetch_add(1, Relaxed);
             }
