@@ -233,7 +233,9 @@ impl Default for Settings {
             emergency: None,
             abuse: None,
             multi_accept: 100,
-            backlog: 500,
+            // Pen's 500 drops SYNs under a burst of connects (clients then wait 1 s to
+            // retry); the kernel caps this at net.core.somaxconn.
+            backlog: 4096,
             workers: 0,
             udp_idle_timeout: DEFAULT_UDP_IDLE_TIMEOUT,
             compat: Vec::new(),
