@@ -95,6 +95,8 @@ Selection (Pen's):
   -r            round robin, no tracking            -h   hash of the client address
   -N            hash, without saving clients        -W   least connections per weight
   -s            stubborn: never fail over           -O prio   lowest prio value first
+HTTP:
+  -H            add X-Forwarded-For / X-Forwarded-Proto to every request (command: http)
 Limits and timers:
   -x N          max simultaneous connections        -c N  client table size [2048]
   -t sec        connect timeout [5]                 -b sec blacklist time [30]
@@ -118,7 +120,6 @@ Example: quill -f -r 8080 127.0.0.1:9001 127.0.0.1:9002
 /// silently would mislead (TLS that is not there), so they are refused by name.
 fn not_yet(opt: char) -> Option<&'static str> {
     Some(match opt {
-        'H' => "X-Forwarded-For insertion",
         'E' | 'K' | 'G' | 'A' | 'R' | 'L' | 'Z' => "TLS",
         _ => return None,
     })
@@ -209,6 +210,7 @@ pub fn parse<I: IntoIterator<Item = OsString>>(args: I) -> Result<Parsed, CliErr
                             .map_err(|_| err(&arg, "backlog is too large"))?,
                     ),
                     'h' => Command::Hash(true),
+                    'H' => Command::Http(true),
                     'N' => Command::HashOnly(true),
                     'r' => Command::RoundRobin(true),
                     's' => Command::Stubborn(true),

@@ -28,6 +28,11 @@ pub struct Counters {
     pub refused_acl: AtomicU64,
     /// Client connections closed because no server (nor emergency server) was reachable.
     pub no_server: AtomicU64,
+    /// Client connections closed for a missing or malformed PROXY protocol header
+    /// (`accept_proxy`).
+    pub bad_proxy_header: AtomicU64,
+    /// HTTP requests refused with 400 or 431 (`http`).
+    pub http_refused: AtomicU64,
 }
 
 /// Shared state of one quill process.

@@ -1,5 +1,6 @@
-//! The TCP data plane: accept -> conn_max -> client ACL -> select -> connect (timeout,
-//! failover) -> relay -> close.
+//! The TCP data plane: accept -> conn_max -> PROXY header (`accept_proxy`) -> client ACL
+//! -> select -> connect (timeout, failover) -> PROXY header (`proxy_protocol`) -> relay
+//! (raw, or HTTP with `http`) -> close.
 //!
 //! One instance of [`serve`] runs per event loop, each on its own listener. A connection
 //! task holds only the two sockets and a few words of state while it relays; the selection
@@ -17,9 +18,12 @@ use std::time::Duration;
 use tokio::net::{TcpListener, TcpStream, UnixListener};
 use tokio::sync::{mpsc, watch};
 
+use super::http::{Exchange, HttpParams, Scheme};
+use super::proxy_protocol;
 use super::registry::{Registered, Registry, Upstream};
 use super::relay::{self, relay, RelayOptions, Stream};
 use crate::balance::{clock, Choice, Selector, ServerState};
+use crate::command::{ProxyVersion, ServerProxy};
 use crate::connlog::unix_now;
 use crate::net::connect::{apply_options, connect, source_for, SocketOptions};
 use crate::net::Listener;
@@ -172,6 +176,8 @@ async fn accept_failed(e: io::Error) {
 /// A client-side socket: TCP or Unix.
 trait ClientStream: Stream + tokio::io::AsyncRead + tokio::io::AsyncWrite + Unpin + 'static {
     fn set_options(&self, opts: SocketOptions);
+    /// The address the client connected to; `None` for a Unix socket.
+    fn local(&self) -> Option<SocketAddr>;
 }
 
 impl ClientStream for TcpStream {
@@ -180,10 +186,16 @@ impl ClientStream for TcpStream {
             tracing::debug!("client socket options: {e}");
         }
     }
+    fn local(&self) -> Option<SocketAddr> {
+        self.local_addr().ok()
+    }
 }
 
 impl ClientStream for tokio::net::UnixStream {
     fn set_options(&self, _: SocketOptions) {}
+    fn local(&self) -> Option<SocketAddr> {
+        None
+    }
 }
 
 /// Decrements a counter when dropped: every exit path releases what it took.
@@ -236,8 +248,8 @@ impl Drop for Lease<'_> {
 
 async fn handle<C: ClientStream>(
     state: Arc<State>,
-    client: C,
-    peer: SocketAddr,
+    mut client: C,
+    mut peer: SocketAddr,
     local_port: u16,
     registered: Option<Registered>,
 ) {
@@ -252,8 +264,37 @@ async fn handle<C: ClientStream>(
         tracing::debug!(%peer, "refused: conn_max {} reached", settings.conn_max);
         return;
     }
+    // The destination the client reached, when a PROXY header (in or out) needs it: the
+    // listener, or what the client's own PROXY header says.
+    let mut destination = None;
+    if settings.accept_proxy {
+        // Boxed, as every phase that plain connections skip: the task's size is that of
+        // its largest phase, and it is allocated for the whole life of the connection.
+        let read = proxy_protocol::read_header(&client);
+        match Box::pin(tokio::time::timeout(timeout(&settings), read)).await {
+            Ok(Ok(header)) => {
+                if let Some((source, dest)) = header.addrs {
+                    peer = source;
+                    destination = Some(dest);
+                    if let Some(r) = &registered {
+                        let _ = r.info.proxied.set(source);
+                    }
+                }
+            }
+            Ok(Err(e)) => {
+                state.counters.bad_proxy_header.fetch_add(1, Relaxed);
+                tracing::debug!(%peer, "closed: {e}");
+                return;
+            }
+            Err(_) => {
+                state.counters.bad_proxy_header.fetch_add(1, Relaxed);
+                tracing::debug!(%peer, "closed: no PROXY protocol header in time");
+                return;
+            }
+        }
+    }
     if settings.dummy {
-        super::dummy::serve(client, local_port).await;
+        Box::pin(super::dummy::serve(client, local_port)).await;
         return;
     }
     let opts = SocketOptions {
@@ -272,14 +313,13 @@ async fn handle<C: ClientStream>(
             Some(abuse) => {
                 tracing::debug!(%peer, "denied by client_acl {}: sent to the abuse server", settings.client_acl);
                 let lease = Lease::take(&state.abuse, None);
-                match connect(
+                let to_abuse = connect(
                     abuse.addr,
                     source_for(&settings, peer),
                     timeout(&settings),
                     opts,
-                )
-                .await
-                {
+                );
+                match Box::pin(to_abuse).await {
                     Ok(s) => Some((s, lease)),
                     Err(e) => {
                         tracing::warn!(%peer, "abuse server {}: {e}", abuse.name);
@@ -294,7 +334,7 @@ async fn handle<C: ClientStream>(
             }
         }
     };
-    let Some((server, lease)) = upstream else {
+    let Some((mut server, lease)) = upstream else {
         if let Some(log) = &log {
             log.record(ip, started_unix, None, b"");
         }
@@ -318,9 +358,43 @@ async fn handle<C: ClientStream>(
         .as_ref()
         .and_then(|_| server.peer_addr().ok())
         .map(|a| a.ip());
+    let proxy_version = match lease.index.and_then(|i| settings.servers.get(i)) {
+        Some(conf) => match conf.proxy_protocol {
+            ServerProxy::Global => settings.proxy_protocol,
+            ServerProxy::Off => None,
+            ServerProxy::On(v) => Some(v),
+        },
+        None => settings.proxy_protocol,
+    };
+    if let Some(version) = proxy_version {
+        let destination = destination.or_else(|| client.local());
+        let send = Box::pin(send_proxy_header(&mut server, version, peer, destination));
+        if let Err(e) = send.await {
+            tracing::debug!(%peer, server = ?lease.index, "PROXY protocol header: {e}");
+            return;
+        }
+    }
+    let exchange = settings.http.then(|| {
+        Box::new(Exchange::new(HttpParams {
+            client: ip,
+            scheme: Scheme::Http,
+            header_max: settings.http_header_max,
+            hsts: settings.hsts,
+        }))
+    });
     // The relay may last for hours: do not pin the settings snapshot that long.
     drop(settings);
-    let outcome = relay(&client, &server, relay_opts).await;
+    let outcome = match exchange {
+        None => relay(&client, &server, relay_opts).await,
+        Some(exchange) => {
+            let pump = super::pump::relay(&mut client, &mut server, Some(*exchange), relay_opts);
+            let outcome = Box::pin(pump).await;
+            if matches!(outcome.end, relay::End::Refused) {
+                state.counters.http_refused.fetch_add(1, Relaxed);
+            }
+            outcome
+        }
+    };
     lease.server.bytes_to.fetch_add(outcome.up, Relaxed);
     lease.server.bytes_from.fetch_add(outcome.down, Relaxed);
     if let Some(r) = &registered {
@@ -333,6 +407,21 @@ async fn handle<C: ClientStream>(
     if let relay::End::Error(e) = &outcome.end {
         tracing::debug!(%peer, server = ?lease.index, "connection ended: {e}");
     }
+}
+
+/// Writes the PROXY protocol header announcing `client` -> `destination` (`None`, a Unix
+/// socket client: the LOCAL / UNKNOWN form) as the first bytes to the server.
+async fn send_proxy_header(
+    server: &mut TcpStream,
+    version: ProxyVersion,
+    client: SocketAddr,
+    destination: Option<SocketAddr>,
+) -> io::Result<()> {
+    use tokio::io::AsyncWriteExt;
+    let addrs = destination.map(|d| (client, d));
+    server
+        .write_all(&proxy_protocol::encode(version, addrs))
+        .await
 }
 
 fn timeout(settings: &Settings) -> Duration {
