@@ -230,7 +230,7 @@ fn tcp_target(template: &str, port: u16) -> SocketAddr {
 }
 
 impl Quill {
-    /// Starts the daemon as `BIN -f ARGS...` and waits (at most 10 s) until it
+    /// Starts the daemon as `BIN -f ARGS...` and waits (at most START_DEADLINE) until it
     /// listens.  `{port}` in ARGS becomes a free port, `{sock}` a Unix socket
     /// path; if the daemon exits before listening because it lost a race for
     /// the port, it is started again on another port, a few times.  Panics
@@ -321,7 +321,7 @@ impl Quill {
         ))
     }
 
-    /// Runs `BIN -f ARGS...` expecting it to exit on its own (within 10 s);
+    /// Runs `BIN -f ARGS...` expecting it to exit on its own (within START_DEADLINE);
     /// returns its exit code and stderr.  `{port}` is substituted as in
     /// [`Quill::start`].
     pub fn start_expect_exit(args: &[&str]) -> (Option<i32>, String) {
@@ -533,7 +533,7 @@ pub struct Exit {
     pub stderr: String,
 }
 
-/// Runs `BIN ARGS...` (without adding `-f`) to completion, at most 10 s.
+/// Runs `BIN ARGS...` (without adding `-f`) to completion, at most START_DEADLINE.
 pub fn run(args: &[&str]) -> Exit {
     run_with(false, args)
 }
