@@ -61,6 +61,8 @@ pub enum StartError {
     Unsupported(&'static str),
     #[error("{0}")]
     Privileges(String),
+    #[error("{0}")]
+    Tls(#[from] crate::tls::TlsError),
 }
 
 impl StartError {
@@ -72,6 +74,7 @@ impl StartError {
             | StartError::NoListen
             | StartError::ControlAsRoot
             | StartError::Privileges(_)
+            | StartError::Tls(_)
             | StartError::Unsupported(_) => 2,
             _ => 1,
         }
@@ -92,6 +95,7 @@ pub fn build_settings(inv: &Invocation) -> Result<(Settings, Vec<Action>), Start
     if let Some(file) = &inv.config {
         config::load(file, &mut settings, &mut actions)?;
     }
+    settings.build_tls(None)?;
     Ok((settings, actions))
 }
 

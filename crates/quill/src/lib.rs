@@ -21,3 +21,4 @@ pub mod proxy;
 pub mod settings;
 pub mod state;
 pub mod syslog;
+pub mod tls;

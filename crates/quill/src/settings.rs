@@ -14,6 +14,7 @@ use crate::acl::{Acl, AclId, GeoRef, ACL_LISTS};
 use crate::command::{Command, FastClose, Host, HostPort, ServerField, Word, MAX_SERVERS};
 use crate::geoip::GeoIp;
 use crate::net::ListenAddr;
+use crate::tls::{self, TlsConf, TlsError};
 
 /// One backend server slot. A slot without an address is unused and never selected.
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -135,6 +136,11 @@ pub struct Settings {
     pub abort_on_error: bool,
     /// The GeoIP database (`geoip_db FILE`) and the name it was given as.
     pub geoip: Option<(Word, GeoRef)>,
+    /// TLS settings as given (`ssl_*`, `upstream_*`).
+    pub tls: TlsConf,
+    /// The rustls configurations built from `tls` by [`Settings::build_tls`]; published
+    /// with the rest of the snapshot, so a connection uses one consistent pair.
+    pub tls_built: tls::Built,
 }
 
 /// Default `udp_idle_timeout`: as long as Linux conntrack keeps an unreplied UDP flow.
@@ -181,6 +187,8 @@ impl Default for Settings {
             web_stats: None,
             abort_on_error: false,
             geoip: None,
+            tls: TlsConf::default(),
+            tls_built: tls::Built::default(),
         }
     }
 }
@@ -256,6 +264,8 @@ pub enum ApplyError {
     Listen(String),
     #[error("'{0}' is not a configuration command")]
     NotASetting(String),
+    #[error("{0}")]
+    Tls(String),
 }
 
 /// Resolves a host to one address (the first the resolver gives), at configuration time.
@@ -401,8 +411,25 @@ impl Settings {
             Command::WebStats(Some(file)) => set(&mut self.web_stats, Some(file.clone())),
             Command::NoWebStats => set(&mut self.web_stats, None),
             Command::AbortOnError(on) => set(&mut self.abort_on_error, *on),
+            Command::SslClientRenegotiationInterval(_) => self.apply_tls(cmd)?,
+            other if other.is_tls() => self.apply_tls(cmd)?,
             other => return Err(ApplyError::NotASetting(other.to_string())),
         })
+    }
+
+    fn apply_tls(&mut self, cmd: &Command) -> Result<Applied, ApplyError> {
+        self.tls
+            .apply(cmd)
+            .map_err(|e| ApplyError::Tls(e.to_string()))?;
+        Ok(Applied::done())
+    }
+
+    /// Reads the files the TLS settings name and builds the rustls configurations, keeping
+    /// the session state of `previous`. On error nothing changes. Called once the settings
+    /// are complete: at start-up, on reload and `include`, and after a TLS command.
+    pub fn build_tls(&mut self, previous: Option<&tls::Built>) -> Result<(), TlsError> {
+        self.tls_built = tls::build(&self.tls, previous)?;
+        Ok(())
     }
 
     fn apply_server(
@@ -533,6 +560,7 @@ impl Settings {
         if self.abort_on_error {
             out.push(Command::AbortOnError(true));
         }
+        out.extend(self.tls.to_commands());
         for (index, s) in self.servers.iter().enumerate() {
             let Some(host) = &s.host else { continue };
             let mut fields = vec![

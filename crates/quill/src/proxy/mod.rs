@@ -4,5 +4,6 @@
 pub mod dummy;
 pub mod registry;
 pub mod relay;
+pub mod stream;
 pub mod tcp;
 pub mod udp;

@@ -16,12 +16,15 @@ use tokio::sync::{mpsc, watch};
 
 use super::registry::{Registered, Registry, Upstream};
 use super::relay::{self, relay, RelayOptions, Stream};
+use super::stream;
 use crate::balance::{clock, Choice, Selector, ServerState};
+use crate::command::Host;
 use crate::connlog::unix_now;
 use crate::net::connect::{apply_options, connect, SocketOptions};
 use crate::net::Listener;
 use crate::settings::Settings;
 use crate::state::State;
+use crate::tls::{ClientTlsStream, ServerTls, ServerTlsStream};
 
 /// The address Unix-domain clients are treated as having, for ACLs and tracking.
 const UNIX_CLIENT: SocketAddr = SocketAddr::new(IpAddr::V4(Ipv4Addr::LOCALHOST), 0);
@@ -192,6 +195,27 @@ impl Drop for Lease<'_> {
     }
 }
 
+/// The client side of a connection: the socket itself, or TLS terminated on it.
+enum Client<C> {
+    Plain(C),
+    Tls(Box<ServerTlsStream<C>>),
+}
+
+/// The upstream side of a connection: a socket, or TLS originated on it.
+pub(crate) enum Server {
+    Plain(TcpStream),
+    Tls(Box<ClientTlsStream<TcpStream>>),
+}
+
+impl Server {
+    fn peer_addr(&self) -> io::Result<SocketAddr> {
+        match self {
+            Server::Plain(s) => s.peer_addr(),
+            Server::Tls(s) => s.get_ref().0.peer_addr(),
+        }
+    }
+}
+
 async fn handle<C: ClientStream>(
     state: Arc<State>,
     client: C,
@@ -210,39 +234,56 @@ async fn handle<C: ClientStream>(
         tracing::debug!(%peer, "refused: conn_max {} reached", settings.conn_max);
         return;
     }
-    if settings.dummy {
-        super::dummy::serve(client, local_port).await;
-        return;
-    }
     let opts = SocketOptions {
         nodelay: settings.tcp_nodelay,
         keepalive: settings.keepalive,
     };
+    if settings.dummy {
+        match &settings.tls_built.server {
+            None => super::dummy::serve(client, local_port).await,
+            Some(tls) => {
+                client.set_options(opts);
+                if let Some(c) = handshake(&state, tls, client, peer, timeout(&settings)).await {
+                    super::dummy::serve(c, local_port).await;
+                }
+            }
+        }
+        return;
+    }
     client.set_options(opts);
 
     let ip = peer.ip().to_canonical();
     let permitted = settings.acls[settings.client_acl.index()].permits(ip);
+    if !permitted && settings.abuse.is_none() {
+        state.counters.refused_acl.fetch_add(1, Relaxed);
+        tracing::debug!(%peer, "denied by client_acl {}", settings.client_acl);
+        if let Some(log) = &log {
+            log.record(ip, started_unix, None, b"");
+        }
+        return;
+    }
+    // The handshake comes after the cheap refusals, so a denied client costs no crypto.
+    let client = match &settings.tls_built.server {
+        None => Client::Plain(client),
+        Some(tls) => match handshake(&state, tls, client, peer, timeout(&settings)).await {
+            Some(c) => Client::Tls(Box::new(c)),
+            None => return,
+        },
+    };
     let upstream = if permitted {
         Box::pin(choose_and_connect(&state, &settings, peer, opts)).await
-    } else {
-        match &settings.abuse {
-            Some(abuse) => {
-                tracing::debug!(%peer, "denied by client_acl {}: sent to the abuse server", settings.client_acl);
-                let lease = Lease::take(&state.abuse, None);
-                match connect(abuse.addr, settings.source, timeout(&settings), opts).await {
-                    Ok(s) => Some((s, lease)),
-                    Err(e) => {
-                        tracing::warn!(%peer, "abuse server {}: {e}", abuse.name);
-                        None
-                    }
-                }
-            }
-            None => {
-                state.counters.refused_acl.fetch_add(1, Relaxed);
-                tracing::debug!(%peer, "denied by client_acl {}", settings.client_acl);
+    } else if let Some(abuse) = &settings.abuse {
+        tracing::debug!(%peer, "denied by client_acl {}: sent to the abuse server", settings.client_acl);
+        let lease = Lease::take(&state.abuse, None);
+        match open_upstream(&state, &settings, abuse.addr, Some(&abuse.name.host), opts).await {
+            Ok(s) => Some((s, lease)),
+            Err(e) => {
+                tracing::warn!(%peer, "abuse server {}: {e}", abuse.name);
                 None
             }
         }
+    } else {
+        None
     };
     let Some((server, lease)) = upstream else {
         if let Some(log) = &log {
@@ -270,7 +311,19 @@ async fn handle<C: ClientStream>(
         .map(|a| a.ip());
     // The relay may last for hours: do not pin the settings snapshot that long.
     drop(settings);
-    let outcome = relay(&client, &server, relay_opts).await;
+    // Raw sockets on both sides take the fast path; TLS on either side the stream relay.
+    let outcome = match (client, server) {
+        (Client::Plain(c), Server::Plain(s)) => relay(&c, &s, relay_opts).await,
+        (Client::Plain(mut c), Server::Tls(mut s)) => {
+            stream::relay(&mut c, &mut *s, relay_opts).await
+        }
+        (Client::Tls(mut c), Server::Plain(mut s)) => {
+            stream::relay(&mut *c, &mut s, relay_opts).await
+        }
+        (Client::Tls(mut c), Server::Tls(mut s)) => {
+            stream::relay(&mut *c, &mut *s, relay_opts).await
+        }
+    };
     lease.server.bytes_to.fetch_add(outcome.up, Relaxed);
     lease.server.bytes_from.fetch_add(outcome.down, Relaxed);
     if let Some(r) = &registered {
@@ -285,6 +338,49 @@ async fn handle<C: ClientStream>(
     }
 }
 
+/// Terminates TLS on a client connection; `None` (counted and logged) when it fails.
+async fn handshake<C: ClientStream>(
+    state: &State,
+    tls: &ServerTls,
+    client: C,
+    peer: SocketAddr,
+    limit: Duration,
+) -> Option<ServerTlsStream<C>> {
+    match tls.accept(client, limit).await {
+        Ok(s) => {
+            state.counters.tls_handshakes.fetch_add(1, Relaxed);
+            Some(s)
+        }
+        Err(e) => {
+            state.counters.tls_failures.fetch_add(1, Relaxed);
+            tracing::info!(%peer, "{e}");
+            None
+        }
+    }
+}
+
+/// Connects to an upstream and, with `upstream_tls`, runs the TLS handshake on it
+/// (verifying the server's certificate), both within the connect timeout each.
+async fn open_upstream(
+    state: &State,
+    settings: &Settings,
+    addr: SocketAddr,
+    host: Option<&Host>,
+    opts: SocketOptions,
+) -> io::Result<Server> {
+    let stream = connect(addr, settings.source, timeout(settings), opts).await?;
+    match &settings.tls_built.upstream {
+        None => Ok(Server::Plain(stream)),
+        Some(tls) => match tls.connect(stream, host, addr.ip(), timeout(settings)).await {
+            Ok(s) => Ok(Server::Tls(Box::new(s))),
+            Err(e) => {
+                state.counters.upstream_tls_failures.fetch_add(1, Relaxed);
+                Err(io::Error::new(e.kind(), format!("TLS: {e}")))
+            }
+        },
+    }
+}
+
 fn timeout(settings: &Settings) -> Duration {
     Duration::from_secs(settings.timeout.max(1))
 }
@@ -295,7 +391,7 @@ async fn choose_and_connect<'s>(
     settings: &Settings,
     peer: SocketAddr,
     opts: SocketOptions,
-) -> Option<(TcpStream, Lease<'s>)> {
+) -> Option<(Server, Lease<'s>)> {
     if state.pending.fetch_add(1, Relaxed) >= settings.pending_max {
         state.pending.fetch_sub(1, Relaxed);
         tracing::debug!(%peer, "refused: pending_max {} reached", settings.pending_max);
@@ -320,7 +416,8 @@ async fn choose_and_connect<'s>(
             continue;
         };
         let lease = Lease::take(server, Some(index));
-        match connect(addr, settings.source, timeout(settings), opts).await {
+        let host = settings.servers.get(index).and_then(|s| s.host.as_ref());
+        match open_upstream(state, settings, addr, host, opts).await {
             Ok(stream) => {
                 server.total.fetch_add(1, Relaxed);
                 if selector.tracks() {
@@ -344,7 +441,7 @@ async fn choose_and_connect<'s>(
     }
     if let Some(em) = &settings.emergency {
         let lease = Lease::take(&state.emergency, None);
-        match connect(em.addr, settings.source, timeout(settings), opts).await {
+        match open_upstream(state, settings, em.addr, Some(&em.name.host), opts).await {
             Ok(stream) => {
                 tracing::debug!(%peer, "emergency server {}", em.name);
                 state.emergency.total.fetch_add(1, Relaxed);
