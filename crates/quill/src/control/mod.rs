@@ -133,11 +133,13 @@ impl Context {
         let mut actions = Vec::new();
         config::load(file, &mut settings, &mut actions)?;
         let previous = self.state.settings().tls_built.clone();
-        settings.build_tls(Some(&previous)).map_err(|e| ConfigError {
-            file: file.to_path_buf(),
-            line: 0,
-            reason: e.to_string(),
-        })?;
+        settings
+            .build_tls(Some(&previous))
+            .map_err(|e| ConfigError {
+                file: file.to_path_buf(),
+                line: 0,
+                reason: e.to_string(),
+            })?;
         let rest = self.state.replace(settings, actions);
         self.carry_out(rest);
         Ok(())

@@ -231,8 +231,14 @@ mod tests {
             server_far.shutdown().await?;
             Ok::<_, io::Error>(got)
         });
-        client_far.write_all(&up2).await.unwrap_or_else(|e| panic!("{e}"));
-        client_far.shutdown().await.unwrap_or_else(|e| panic!("{e}"));
+        client_far
+            .write_all(&up2)
+            .await
+            .unwrap_or_else(|e| panic!("{e}"));
+        client_far
+            .shutdown()
+            .await
+            .unwrap_or_else(|e| panic!("{e}"));
         let mut got_down = Vec::new();
         client_far
             .read_to_end(&mut got_down)

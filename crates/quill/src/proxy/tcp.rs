@@ -371,7 +371,10 @@ async fn open_upstream(
     let stream = connect(addr, settings.source, timeout(settings), opts).await?;
     match &settings.tls_built.upstream {
         None => Ok(Server::Plain(stream)),
-        Some(tls) => match tls.connect(stream, host, addr.ip(), timeout(settings)).await {
+        Some(tls) => match tls
+            .connect(stream, host, addr.ip(), timeout(settings))
+            .await
+        {
             Ok(s) => Ok(Server::Tls(Box::new(s))),
             Err(e) => {
                 state.counters.upstream_tls_failures.fetch_add(1, Relaxed);

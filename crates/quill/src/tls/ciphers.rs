@@ -22,16 +22,7 @@ struct Entry {
 }
 
 const COMMON12: &[&str] = &[
-    "ALL",
-    "DEFAULT",
-    "HIGH",
-    "FIPS",
-    "ECDHE",
-    "EECDH",
-    "kECDHE",
-    "kEECDH",
-    "TLSv1.2",
-    "AEAD",
+    "ALL", "DEFAULT", "HIGH", "FIPS", "ECDHE", "EECDH", "kECDHE", "kEECDH", "TLSv1.2", "AEAD",
 ];
 
 /// The suites in rustls's default preference order (which is also quill's default).
@@ -64,7 +55,13 @@ fn table() -> [Entry; 9] {
             tls13: false,
             bits: 256,
             classes: &[
-                "aECDSA", "ECDSA", "AESGCM", "AES", "AES256", "SHA384", "AESGCM256",
+                "aECDSA",
+                "ECDSA",
+                "AESGCM",
+                "AES",
+                "AES256",
+                "SHA384",
+                "AESGCM256",
             ],
         },
         Entry {
@@ -73,7 +70,13 @@ fn table() -> [Entry; 9] {
             tls13: false,
             bits: 128,
             classes: &[
-                "aECDSA", "ECDSA", "AESGCM", "AES", "AES128", "SHA256", "AESGCM128",
+                "aECDSA",
+                "ECDSA",
+                "AESGCM",
+                "AES",
+                "AES128",
+                "SHA256",
+                "AESGCM128",
             ],
         },
         Entry {
@@ -109,13 +112,68 @@ fn table() -> [Entry; 9] {
 
 /// Classes of suites that quill never offers: excluding them is a no-op.
 const NEVER_OFFERED: &[&str] = &[
-    "aNULL", "eNULL", "NULL", "COMPLEMENTOFALL", "EXPORT", "EXP", "LOW", "MEDIUM", "RC4", "MD5",
-    "DES", "3DES", "IDEA", "SEED", "CAMELLIA", "ARIA", "PSK", "SRP", "DSS", "aDSS", "DH", "DHE",
-    "EDH", "kDHE", "kEDH", "ADH", "AECDH", "aECDH", "kECDH", "ECDH", "kRSA", "RSA", "SHA1",
-    "SHA", "CBC", "AESCCM", "AESCCM8", "CCM", "CCM8", "kPSK", "aPSK", "kSRP", "SSLv3",
-    "TLSv1", "TLSv1.0", "GOST", "kGOST", "aGOST", "ECDHEPSK", "DHEPSK", "RSAPSK", "SUITEB128",
-    "SUITEB128ONLY", "SUITEB192", "COMPLEMENTOFDEFAULT", "RC2", "aSRP", "kDH", "kDHr", "kDHd",
-    "AES128CCM", "AES256CCM",
+    "aNULL",
+    "eNULL",
+    "NULL",
+    "COMPLEMENTOFALL",
+    "EXPORT",
+    "EXP",
+    "LOW",
+    "MEDIUM",
+    "RC4",
+    "MD5",
+    "DES",
+    "3DES",
+    "IDEA",
+    "SEED",
+    "CAMELLIA",
+    "ARIA",
+    "PSK",
+    "SRP",
+    "DSS",
+    "aDSS",
+    "DH",
+    "DHE",
+    "EDH",
+    "kDHE",
+    "kEDH",
+    "ADH",
+    "AECDH",
+    "aECDH",
+    "kECDH",
+    "ECDH",
+    "kRSA",
+    "RSA",
+    "SHA1",
+    "SHA",
+    "CBC",
+    "AESCCM",
+    "AESCCM8",
+    "CCM",
+    "CCM8",
+    "kPSK",
+    "aPSK",
+    "kSRP",
+    "SSLv3",
+    "TLSv1",
+    "TLSv1.0",
+    "GOST",
+    "kGOST",
+    "aGOST",
+    "ECDHEPSK",
+    "DHEPSK",
+    "RSAPSK",
+    "SUITEB128",
+    "SUITEB128ONLY",
+    "SUITEB192",
+    "COMPLEMENTOFDEFAULT",
+    "RC2",
+    "aSRP",
+    "kDH",
+    "kDHr",
+    "kDHd",
+    "AES128CCM",
+    "AES256CCM",
 ];
 
 /// What an `ssl_ciphers` list selects, in preference order.
@@ -178,10 +236,7 @@ pub fn parse(list: &str) -> Result<Selection, TlsError> {
     let table = table();
     let mut order: Vec<usize> = Vec::new();
     let mut banned: Vec<usize> = Vec::new();
-    for item in list
-        .split([':', ',', ' '])
-        .filter(|i| !i.is_empty())
-    {
+    for item in list.split([':', ',', ' ']).filter(|i| !i.is_empty()) {
         if item == "@STRENGTH" {
             order.sort_by_key(|&i| std::cmp::Reverse(table[i].bits));
             continue;
@@ -235,9 +290,11 @@ pub fn parse(list: &str) -> Result<Selection, TlsError> {
         .filter(|&&i| table[i].tls13)
         .map(|&i| table[i].suite)
         .collect();
-    let names_tls13 = list
-        .split([':', ',', ' '])
-        .any(|i| table.iter().any(|e| e.tls13 && i.trim_start_matches(['!', '-', '+']) == e.openssl));
+    let names_tls13 = list.split([':', ',', ' ']).any(|i| {
+        table
+            .iter()
+            .any(|e| e.tls13 && i.trim_start_matches(['!', '-', '+']) == e.openssl)
+    });
     Ok(Selection {
         tls12,
         tls13: names_tls13.then_some(tls13),

@@ -53,11 +53,7 @@ pub fn certified_key(
 ) -> Result<CertifiedKey, TlsError> {
     let cert_bytes = read(cert)?;
     let chain = certificates(cert, &cert_bytes)?;
-    let key_bytes = if key == cert {
-        cert_bytes
-    } else {
-        read(key)?
-    };
+    let key_bytes = if key == cert { cert_bytes } else { read(key)? };
     let der = PrivateKeyDer::from_pem_slice(&key_bytes).map_err(|e| TlsError::NoKey {
         file: key.to_path_buf(),
         detail: match e {

@@ -476,7 +476,11 @@ fn check_suites_fit_key(
         .iter()
         .any(|s| matches!(s, rustls::SupportedCipherSuite::Tls13(_)));
     if !tls12.is_empty() && !tls12.iter().any(|s| s.usable_for_signature_algorithm(alg)) {
-        let list = conf.ciphers.as_ref().map(Word::to_string).unwrap_or_default();
+        let list = conf
+            .ciphers
+            .as_ref()
+            .map(Word::to_string)
+            .unwrap_or_default();
         let what = format!("TLS 1.2 with the {alg:?} key of {}", file.display());
         if !has13 {
             return Err(TlsError::NoSuites { list, what });
@@ -536,7 +540,9 @@ fn client_verifier(
     WebPkiClientVerifier::builder_with_provider(Arc::new(roots), Arc::clone(provider))
         .build()
         .map_err(|e| TlsError::BadCa {
-            file: file.map(PathBuf::from).unwrap_or_else(|| PathBuf::from("ssl_ca")),
+            file: file
+                .map(PathBuf::from)
+                .unwrap_or_else(|| PathBuf::from("ssl_ca")),
             reason: e.to_string(),
         })
 }
