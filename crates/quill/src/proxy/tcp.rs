@@ -243,7 +243,8 @@ async fn handle<C: ClientStream>(
             None => super::dummy::serve(client, local_port).await,
             Some(tls) => {
                 client.set_options(opts);
-                if let Some(c) = handshake(&state, tls, client, peer, timeout(&settings)).await {
+                let shake = handshake(&state, tls, client, peer, timeout(&settings));
+                if let Some(c) = Box::pin(shake).await {
                     super::dummy::serve(c, local_port).await;
                 }
             }
@@ -263,9 +264,12 @@ async fn handle<C: ClientStream>(
         return;
     }
     // The handshake comes after the cheap refusals, so a denied client costs no crypto.
+    // Its state (rustls's, over a kilobyte) is boxed so that it is not part of every
+    // connection task, and freed when the handshake is over.
     let client = match &settings.tls_built.server {
         None => Client::Plain(client),
-        Some(tls) => match handshake(&state, tls, client, peer, timeout(&settings)).await {
+        Some(tls) => match Box::pin(handshake(&state, tls, client, peer, timeout(&settings))).await
+        {
             Some(c) => Client::Tls(Box::new(c)),
             None => return,
         },
@@ -275,7 +279,8 @@ async fn handle<C: ClientStream>(
     } else if let Some(abuse) = &settings.abuse {
         tracing::debug!(%peer, "denied by client_acl {}: sent to the abuse server", settings.client_acl);
         let lease = Lease::take(&state.abuse, None);
-        match open_upstream(&state, &settings, abuse.addr, Some(&abuse.name.host), opts).await {
+        let open = open_upstream(&state, &settings, abuse.addr, Some(&abuse.name.host), opts);
+        match Box::pin(open).await {
             Ok(s) => Some((s, lease)),
             Err(e) => {
                 tracing::warn!(%peer, "abuse server {}: {e}", abuse.name);
