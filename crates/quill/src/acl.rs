@@ -157,6 +157,21 @@ impl Acl {
         &self.rules
     }
 
+    /// The action of the first rule that matches `addr`, if one does (no default: an empty
+    /// list matches nothing). Used where a list selects addresses, as `tarpit_acl` does.
+    pub fn first_match(&self, addr: IpAddr) -> Option<AclAction> {
+        let addr = addr.to_canonical();
+        self.rules.iter().find_map(|rule| {
+            let matched = match rule.matcher {
+                AclMatch::Country(cc) => {
+                    self.geo.as_ref().and_then(|g| g.0.country(addr)) == Some(cc)
+                }
+                ref m => m.matches(addr),
+            };
+            matched.then_some(rule.action)
+        })
+    }
+
     /// Whether `client` is permitted by this list.
     pub fn permits(&self, client: IpAddr) -> bool {
         let client = client.to_canonical();

@@ -170,6 +170,93 @@ pub enum Command {
     /// `upstream_sni NAME` / `no upstream_sni` (extension): the name sent to upstream
     /// servers and checked in their certificates (default: the server's host as written).
     UpstreamSni(Option<Host>),
+    /// `dsr_if IF`: Direct Server Return on interface IF (read at start-up).
+    DsrIf(Word),
+    /// `tarpit_acl [N]`: in DSR mode, answer ARP and TCP SYNs for the addresses a permit
+    /// rule of list N matches; no argument asks.
+    TarpitAcl(Option<AclId>),
+    /// `no tarpit_acl` (extension): stop tarpitting.
+    NoTarpitAcl,
+    /// `transparent` / `no transparent`: connect to backends from the client's address.
+    Transparent(bool),
+    /// `check tcp` / `check http PATH [STATUS]` / `no check` (extension): the active
+    /// health check of every server that does not choose its own (`server N check ...`).
+    Check(Option<Probe>),
+    /// `check_interval D` (extension): time between two checks of a server.
+    CheckInterval(Millis),
+    /// `check_timeout D` (extension): how long one check may take.
+    CheckTimeout(Millis),
+    /// `check_rise N` (extension): successes in a row that bring a down server back.
+    CheckRise(u32),
+    /// `check_fall N` (extension): failures in a row that take a server down.
+    CheckFall(u32),
+    /// `slow_start N` (extension): seconds over which a server that comes back up ramps
+    /// from a small share of its weight to all of it (0 = at once).
+    SlowStart(u64),
+}
+
+/// What an active health check does.
+#[derive(Debug, Clone, PartialEq, Eq, Hash)]
+pub enum Probe {
+    /// Connect, then close.
+    Tcp,
+    /// `GET PATH HTTP/1.1`; the answer must have `status` (or any 2xx/3xx when `None`).
+    Http { path: Word, status: Option<u16> },
+}
+
+/// A server's own choice of health check (`server N check ...`).
+#[derive(Debug, Clone, PartialEq, Eq, Hash, Default)]
+pub enum ServerCheck {
+    /// `check default`: the global `check` setting.
+    #[default]
+    Inherit,
+    /// `check off`: never checked, even with a global check.
+    Off,
+    /// `check tcp` / `check http PATH [STATUS]`.
+    Probe(Probe),
+}
+
+/// A duration written in seconds (`2`, as Pen's timers) or milliseconds (`500ms`).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, PartialOrd, Ord)]
+pub struct Millis(pub u64);
+
+impl Millis {
+    pub fn duration(self) -> std::time::Duration {
+        std::time::Duration::from_millis(self.0)
+    }
+}
+
+impl fmt::Display for Millis {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        if self.0 % 1000 == 0 {
+            write!(f, "{}", self.0 / 1000)
+        } else {
+            write!(f, "{}ms", self.0)
+        }
+    }
+}
+
+impl fmt::Display for Probe {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        match self {
+            Probe::Tcp => f.write_str("tcp"),
+            Probe::Http { path, status: None } => write!(f, "http {path}"),
+            Probe::Http {
+                path,
+                status: Some(s),
+            } => write!(f, "http {path} {s}"),
+        }
+    }
+}
+
+impl fmt::Display for ServerCheck {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        match self {
+            ServerCheck::Inherit => f.write_str("default"),
+            ServerCheck::Off => f.write_str("off"),
+            ServerCheck::Probe(p) => p.fmt(f),
+        }
+    }
 }
 
 /// A single whitespace-free word: a file name or an address kept as written.
@@ -324,6 +411,11 @@ pub enum ServerField {
     Prio(u32),
     /// `blacklist T`: avoid the server for T seconds; 0 whitelists it.
     Blacklist(u64),
+    /// `drain` / `drain 1` (extension): no new connections, open ones finish; `drain 0`
+    /// takes the server back.
+    Drain(bool),
+    /// `check tcp|http PATH [STATUS]|off|default` (extension): this server's health check.
+    Check(ServerCheck),
 }
 
 /// A host as written by the user: an IP literal or a DNS name, checked for syntax only.
@@ -593,6 +685,47 @@ impl<'a> Words<'a> {
         }
     }
 
+    /// A duration: `N` seconds or `Nms` milliseconds, more than zero.
+    fn millis(&mut self) -> Result<Millis, ParseError> {
+        let w = self.next("a duration (seconds, or milliseconds as 500ms)")?;
+        let ms = match w.strip_suffix("ms") {
+            Some(n) => parse_number::<u64>(self.command, "duration", n),
+            None => parse_number::<u64>(self.command, "duration", w).and_then(|s| {
+                s.checked_mul(1000).ok_or(ParseError::Invalid {
+                    command: self.command,
+                    what: "duration",
+                    value: w.to_string(),
+                })
+            }),
+        }
+        .map_err(|_| ParseError::Invalid {
+            command: self.command,
+            what: "duration (seconds, or milliseconds as 500ms)",
+            value: w.to_string(),
+        })?;
+        if ms == 0 {
+            return Err(ParseError::Invalid {
+                command: self.command,
+                what: "duration (more than 0)",
+                value: w.to_string(),
+            });
+        }
+        Ok(Millis(ms))
+    }
+
+    /// A count of at least 1.
+    fn count(&mut self) -> Result<u32, ParseError> {
+        let n: u32 = self.number("count")?;
+        if n == 0 {
+            return Err(ParseError::Invalid {
+                command: self.command,
+                what: "count (at least 1)",
+                value: "0".into(),
+            });
+        }
+        Ok(n)
+    }
+
     fn acl_id(&mut self) -> Result<AclId, ParseError> {
         let w = self.next("an access list number (0-9)")?;
         AclId::from_str(w).map_err(|_| ParseError::AclIndex(w.to_string()))
@@ -699,6 +832,15 @@ fn command_name(word: &str) -> Option<&'static str> {
         "upstream_tls",
         "upstream_ca",
         "upstream_sni",
+        "check",
+        "check_interval",
+        "check_timeout",
+        "check_rise",
+        "check_fall",
+        "slow_start",
+        "dsr_if",
+        "tarpit_acl",
+        "transparent",
     ];
     NAMES.iter().copied().find(|n| *n == word)
 }
@@ -766,6 +908,9 @@ fn parse_negated(command: &'static str, w: &mut Words<'_>) -> Result<Command, Pa
         "upstream_tls" => Command::UpstreamTls(false),
         "upstream_ca" => Command::UpstreamCa(None),
         "upstream_sni" => Command::UpstreamSni(None),
+        "check" => Command::Check(None),
+        "tarpit_acl" => Command::NoTarpitAcl,
+        "transparent" => Command::Transparent(false),
         _ => return Err(ParseError::Unknown(format!("no {command}"))),
     })
 }
@@ -922,6 +1067,32 @@ fn parse_positive(command: &'static str, w: &mut Words<'_>) -> Result<Command, P
         "upstream_tls" => Command::UpstreamTls(true),
         "upstream_ca" => Command::UpstreamCa(Some(w.word("a CA certificate file")?)),
         "upstream_sni" => Command::UpstreamSni(Some(Host::new(w.next("a server name")?)?)),
+        "check" => {
+            let kind = w.next("tcp or http PATH [STATUS]")?;
+            Command::Check(Some(parse_probe(w, kind)?))
+        }
+        "check_interval" => Command::CheckInterval(w.millis()?),
+        "check_timeout" => Command::CheckTimeout(w.millis()?),
+        "check_rise" => Command::CheckRise(w.count()?),
+        "check_fall" => Command::CheckFall(w.count()?),
+        "slow_start" => Command::SlowStart(w.number("number of seconds")?),
+        "dsr_if" => {
+            let name = w.word("an interface name")?;
+            // Linux interface names: 1-15 bytes, no '/' (they are sysfs file names).
+            if name.as_str().len() > 15 || name.as_str().contains('/') {
+                return Err(ParseError::Invalid {
+                    command,
+                    what: "interface name",
+                    value: name.to_string(),
+                });
+            }
+            Command::DsrIf(name)
+        }
+        "tarpit_acl" => Command::TarpitAcl(match w.iter.next() {
+            None => None,
+            Some(n) => Some(AclId::from_str(n).map_err(|_| ParseError::AclIndex(n.to_string()))?),
+        }),
+        "transparent" => Command::Transparent(true),
         _ => return Err(ParseError::Unknown(command.to_string())),
     })
 }
@@ -952,6 +1123,28 @@ fn parse_server(w: &mut Words<'_>) -> Result<Command, ParseError> {
             "weight" => ServerField::Weight(w.number("weight")?),
             "prio" => ServerField::Prio(w.number("priority")?),
             "blacklist" => ServerField::Blacklist(w.number("number of seconds")?),
+            "drain" => {
+                // The value is optional: look at the next word without taking a field name.
+                let mut ahead = w.iter.clone();
+                match ahead.next() {
+                    Some("0") => {
+                        w.iter = ahead;
+                        ServerField::Drain(false)
+                    }
+                    Some("1") => {
+                        w.iter = ahead;
+                        ServerField::Drain(true)
+                    }
+                    _ => ServerField::Drain(true),
+                }
+            }
+            "check" => {
+                ServerField::Check(match w.next("tcp, http PATH [STATUS], off or default")? {
+                    "off" => ServerCheck::Off,
+                    "default" => ServerCheck::Inherit,
+                    kind => ServerCheck::Probe(parse_probe(w, kind)?),
+                })
+            }
             other => {
                 return Err(ParseError::Invalid {
                     command: "server",
@@ -965,10 +1158,52 @@ fn parse_server(w: &mut Words<'_>) -> Result<Command, ParseError> {
     if fields.is_empty() {
         return Err(ParseError::Missing {
             command: "server",
-            what: "a field (acl, address, port, max, hard, weight, prio, blacklist)",
+            what: "a field (acl, address, port, max, hard, weight, prio, blacklist, drain, check)",
         });
     }
     Ok(Command::Server { index, fields })
+}
+
+/// `tcp` or `http PATH [STATUS]`, after the word `kind`. The status is optional: it is
+/// taken when the next word is a number (field names and commands never are).
+fn parse_probe(w: &mut Words<'_>, kind: &str) -> Result<Probe, ParseError> {
+    let command = w.command;
+    match kind {
+        "tcp" => Ok(Probe::Tcp),
+        "http" => {
+            let path = w.word("a path")?;
+            if !path.as_str().starts_with('/') {
+                return Err(ParseError::Invalid {
+                    command,
+                    what: "path (starting with /)",
+                    value: path.to_string(),
+                });
+            }
+            let mut ahead = w.iter.clone();
+            let status = match ahead.next() {
+                Some(word) if word.bytes().all(|b| b.is_ascii_digit()) => {
+                    w.iter = ahead;
+                    match word.parse::<u16>() {
+                        Ok(s @ 100..=599) => Some(s),
+                        _ => {
+                            return Err(ParseError::Invalid {
+                                command,
+                                what: "HTTP status (100-599)",
+                                value: word.to_string(),
+                            })
+                        }
+                    }
+                }
+                _ => None,
+            };
+            Ok(Probe::Http { path, status })
+        }
+        other => Err(ParseError::Invalid {
+            command,
+            what: "check (tcp or http)",
+            value: other.to_string(),
+        }),
+    }
 }
 
 fn parse_acl(w: &mut Words<'_>) -> Result<Command, ParseError> {
@@ -1066,6 +1301,9 @@ impl fmt::Display for ServerField {
             ServerField::Weight(w) => write!(f, "weight {w}"),
             ServerField::Prio(p) => write!(f, "prio {p}"),
             ServerField::Blacklist(t) => write!(f, "blacklist {t}"),
+            ServerField::Drain(true) => f.write_str("drain"),
+            ServerField::Drain(false) => f.write_str("drain 0"),
+            ServerField::Check(c) => write!(f, "check {c}"),
         }
     }
 }
@@ -1150,6 +1388,17 @@ impl fmt::Display for Command {
             Command::UpstreamTls(on) => on_off(f, *on, "upstream_tls"),
             Command::UpstreamCa(v) => optional_or_no(f, "upstream_ca", v),
             Command::UpstreamSni(v) => optional_or_no(f, "upstream_sni", v),
+            Command::Check(Some(p)) => write!(f, "check {p}"),
+            Command::Check(None) => f.write_str("no check"),
+            Command::CheckInterval(d) => write!(f, "check_interval {d}"),
+            Command::CheckTimeout(d) => write!(f, "check_timeout {d}"),
+            Command::CheckRise(n) => write!(f, "check_rise {n}"),
+            Command::CheckFall(n) => write!(f, "check_fall {n}"),
+            Command::SlowStart(n) => write!(f, "slow_start {n}"),
+            Command::DsrIf(name) => write!(f, "dsr_if {name}"),
+            Command::TarpitAcl(list) => with_optional(f, "tarpit_acl", list),
+            Command::NoTarpitAcl => f.write_str("no tarpit_acl"),
+            Command::Transparent(on) => on_off(f, *on, "transparent"),
         }
     }
 }
@@ -1301,6 +1550,27 @@ mod roundtrip {
             any::<u32>().prop_map(ServerField::Weight),
             any::<u32>().prop_map(ServerField::Prio),
             any::<u64>().prop_map(ServerField::Blacklist),
+            any::<bool>().prop_map(ServerField::Drain),
+            prop_oneof![
+                Just(ServerCheck::Inherit),
+                Just(ServerCheck::Off),
+                probe().prop_map(ServerCheck::Probe),
+            ]
+            .prop_map(ServerField::Check),
+        ]
+    }
+
+    fn probe() -> impl Strategy<Value = Probe> {
+        prop_oneof![
+            Just(Probe::Tcp),
+            (
+                "/[a-zA-Z0-9/._?=&%-]{0,30}",
+                proptest::option::of(100u16..600)
+            )
+                .prop_map(|(p, status)| Probe::Http {
+                    path: Word::new(&p).unwrap_or_else(|| Word("/".into())),
+                    status
+                }),
         ]
     }
 
@@ -1380,6 +1650,16 @@ mod roundtrip {
             proptest::option::of(word()).prop_map(Command::Write),
             Just(Command::Exit),
             word().prop_map(Command::GeoipDb),
+            proptest::option::of(probe()).prop_map(Command::Check),
+            (1u64..u64::MAX / 1000).prop_map(|m| Command::CheckInterval(Millis(m))),
+            (1u64..u64::MAX / 1000).prop_map(|m| Command::CheckTimeout(Millis(m))),
+            (1u32..).prop_map(Command::CheckRise),
+            (1u32..).prop_map(Command::CheckFall),
+            any::<u64>().prop_map(Command::SlowStart),
+            "[a-z][a-z0-9.-]{0,14}".prop_map(|w| Command::DsrIf(Word(w))),
+            proptest::option::of(acl_id()).prop_map(Command::TarpitAcl),
+            Just(Command::NoTarpitAcl),
+            any::<bool>().prop_map(Command::Transparent),
             tls_command(),
         ]
     }

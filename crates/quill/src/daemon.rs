@@ -63,6 +63,14 @@ pub enum StartError {
     Privileges(String),
     #[error("{0}")]
     Tls(#[from] crate::tls::TlsError),
+    #[error(transparent)]
+    Dsr(#[from] crate::dsr::DsrError),
+    #[error(
+        "transparent: cannot use IP_TRANSPARENT ({0}); quill needs CAP_NET_ADMIN for it \
+         (run as root without -u, or grant the capability), plus the policy routing of \
+         docs/TRANSPARENT.md"
+    )]
+    Transparent(io::Error),
 }
 
 impl StartError {
@@ -75,7 +83,9 @@ impl StartError {
             | StartError::ControlAsRoot
             | StartError::Privileges(_)
             | StartError::Tls(_)
-            | StartError::Unsupported(_) => 2,
+            | StartError::Unsupported(_)
+            | StartError::Dsr(crate::dsr::DsrError::Listen { .. })
+            | StartError::Dsr(crate::dsr::DsrError::Server { .. }) => 2,
             _ => 1,
         }
     }
@@ -217,7 +227,22 @@ pub fn run(inv: Invocation) -> Result<(), StartError> {
     };
 
     let workers = worker_count(&settings);
+    // DSR: no listening socket (the VIP is not ours); a packet socket on the interface,
+    // opened now, while quill may still do so.
+    let dsr = match &settings.dsr_if {
+        None => None,
+        Some(interface) => {
+            let transport = match inv.protocol {
+                Protocol::Tcp => crate::dsr::Transport::Tcp,
+                Protocol::Udp => crate::dsr::Transport::Udp,
+            };
+            let config =
+                crate::dsr::DsrConfig::new(interface.as_str(), &settings, &listen_addr, transport)?;
+            Some(crate::dsr::open(config)?)
+        }
+    };
     let (listeners, udp_listeners) = match inv.protocol {
+        _ if dsr.is_some() => (Vec::new(), Vec::new()),
         Protocol::Tcp => (
             listen::open(&listen_addr, workers, settings.backlog)?,
             Vec::new(),
@@ -274,6 +299,10 @@ pub fn run(inv: Invocation) -> Result<(), StartError> {
         let dropped =
             privileges::become_user(account).map_err(|e| StartError::Privileges(e.to_string()))?;
         tracing::info!("{dropped}");
+    }
+    if settings.transparent && dsr.is_none() {
+        // After dropping privileges: what counts is what the running process may do.
+        crate::net::connect::check_transparent().map_err(StartError::Transparent)?;
     }
     if let ListenAddr::Unix(p) = &listen_addr {
         cleanup.0.push(p.clone());
@@ -337,10 +366,18 @@ pub fn run(inv: Invocation) -> Result<(), StartError> {
         crate::proxy::udp::spawn_loops(&state, udp_listeners, &stop_rx)
             .map_err(StartError::Runtime)?,
     );
+    if let Some(dsr) = dsr {
+        let running = dsr
+            .spawn(Arc::clone(&state), stop_rx.clone())
+            .map_err(StartError::Runtime)?;
+        threads.push(running.thread);
+    }
 
     tracing::info!("listening on {listen_addr} with {workers} event loop(s)");
 
     rt.block_on(async {
+        // Health checks live on this (control) runtime, never on an event loop.
+        tokio::spawn(crate::health::supervise(Arc::clone(&state)));
         if let Some(l) = control_listener {
             let ctx = Arc::clone(&ctx);
             tokio::spawn(async move {

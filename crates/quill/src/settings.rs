@@ -11,7 +11,9 @@ use std::net::{IpAddr, SocketAddr, ToSocketAddrs};
 use std::sync::Arc;
 
 use crate::acl::{Acl, AclId, GeoRef, ACL_LISTS};
-use crate::command::{Command, FastClose, Host, HostPort, ServerField, Word, MAX_SERVERS};
+use crate::command::{
+    Command, FastClose, Host, HostPort, Millis, Probe, ServerCheck, ServerField, Word, MAX_SERVERS,
+};
 use crate::geoip::GeoIp;
 use crate::net::ListenAddr;
 use crate::tls::{self, TlsConf, TlsError};
@@ -32,6 +34,8 @@ pub struct ServerConf {
     pub prio: u32,
     /// Only clients permitted by this list may be sent here.
     pub acl: Option<AclId>,
+    /// This server's own health check, or the global one.
+    pub check: ServerCheck,
 }
 
 impl Default for ServerConf {
@@ -45,6 +49,7 @@ impl Default for ServerConf {
             weight: 1,
             prio: 0,
             acl: None,
+            check: ServerCheck::Inherit,
         }
     }
 }
@@ -64,6 +69,43 @@ impl ServerConf {
             self.max
         } else {
             self.hard
+        }
+    }
+}
+
+/// Active health checking (`check`, `check_interval`, ...).
+#[derive(Debug, Clone, PartialEq, Eq, Hash)]
+pub struct HealthCheck {
+    /// The check of servers that do not choose their own; `None` = no check.
+    pub probe: Option<Probe>,
+    pub interval: Millis,
+    pub timeout: Millis,
+    /// Successes in a row that bring a down server back.
+    pub rise: u32,
+    /// Failures in a row that take a server down.
+    pub fall: u32,
+}
+
+impl Default for HealthCheck {
+    /// HAProxy's defaults, which operators know: every 2 s, rise 2, fall 3.
+    fn default() -> HealthCheck {
+        HealthCheck {
+            probe: None,
+            interval: Millis(2000),
+            timeout: Millis(1000),
+            rise: 2,
+            fall: 3,
+        }
+    }
+}
+
+impl Settings {
+    /// The health check that applies to server `index`, if any.
+    pub fn probe_of(&self, index: usize) -> Option<&Probe> {
+        match &self.servers.get(index)?.check {
+            ServerCheck::Inherit => self.check.probe.as_ref(),
+            ServerCheck::Off => None,
+            ServerCheck::Probe(p) => Some(p),
         }
     }
 }
@@ -141,6 +183,16 @@ pub struct Settings {
     /// The rustls configurations built from `tls` by [`Settings::build_tls`]; published
     /// with the rest of the snapshot, so a connection uses one consistent pair.
     pub tls_built: tls::Built,
+    /// Active health checks.
+    pub check: HealthCheck,
+    /// Seconds over which a server coming back up ramps to its full weight (0 = at once).
+    pub slow_start: u64,
+    /// The Direct Server Return interface (`dsr_if IF`); read at start-up.
+    pub dsr_if: Option<Word>,
+    /// The access list whose permitted addresses the DSR plane tarpits.
+    pub tarpit_acl: Option<AclId>,
+    /// Connect to backends from the client's address (IP_TRANSPARENT).
+    pub transparent: bool,
 }
 
 /// Default `udp_idle_timeout`: as long as Linux conntrack keeps an unreplied UDP flow.
@@ -189,6 +241,11 @@ impl Default for Settings {
             geoip: None,
             tls: TlsConf::default(),
             tls_built: tls::Built::default(),
+            check: HealthCheck::default(),
+            slow_start: 0,
+            dsr_if: None,
+            tarpit_acl: None,
+            transparent: false,
         }
     }
 }
@@ -214,6 +271,8 @@ pub enum Action {
     Relisten(ListenAddr),
     /// The connection log must be reopened (new file, or none).
     ReopenLog,
+    /// Stop (or resume) sending new connections to server `index`.
+    Drain { index: usize, on: bool },
 }
 
 /// The outcome of a successful [`Settings::apply`].
@@ -413,6 +472,21 @@ impl Settings {
             Command::AbortOnError(on) => set(&mut self.abort_on_error, *on),
             Command::SslClientRenegotiationInterval(_) => self.apply_tls(cmd)?,
             other if other.is_tls() => self.apply_tls(cmd)?,
+            Command::Check(probe) => set(&mut self.check.probe, probe.clone()),
+            Command::CheckInterval(d) => set(&mut self.check.interval, *d),
+            Command::CheckTimeout(d) => set(&mut self.check.timeout, *d),
+            Command::CheckRise(n) => set(&mut self.check.rise, *n),
+            Command::CheckFall(n) => set(&mut self.check.fall, *n),
+            Command::SlowStart(n) => set(&mut self.slow_start, *n),
+            Command::DsrIf(name) => set(&mut self.dsr_if, Some(name.clone())),
+            Command::TarpitAcl(None) => Applied::value(
+                self.tarpit_acl
+                    .map(|l| l.to_string())
+                    .unwrap_or_else(|| "-1".to_string()),
+            ),
+            Command::TarpitAcl(Some(list)) => set(&mut self.tarpit_acl, Some(*list)),
+            Command::NoTarpitAcl => set(&mut self.tarpit_acl, None),
+            Command::Transparent(on) => set(&mut self.transparent, *on),
             other => return Err(ApplyError::NotASetting(other.to_string())),
         })
     }
@@ -458,6 +532,13 @@ impl Settings {
                     }
                     actions.push(Action::Blacklist { index, seconds: *t });
                 }
+                ServerField::Drain(on) => {
+                    if conf.ip.is_none() {
+                        return Err(ApplyError::NoSuchServer(index));
+                    }
+                    actions.push(Action::Drain { index, on: *on });
+                }
+                ServerField::Check(c) => conf.check = c.clone(),
             }
         }
         if self.servers.len() <= index {
@@ -561,6 +642,33 @@ impl Settings {
             out.push(Command::AbortOnError(true));
         }
         out.extend(self.tls.to_commands());
+        if let Some(p) = &self.check.probe {
+            out.push(Command::Check(Some(p.clone())));
+        }
+        if self.check.interval != d.check.interval {
+            out.push(Command::CheckInterval(self.check.interval));
+        }
+        if self.check.timeout != d.check.timeout {
+            out.push(Command::CheckTimeout(self.check.timeout));
+        }
+        if self.check.rise != d.check.rise {
+            out.push(Command::CheckRise(self.check.rise));
+        }
+        if self.check.fall != d.check.fall {
+            out.push(Command::CheckFall(self.check.fall));
+        }
+        if self.slow_start != d.slow_start {
+            out.push(Command::SlowStart(self.slow_start));
+        }
+        if let Some(name) = &self.dsr_if {
+            out.push(Command::DsrIf(name.clone()));
+        }
+        if let Some(list) = self.tarpit_acl {
+            out.push(Command::TarpitAcl(Some(list)));
+        }
+        if self.transparent {
+            out.push(Command::Transparent(true));
+        }
         for (index, s) in self.servers.iter().enumerate() {
             let Some(host) = &s.host else { continue };
             let mut fields = vec![
@@ -573,6 +681,9 @@ impl Settings {
             ];
             if let Some(a) = s.acl {
                 fields.push(ServerField::Acl(a));
+            }
+            if s.check != ServerCheck::Inherit {
+                fields.push(ServerField::Check(s.check.clone()));
             }
             out.push(Command::Server { index, fields });
         }
@@ -697,8 +808,19 @@ mod tests {
             "source 127.0.0.1",
             "emergency 127.0.0.1:9",
             "block",
+            "dsr_if eth1",
+            "acl 3 permit 10.77.0.200 255.255.255.248",
+            "tarpit_acl 3",
+            "transparent",
             "server 0 address 127.0.0.1 port 80 max 3 hard 4 weight 2 prio 1 acl 2",
-            "server 3 address ::1 port 81",
+            "server 3 address ::1 port 81 check http /health 204",
+            "server 4 address ::1 port 82 check off",
+            "check tcp",
+            "check_interval 500ms",
+            "check_timeout 2",
+            "check_rise 1",
+            "check_fall 5",
+            "slow_start 30",
         ]);
         let mut rebuilt = Settings::default();
         for cmd in s.to_commands() {

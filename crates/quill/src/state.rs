@@ -59,6 +59,8 @@ pub struct State {
     pub log: ArcSwapOption<ConnLog>,
     /// Process start, for uptime in status reports.
     pub started: std::time::Instant,
+    /// Bumped each time new settings are published (the health checks re-plan on it).
+    pub generation: tokio::sync::watch::Sender<u64>,
 }
 
 impl State {
@@ -78,6 +80,7 @@ impl State {
             registry: registry.then(Arc::default),
             log: ArcSwapOption::empty(),
             started: std::time::Instant::now(),
+            generation: tokio::sync::watch::Sender::new(0),
         })
     }
 
@@ -101,6 +104,7 @@ impl State {
                 .map_err(|e| ApplyError::Tls(e.to_string()))?;
         }
         self.settings.store(Arc::new(next));
+        self.generation.send_modify(|g| *g = g.wrapping_add(1));
         let rest = applied
             .actions
             .into_iter()
@@ -116,6 +120,7 @@ impl State {
             self.clients.resize(settings.clients_max);
         }
         self.settings.store(Arc::new(settings));
+        self.generation.send_modify(|g| *g = g.wrapping_add(1));
         actions
             .into_iter()
             .filter_map(|a| self.perform(a))
@@ -129,6 +134,19 @@ impl State {
             Action::Blacklist { index, seconds } => {
                 if let Some(s) = self.servers.get(index) {
                     s.blacklist(clock::now_ms(), seconds);
+                }
+                None
+            }
+            Action::Drain { index, on } => {
+                if let Some(s) = self.servers.get(index) {
+                    if s.draining.swap(on, Relaxed) != on {
+                        let open = s.conns.load(Relaxed);
+                        if on {
+                            tracing::warn!("server {index} draining: no new connections, {open} open ones finish");
+                        } else {
+                            tracing::warn!("server {index} no longer draining");
+                        }
+                    }
                 }
                 None
             }

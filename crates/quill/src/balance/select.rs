@@ -10,7 +10,8 @@
 //! 3. `stubborn`: if the initial choice is unavailable (or its connect fails), give up
 //!    instead of trying another server.
 //!
-//! "Available" means: has an address, is not blacklisted, its server ACL permits the
+//! "Available" means: has an address, is not blacklisted, not down by its health check,
+//! not being drained, its server ACL permits the
 //! client, and it is below the limit that applies. Nothing here blocks or allocates per
 //! server beyond one small bitmap of tried servers for failover.
 
@@ -84,7 +85,9 @@ impl<'a> Selector<'a> {
         let Some(state) = self.servers.get(i) else {
             return false;
         };
-        if state.is_blacklisted(self.now) {
+        // A server the health check took down, or one being drained, is skipped exactly
+        // like a blacklisted one (tracked clients of it move elsewhere too).
+        if state.is_blacklisted(self.now) || state.is_out() {
             return false;
         }
         if let Some(acl) = conf.acl {
@@ -211,8 +214,12 @@ impl<'a> Selector<'a> {
     fn by_weight(&self) -> Choice {
         let servers = &self.settings.servers;
         let mut best: Option<(usize, u64, u64)> = None;
+        let ramp_ms = self.settings.slow_start.saturating_mul(1000);
         for (i, conf) in servers.iter().enumerate() {
-            let weight = u64::from(conf.weight);
+            // During slow start a returning server counts with a part of its weight.
+            let weight = u64::from(self.servers.get(i).map_or(conf.weight, |s| {
+                s.effective_weight(conf.weight, self.now, ramp_ms)
+            }));
             if weight == 0 || !self.available(i, false) {
                 continue;
             }
@@ -351,6 +358,46 @@ mod tests {
         assert_eq!(s.pick("10.0.0.1:1"), Choice::Server(0));
         s.servers.get(0).unwrap().blacklist(1000, 30);
         assert_eq!(s.pick("10.0.0.1:2"), Choice::NoServer);
+    }
+
+    #[test]
+    fn down_and_draining_servers_are_skipped_even_for_tracked_clients() {
+        use crate::balance::servers::Health;
+        let w = World::new(&TWO);
+        assert_eq!(w.pick("10.0.0.1:1"), Choice::Server(0));
+        w.servers.get(0).unwrap().set_health(Health::Down);
+        assert_eq!(w.pick("10.0.0.1:2"), Choice::Server(1));
+        w.servers.get(0).unwrap().set_health(Health::Up);
+        w.servers.get(1).unwrap().draining.store(true, Relaxed);
+        assert_eq!(w.pick("10.0.0.1:3"), Choice::Server(0));
+        assert_eq!(w.pick("10.0.0.7:3"), Choice::Server(0));
+        w.servers.get(0).unwrap().draining.store(true, Relaxed);
+        assert_eq!(w.pick("10.0.0.1:4"), Choice::NoServer);
+    }
+
+    #[test]
+    fn slow_start_ramps_the_weight() {
+        let w = World::new(&[
+            "server 0 address 127.0.0.1 port 1 weight 10",
+            "server 1 address 127.0.0.1 port 2 weight 10",
+            "weight",
+            "roundrobin",
+            "slow_start 10",
+        ]);
+        let s0 = w.servers.get(0).unwrap();
+        // World picks at now = 1000 ms: server 0 came back 1 s into a 10 s ramp.
+        s0.up_since.store(1, Relaxed);
+        assert_eq!(s0.effective_weight(10, 1000, 10_000), 1);
+        assert_eq!(s0.effective_weight(10, 6000, 10_000), 5);
+        assert_eq!(s0.effective_weight(10, 20_000, 10_000), 10);
+        let mut counts = [0u32; 2];
+        for _ in 0..110 {
+            if let Choice::Server(i) = w.pick("10.0.0.1:1") {
+                counts[i] += 1;
+                w.hold(i, 1);
+            }
+        }
+        assert_eq!(counts, [10, 100]);
     }
 
     #[test]

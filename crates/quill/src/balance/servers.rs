@@ -5,7 +5,7 @@
 //! is an atomic: the per-connection path takes no lock. Each slot is cache-line aligned so
 //! two cores updating neighbouring servers do not contend.
 
-use std::sync::atomic::{AtomicU32, AtomicU64, Ordering::Relaxed};
+use std::sync::atomic::{AtomicBool, AtomicU32, AtomicU64, AtomicU8, Ordering::Relaxed};
 
 use crate::command::MAX_SERVERS;
 
@@ -25,6 +25,38 @@ pub struct ServerState {
     pub bytes_to: AtomicU64,
     /// Bytes relayed from this server to clients.
     pub bytes_from: AtomicU64,
+    /// What the active health check says ([`Health`] as a byte); written only by the
+    /// server's check task.
+    pub health: AtomicU8,
+    /// Health checks that passed / failed since the process started.
+    pub checks_passed: AtomicU64,
+    pub checks_failed: AtomicU64,
+    /// `server N drain`: no new connections; open ones finish.
+    pub draining: AtomicBool,
+    /// `clock::now_ms()` when the health check last brought the server back (0 = never):
+    /// the start of its slow-start ramp.
+    pub up_since: AtomicU64,
+}
+
+/// The verdict of a server's active health check.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+#[repr(u8)]
+pub enum Health {
+    /// No health check applies (or none has answered yet): the server counts as up.
+    Unchecked = 0,
+    Up = 1,
+    /// `check_fall` checks in a row failed: skipped like a blacklisted server.
+    Down = 2,
+}
+
+impl Health {
+    pub fn word(self) -> &'static str {
+        match self {
+            Health::Unchecked => "unchecked",
+            Health::Up => "up",
+            Health::Down => "down",
+        }
+    }
 }
 
 impl ServerState {
@@ -41,6 +73,53 @@ impl ServerState {
             now.saturating_add(seconds.saturating_mul(1000))
         };
         self.blacklisted_until.store(until, Relaxed);
+    }
+
+    /// The health check's verdict.
+    pub fn health(&self) -> Health {
+        match self.health.load(Relaxed) {
+            1 => Health::Up,
+            2 => Health::Down,
+            _ => Health::Unchecked,
+        }
+    }
+
+    pub fn set_health(&self, h: Health) {
+        self.health.store(h as u8, Relaxed);
+    }
+
+    /// Whether new connections must avoid this server for a reason other than the
+    /// blacklist: its health check says down, or it is being drained.
+    pub fn is_out(&self) -> bool {
+        self.health.load(Relaxed) == Health::Down as u8 || self.draining.load(Relaxed)
+    }
+
+    /// The state word of reports: down, draining, blacklisted or up.
+    pub fn state_word(&self, now: u64) -> &'static str {
+        if self.health() == Health::Down {
+            "down"
+        } else if self.draining.load(Relaxed) {
+            "draining"
+        } else if self.is_blacklisted(now) {
+            "blacklisted"
+        } else {
+            "up"
+        }
+    }
+
+    /// The weight to balance with at `now`: during the slow-start ramp after the server
+    /// came back, a share of `weight` growing linearly over `ramp_ms` (at least 1).
+    pub fn effective_weight(&self, weight: u32, now: u64, ramp_ms: u64) -> u32 {
+        let since = self.up_since.load(Relaxed);
+        if ramp_ms == 0 || since == 0 || weight == 0 {
+            return weight;
+        }
+        let elapsed = now.saturating_sub(since);
+        if elapsed >= ramp_ms {
+            return weight;
+        }
+        let w = u128::from(weight) * u128::from(elapsed) / u128::from(ramp_ms);
+        u32::try_from(w).unwrap_or(weight).max(1)
     }
 
     /// Seconds of blacklist left at `now` (0 when not blacklisted).

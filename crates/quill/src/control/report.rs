@@ -28,11 +28,12 @@ fn in_use<'a>(
 /// Pen's `servers` format: one line per configured server.
 pub fn servers(state: &State) -> String {
     let settings = state.settings();
+    let now = clock::now_ms();
     let mut out = String::new();
     for (i, s, ip, rt) in in_use(&settings, state) {
         let _ = writeln!(
             out,
-            "{i} addr {ip} port {} conn {} max {} hard {} weight {} prio {} sx {} rx {}",
+            "{i} addr {ip} port {} conn {} max {} hard {} weight {} prio {} sx {} rx {} state {} health {}",
             s.port,
             rt.conns.load(Relaxed),
             s.max,
@@ -41,6 +42,8 @@ pub fn servers(state: &State) -> String {
             s.prio,
             rt.bytes_to.load(Relaxed),
             rt.bytes_from.load(Relaxed),
+            rt.state_word(now),
+            rt.health().word(),
         );
     }
     out
@@ -114,10 +117,9 @@ pub fn html(ctx: &Context) -> String {
     );
     out.push_str("<table border=\"1\">\n<tr><th>server</th><th>address</th><th>port</th><th>state</th><th>conn</th><th>max</th><th>hard</th><th>weight</th><th>prio</th><th>total</th><th>failures</th><th>sent</th><th>received</th></tr>\n");
     for (i, s, ip, rt) in in_use(&settings, state) {
-        let up = if rt.is_blacklisted(now) {
-            format!("blacklisted {} s", rt.blacklist_left(now))
-        } else {
-            "up".to_string()
+        let up = match rt.state_word(now) {
+            "blacklisted" => format!("blacklisted {} s", rt.blacklist_left(now)),
+            word => word.to_string(),
         };
         let _ = writeln!(
             out,
@@ -152,8 +154,15 @@ pub fn json(ctx: &Context) -> String {
                 "host": s.host.as_ref().map(|h| h.to_string()),
                 "address": ip.to_string(),
                 "port": s.port,
-                "state": if rt.is_blacklisted(now) { "blacklisted" } else { "up" },
+                "state": rt.state_word(now),
+                "blacklisted": rt.is_blacklisted(now),
                 "blacklist_seconds_left": rt.blacklist_left(now),
+                "draining": rt.draining.load(Relaxed),
+                "health": rt.health().word(),
+                "health_check": settings.probe_of(i).map(ToString::to_string),
+                "checks_passed": rt.checks_passed.load(Relaxed),
+                "checks_failed": rt.checks_failed.load(Relaxed),
+                "weight_now": rt.effective_weight(s.weight, now, settings.slow_start.saturating_mul(1000)),
                 "connections": rt.conns.load(Relaxed),
                 "max": s.max,
                 "hard": s.hard,

@@ -13,6 +13,26 @@ use tokio::net::TcpStream;
 pub struct SocketOptions {
     pub nodelay: bool,
     pub keepalive: bool,
+    /// `transparent`: the upstream socket gets IP_TRANSPARENT, so that it may bind to the
+    /// client's (foreign) address given as the source.
+    pub transparent: bool,
+}
+
+/// The source address of upstream connections for a client at `peer`: the client's own
+/// address in `transparent` mode, else the `source` setting.
+pub fn source_for(settings: &crate::settings::Settings, peer: SocketAddr) -> Option<IpAddr> {
+    if settings.transparent {
+        Some(peer.ip().to_canonical())
+    } else {
+        settings.source
+    }
+}
+
+/// Checks that this process may use IP_TRANSPARENT (CAP_NET_ADMIN), so that `transparent`
+/// fails at start-up with a clear reason rather than on every connection.
+pub fn check_transparent() -> io::Result<()> {
+    let probe = Socket::new(Domain::IPV4, Type::STREAM, Some(Protocol::TCP))?;
+    probe.set_ip_transparent(true)
 }
 
 /// Applies the options to an accepted client stream. SO_KEEPALIVE is not set here: client
@@ -22,6 +42,12 @@ pub fn apply_options(stream: &TcpStream, opts: SocketOptions) -> io::Result<()> 
         stream.set_nodelay(true)?;
     }
     Ok(())
+}
+
+/// Lets `socket` bind to a foreign address. IP_TRANSPARENT sets the socket's `transparent`
+/// flag, which Linux honours for IPv6 sockets too.
+pub fn transparent(socket: &Socket) -> io::Result<()> {
+    socket.set_ip_transparent(true)
 }
 
 /// Connects to `addr` from `source` (if set) within `timeout`.
@@ -43,6 +69,9 @@ pub async fn connect(
     if let Some(ip) = source {
         // Only bind a source of the same family; a mismatch would fail every connect.
         if ip.is_ipv4() == addr.is_ipv4() {
+            if opts.transparent {
+                transparent(&socket)?;
+            }
             socket.bind(&SocketAddr::new(ip, 0).into())?;
         }
     }

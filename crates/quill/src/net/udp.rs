@@ -91,6 +91,34 @@ pub fn open(addr: &ListenAddr, count: usize) -> Result<Vec<UdpListener>, ListenE
     Ok(out)
 }
 
+/// The upstream socket of a new flow from `client`: in `transparent` mode bound to the
+/// client's own address and port (IP_TRANSPARENT), so that the server sees the client;
+/// otherwise bound to the `source` setting, if any.
+pub fn upstream(
+    server: SocketAddr,
+    settings: &crate::settings::Settings,
+    client: SocketAddr,
+) -> io::Result<std::net::UdpSocket> {
+    if !settings.transparent {
+        return connect(server, settings.source);
+    }
+    let server = SocketAddr::new(server.ip().to_canonical(), server.port());
+    let client = SocketAddr::new(client.ip().to_canonical(), client.port());
+    let socket = Socket::new(
+        Domain::for_address(server),
+        Type::DGRAM.nonblocking(),
+        Some(Protocol::UDP),
+    )?;
+    if client.is_ipv4() == server.is_ipv4() {
+        crate::net::connect::transparent(&socket)?;
+        // Another flow's socket may still hold the same client address for another server.
+        socket.set_reuse_address(true)?;
+        socket.bind(&client.into())?;
+    }
+    socket.connect(&server.into())?;
+    Ok(socket.into())
+}
+
 /// A non-blocking UDP socket connected to `server`, bound to `source` if that is of the
 /// same family. A v4-mapped server address is used as the IPv4 address it stands for.
 pub fn connect(server: SocketAddr, source: Option<IpAddr>) -> io::Result<std::net::UdpSocket> {

@@ -20,7 +20,7 @@ use super::stream;
 use crate::balance::{clock, Choice, Selector, ServerState};
 use crate::command::Host;
 use crate::connlog::unix_now;
-use crate::net::connect::{apply_options, connect, SocketOptions};
+use crate::net::connect::{apply_options, connect, source_for, SocketOptions};
 use crate::net::Listener;
 use crate::settings::Settings;
 use crate::state::State;
@@ -237,6 +237,7 @@ async fn handle<C: ClientStream>(
     let opts = SocketOptions {
         nodelay: settings.tcp_nodelay,
         keepalive: settings.keepalive,
+        transparent: settings.transparent,
     };
     if settings.dummy {
         match &settings.tls_built.server {
@@ -279,7 +280,14 @@ async fn handle<C: ClientStream>(
     } else if let Some(abuse) = &settings.abuse {
         tracing::debug!(%peer, "denied by client_acl {}: sent to the abuse server", settings.client_acl);
         let lease = Lease::take(&state.abuse, None);
-        let open = open_upstream(&state, &settings, abuse.addr, Some(&abuse.name.host), opts);
+        let open = open_upstream(
+            &state,
+            &settings,
+            abuse.addr,
+            Some(&abuse.name.host),
+            peer,
+            opts,
+        );
         match Box::pin(open).await {
             Ok(s) => Some((s, lease)),
             Err(e) => {
@@ -371,9 +379,10 @@ async fn open_upstream(
     settings: &Settings,
     addr: SocketAddr,
     host: Option<&Host>,
+    peer: SocketAddr,
     opts: SocketOptions,
 ) -> io::Result<Server> {
-    let stream = connect(addr, settings.source, timeout(settings), opts).await?;
+    let stream = connect(addr, source_for(settings, peer), timeout(settings), opts).await?;
     match &settings.tls_built.upstream {
         None => Ok(Server::Plain(stream)),
         Some(tls) => match tls
@@ -425,7 +434,7 @@ async fn choose_and_connect<'s>(
         };
         let lease = Lease::take(server, Some(index));
         let host = settings.servers.get(index).and_then(|s| s.host.as_ref());
-        match open_upstream(state, settings, addr, host, opts).await {
+        match open_upstream(state, settings, addr, host, peer, opts).await {
             Ok(stream) => {
                 server.total.fetch_add(1, Relaxed);
                 if selector.tracks() {
@@ -449,7 +458,7 @@ async fn choose_and_connect<'s>(
     }
     if let Some(em) = &settings.emergency {
         let lease = Lease::take(&state.emergency, None);
-        match open_upstream(state, settings, em.addr, Some(&em.name.host), opts).await {
+        match open_upstream(state, settings, em.addr, Some(&em.name.host), peer, opts).await {
             Ok(stream) => {
                 tracing::debug!(%peer, "emergency server {}", em.name);
                 state.emergency.total.fetch_add(1, Relaxed);

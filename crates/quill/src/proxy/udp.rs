@@ -498,7 +498,7 @@ impl Worker {
             self.choose(&settings, r.from, now)
         } else if let Some(abuse) = &settings.abuse {
             tracing::debug!(client = %r.from, "denied by client_acl {}: sent to the abuse server", settings.client_acl);
-            match sock::connect(abuse.addr, settings.source) {
+            match sock::upstream(abuse.addr, &settings, r.from) {
                 Ok(s) => Some((s, Upstream::Abuse)),
                 Err(e) => {
                     tracing::warn!(client = %r.from, "abuse server {}: {e}", abuse.name);
@@ -589,7 +589,7 @@ impl Worker {
                 choice = selector.failover(index);
                 continue;
             };
-            match sock::connect(addr, settings.source) {
+            match sock::upstream(addr, settings, client) {
                 Ok(s) => {
                     if selector.tracks() {
                         state.clients.record(client.ip().to_canonical(), index, now);
@@ -611,7 +611,7 @@ impl Worker {
             }
         }
         if let Some(em) = &settings.emergency {
-            match sock::connect(em.addr, settings.source) {
+            match sock::upstream(em.addr, settings, client) {
                 Ok(s) => {
                     tracing::debug!(%client, "emergency server {}", em.name);
                     return Some((s, Upstream::Emergency));

@@ -415,7 +415,8 @@ pub fn run_as_args() -> Vec<&'static str> {
     }
 }
 
-/// The `servers` reply without the counters that change with traffic (`conn`, `sx`, `rx`).
+/// The `servers` reply without the counters that change with traffic (`conn`, `sx`, `rx`)
+/// and without the runtime state quill appends (`state`, `health`).
 pub fn without_counters(servers: &str) -> Vec<String> {
     servers
         .lines()
@@ -424,7 +425,9 @@ pub fn without_counters(servers: &str) -> Vec<String> {
             let mut kept = Vec::new();
             let mut i = 0;
             while i < words.len() {
-                if matches!(words[i], "conn" | "sx" | "rx") && i + 1 < words.len() {
+                if matches!(words[i], "conn" | "sx" | "rx" | "state" | "health")
+                    && i + 1 < words.len()
+                {
                     i += 2;
                 } else {
                     kept.push(words[i]);

@@ -26,6 +26,8 @@
 
 pub mod ctl;
 pub mod dns;
+pub mod hosts;
+pub mod netns;
 
 use std::collections::{HashMap, HashSet};
 use std::fmt::Display;

@@ -1,0 +1,447 @@
+//! The DSR plane's loop: read a frame, decide (answer ARP, forward to a backend, answer a
+//! tarpit SYN, or drop), send; and every [`TICK`], re-read the settings, ask the backends
+//! for their MAC addresses and rebuild the Maglev table when the backends that are up
+//! change.
+//!
+//! Invariants: the receive buffer and the send buffer are allocated once; a forwarded
+//! frame is rewritten in place (two MAC addresses) and sent from the receive buffer with
+//! its virtio header unchanged. Only frames addressed to our MAC (or broadcast ARP) are
+//! looked at, and our own frames never come back (PACKET_IGNORE_OUTGOING).
+
+use std::net::{IpAddr, Ipv4Addr};
+use std::sync::atomic::{AtomicU64, Ordering::Relaxed};
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use tokio::sync::watch;
+
+use super::arp::ArpTable;
+use super::frame::{
+    self, Arp, Frame, Mac, Payload, ARP_REPLY, ARP_REQUEST, BROADCAST, L4, PROTO_TCP, PROTO_UDP,
+};
+use super::maglev::{mix64, Maglev};
+use super::packet::{PacketSocket, VNET_HDR_LEN};
+use super::tarpit::{self, Syn, Tarpit};
+use super::{DsrConfig, DsrError, Transport};
+use crate::acl::AclAction;
+use crate::balance::clock;
+use crate::settings::Settings;
+use crate::state::State;
+
+/// How often settings, ARP and the backend set are looked at.
+const TICK: Duration = Duration::from_millis(100);
+/// Largest frame taken: a 64 KiB GSO super-frame plus headers.
+const RX_BUF: usize = VNET_HDR_LEN + 65_536 + 64;
+
+/// What the plane did, for status reports and tests (monotonic counters).
+#[derive(Debug, Default)]
+pub struct DsrCounters {
+    /// Frames forwarded to a backend.
+    pub forwarded: AtomicU64,
+    /// Frames for the VIP dropped because no backend was up.
+    pub no_backend: AtomicU64,
+    /// ARP replies sent for the VIP or a tarpitted address.
+    pub arp_replies: AtomicU64,
+    /// SYN+ACKs sent by the tarpit.
+    pub tarpit_synack: AtomicU64,
+    /// Other frames to tarpitted addresses, dropped.
+    pub tarpit_dropped: AtomicU64,
+    /// Sends that failed (buffer full, interface down...).
+    pub send_errors: AtomicU64,
+}
+
+/// One backend that can be chosen: server number, address, MAC.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+struct Target {
+    server: usize,
+    ip: Ipv4Addr,
+    mac: Mac,
+}
+
+/// The plane: its socket, its tables and its buffers.
+#[derive(Debug)]
+pub struct Plane {
+    config: DsrConfig,
+    sock: PacketSocket,
+    our_mac: Mac,
+    /// Our address on the interface (sender of ARP requests); 0.0.0.0 (an ARP probe) when
+    /// the interface has none.
+    our_ip: Ipv4Addr,
+    counters: Arc<DsrCounters>,
+}
+
+/// The interface's MAC address, from sysfs.
+fn interface_mac(interface: &str) -> std::io::Result<Mac> {
+    let text = std::fs::read_to_string(format!("/sys/class/net/{interface}/address"))?;
+    parse_mac(text.trim()).ok_or_else(|| {
+        std::io::Error::new(
+            std::io::ErrorKind::InvalidData,
+            format!("'{}' is not an Ethernet address", text.trim()),
+        )
+    })
+}
+
+fn parse_mac(s: &str) -> Option<Mac> {
+    let mut mac = [0u8; 6];
+    let mut parts = s.split(':');
+    for b in &mut mac {
+        *b = u8::from_str_radix(parts.next()?, 16).ok()?;
+    }
+    parts.next().is_none().then_some(mac)
+}
+
+/// The first IPv4 address of the interface, if it has one.
+fn interface_ipv4(interface: &str) -> Option<Ipv4Addr> {
+    nix::ifaddrs::getifaddrs()
+        .ok()?
+        .filter(|a| a.interface_name == interface)
+        .find_map(|a| a.address?.as_sockaddr_in().map(|s| s.ip()))
+}
+
+impl Plane {
+    /// Opens the packet socket on the interface and reads its addresses.
+    pub fn open(config: DsrConfig) -> Result<Plane, DsrError> {
+        let interface = config.interface.clone();
+        let our_mac = interface_mac(&interface).map_err(|source| DsrError::Mac {
+            interface: interface.clone(),
+            source,
+        })?;
+        let sock = PacketSocket::open(&interface).map_err(|source| DsrError::Socket {
+            interface: interface.clone(),
+            source,
+        })?;
+        let timeouts = sock
+            .set_read_timeout(TICK)
+            .and_then(|()| sock.set_recv_buffer(4 << 20));
+        if let Err(source) = timeouts {
+            return Err(DsrError::Socket { interface, source });
+        }
+        let our_ip = interface_ipv4(&interface).unwrap_or(Ipv4Addr::UNSPECIFIED);
+        Ok(Plane {
+            config,
+            sock,
+            our_mac,
+            our_ip,
+            counters: Arc::default(),
+        })
+    }
+
+    pub fn counters(&self) -> Arc<DsrCounters> {
+        Arc::clone(&self.counters)
+    }
+
+    /// Runs until `stop` turns true (checked every tick).
+    pub fn run(self, state: &State, stop: &watch::Receiver<bool>) {
+        tracing::info!(
+            "DSR on {} (MAC {}, ifindex {}): {} {}:{}",
+            self.config.interface,
+            fmt_mac(&self.our_mac),
+            self.sock.ifindex(),
+            match self.config.transport {
+                Transport::Tcp => "TCP",
+                Transport::Udp => "UDP",
+            },
+            self.config.vip,
+            self.config.port
+        );
+        let mut run = Running {
+            settings: state.settings(),
+            arp: ArpTable::default(),
+            targets: Vec::new(),
+            maglev: Maglev::build(&[]),
+            tarpit: Tarpit::default(),
+            due: Vec::new(),
+            backends: Vec::new(),
+            tx: [0u8; 128],
+            last_tick: None,
+            recv_errors: 0,
+            configured: false,
+        };
+        let mut rx = vec![0u8; RX_BUF];
+        while !*stop.borrow() {
+            let now = Instant::now();
+            if run
+                .last_tick
+                .map_or(true, |t| now.saturating_duration_since(t) >= TICK)
+            {
+                run.last_tick = Some(now);
+                self.tick(&mut run, state, now);
+            }
+            match self.sock.recv(&mut rx) {
+                Ok(Some(n)) => {
+                    run.recv_errors = 0;
+                    self.handle(&mut run, state, &mut rx[..n], now);
+                }
+                Ok(None) => {}
+                Err(e) => {
+                    // The interface went down or away: say so once, then wait a tick
+                    // between attempts instead of spinning.
+                    if run.recv_errors == 0 {
+                        tracing::warn!("DSR on {}: {e}", self.config.interface);
+                    }
+                    run.recv_errors += 1;
+                    std::thread::sleep(TICK);
+                }
+            }
+        }
+    }
+
+    /// The periodic work: settings, ARP refresh, the set of backends that are up.
+    fn tick(&self, run: &mut Running, state: &State, now: Instant) {
+        let settings = state.settings();
+        if !Arc::ptr_eq(&settings, &run.settings) || !run.configured {
+            run.configured = true;
+            run.settings = settings;
+            run.backends.clear();
+            for (index, s) in run.settings.servers.iter().enumerate() {
+                if let Some(IpAddr::V4(ip)) = s.addr().map(|a| a.ip().to_canonical()) {
+                    run.backends.push((index, ip));
+                }
+            }
+            let ips: Vec<Ipv4Addr> = run.backends.iter().map(|b| b.1).collect();
+            run.arp.set_targets(&ips);
+        }
+        run.due.clear();
+        run.arp.due(now, &mut run.due);
+        for i in 0..run.due.len() {
+            let target_ip = run.due[i];
+            let request = Arp {
+                op: ARP_REQUEST,
+                sender_mac: self.our_mac,
+                sender_ip: self.our_ip,
+                target_mac: [0; 6],
+                target_ip,
+            };
+            self.send_built(run, |buf, mac| {
+                frame::build_arp(buf, BROADCAST, mac, &request)
+            });
+        }
+        let now_ms = clock::now_ms();
+        let mut targets: Vec<Target> = Vec::with_capacity(run.backends.len());
+        for &(server, ip) in &run.backends {
+            let blacklisted = state
+                .servers
+                .get(server)
+                .is_some_and(|s| s.is_blacklisted(now_ms));
+            if let (false, Some(mac)) = (blacklisted, run.arp.lookup(ip, now)) {
+                targets.push(Target { server, ip, mac });
+            }
+        }
+        if targets != run.targets {
+            let keys: Vec<(usize, u64)> = targets
+                .iter()
+                .enumerate()
+                .map(|(pos, t)| (pos, u64::from(u32::from(t.ip))))
+                .collect();
+            run.maglev = run.maglev.rebuild(&keys);
+            let up: Vec<String> = targets.iter().map(|t| t.ip.to_string()).collect();
+            tracing::info!(
+                "DSR on {}: backends up: [{}]",
+                self.config.interface,
+                up.join(", ")
+            );
+            run.targets = targets;
+        }
+    }
+
+    /// Builds a frame with `build` after a zeroed virtio header and sends it.
+    fn send_built(
+        &self,
+        run: &mut Running,
+        build: impl FnOnce(&mut [u8], Mac) -> Option<usize>,
+    ) -> bool {
+        run.tx[..VNET_HDR_LEN].fill(0);
+        let Some(n) = build(&mut run.tx[VNET_HDR_LEN..], self.our_mac) else {
+            return false;
+        };
+        match self.sock.send(&run.tx[..VNET_HDR_LEN + n]) {
+            Ok(()) => true,
+            Err(e) => {
+                self.counters.send_errors.fetch_add(1, Relaxed);
+                tracing::debug!("DSR send: {e}");
+                false
+            }
+        }
+    }
+
+    /// Whether `ip` is tarpitted: permitted by a rule of the tarpit list, and none of the
+    /// VIP, our own address or a backend's.
+    fn tarpitted(&self, run: &Running, ip: Ipv4Addr) -> bool {
+        let Some(list) = run.settings.tarpit_acl else {
+            return false;
+        };
+        let acl = &run.settings.acls[list.index()];
+        ip != self.config.vip
+            && ip != self.our_ip
+            && acl.first_match(IpAddr::V4(ip)) == Some(AclAction::Permit)
+            && !run.backends.iter().any(|b| b.1 == ip)
+    }
+
+    /// One received frame (virtio header first).
+    fn handle(&self, run: &mut Running, state: &State, buf: &mut [u8], now: Instant) {
+        let Some(frame_bytes) = buf.get(VNET_HDR_LEN..) else {
+            return;
+        };
+        let Ok(Frame { dst, src, payload }) = frame::parse(frame_bytes) else {
+            return;
+        };
+        match payload {
+            Payload::Arp(arp) => self.handle_arp(run, &arp, now),
+            Payload::Ipv4(ip) if dst == self.our_mac => {
+                if ip.dst == self.config.vip {
+                    self.forward(run, state, buf, &ip);
+                } else if self.tarpitted(run, ip.dst) {
+                    match ip.l4 {
+                        L4::Tcp {
+                            src_port,
+                            dst_port,
+                            seq,
+                            flags,
+                        } if tarpit::is_syn(flags) => {
+                            let syn = Syn {
+                                client_mac: src,
+                                client: ip.src,
+                                client_port: src_port,
+                                addr: ip.dst,
+                                port: dst_port,
+                                seq,
+                            };
+                            let tarpit = run.tarpit.clone();
+                            if self.send_built(run, |b, mac| tarpit.syn_ack(b, mac, &syn)) {
+                                self.counters.tarpit_synack.fetch_add(1, Relaxed);
+                            }
+                        }
+                        _ => {
+                            self.counters.tarpit_dropped.fetch_add(1, Relaxed);
+                        }
+                    }
+                }
+            }
+            _ => {}
+        }
+    }
+
+    fn handle_arp(&self, run: &mut Running, arp: &Arp, now: Instant) {
+        // Replies to our requests and the backends' own requests both tell their MAC.
+        if !arp.sender_ip.is_unspecified() {
+            run.arp.heard(arp.sender_ip, arp.sender_mac, now);
+        }
+        if arp.op != ARP_REQUEST {
+            return;
+        }
+        if arp.target_ip == self.config.vip || self.tarpitted(run, arp.target_ip) {
+            let reply = Arp {
+                op: ARP_REPLY,
+                sender_mac: self.our_mac,
+                sender_ip: arp.target_ip,
+                target_mac: arp.sender_mac,
+                target_ip: arp.sender_ip,
+            };
+            let to = arp.sender_mac;
+            if self.send_built(run, |buf, mac| frame::build_arp(buf, to, mac, &reply)) {
+                self.counters.arp_replies.fetch_add(1, Relaxed);
+            }
+        }
+    }
+
+    /// Forwards a frame for the VIP to the flow's backend, if it is for our port.
+    fn forward(&self, run: &Running, state: &State, buf: &mut [u8], ip: &frame::Ipv4) {
+        let want = match self.config.transport {
+            Transport::Tcp => PROTO_TCP,
+            Transport::Udp => PROTO_UDP,
+        };
+        let port = self.config.port;
+        let (client_port, syn) = match ip.l4 {
+            L4::Tcp {
+                src_port,
+                dst_port,
+                flags,
+                ..
+            } if want == PROTO_TCP && dst_port == port => (Some(src_port), tarpit::is_syn(flags)),
+            L4::Udp { src_port, dst_port } if want == PROTO_UDP && dst_port == port => {
+                (Some(src_port), true)
+            }
+            L4::Fragment { proto } if proto == want => (None, false),
+            _ => return,
+        };
+        // Pen's tracking (the default) keeps a client on one server: hash its address only.
+        // Round robin (-r) spreads the flows of a client: hash its address and port.
+        // Fragments carry no ports and go by the address.
+        let client = u64::from(u32::from(ip.src));
+        let key = match client_port {
+            Some(p) if run.settings.policy.roundrobin && !ip.fragmented => {
+                (client << 16) | u64::from(p)
+            }
+            _ => client,
+        };
+        let Some(target) = run
+            .maglev
+            .lookup(mix64(key))
+            .and_then(|pos| run.targets.get(pos))
+        else {
+            self.counters.no_backend.fetch_add(1, Relaxed);
+            return;
+        };
+        if !frame::set_macs(&mut buf[VNET_HDR_LEN..], target.mac, self.our_mac) {
+            return;
+        }
+        match self.sock.send(buf) {
+            Ok(()) => {
+                self.counters.forwarded.fetch_add(1, Relaxed);
+                if let Some(s) = state.servers.get(target.server) {
+                    s.bytes_to
+                        .fetch_add((buf.len() - VNET_HDR_LEN) as u64, Relaxed);
+                    if syn {
+                        s.total.fetch_add(1, Relaxed);
+                    }
+                }
+            }
+            Err(e) => {
+                self.counters.send_errors.fetch_add(1, Relaxed);
+                tracing::debug!("DSR forward to {}: {e}", target.ip);
+            }
+        }
+    }
+}
+
+/// The plane's mutable state, owned by its thread.
+struct Running {
+    settings: Arc<Settings>,
+    arp: ArpTable,
+    /// The backends that are up, in server order; Maglev returns positions in it.
+    targets: Vec<Target>,
+    maglev: Maglev,
+    tarpit: Tarpit,
+    /// Scratch list of ARP requests to send (kept to reuse its allocation).
+    due: Vec<Ipv4Addr>,
+    /// Configured IPv4 backends: (server number, address).
+    backends: Vec<(usize, Ipv4Addr)>,
+    tx: [u8; 128],
+    last_tick: Option<Instant>,
+    recv_errors: u64,
+    /// The backends were read from the settings at least once.
+    configured: bool,
+}
+
+fn fmt_mac(m: &Mac) -> String {
+    format!(
+        "{:02x}:{:02x}:{:02x}:{:02x}:{:02x}:{:02x}",
+        m[0], m[1], m[2], m[3], m[4], m[5]
+    )
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn mac_parsing() {
+        assert_eq!(
+            parse_mac("02:e5:a1:15:e1:01"),
+            Some([2, 0xe5, 0xa1, 0x15, 0xe1, 1])
+        );
+        assert_eq!(parse_mac("02:e5:a1:15:e1"), None);
+        assert_eq!(parse_mac("02:e5:a1:15:e1:01:00"), None);
+        assert_eq!(parse_mac("zz:e5:a1:15:e1:01"), None);
+    }
+}

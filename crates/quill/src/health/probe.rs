@@ -1,0 +1,161 @@
+//! One active health check of one server: a TCP connect, or an HTTP/1.1 `GET` whose
+//! status line is read and matched.
+//!
+//! The answer of a server is untrusted bytes: only the status line is parsed (by
+//! `httparse`), at most [`MAX_HEAD`] bytes are read, and every failure is an error value.
+
+use std::io;
+use std::net::{IpAddr, SocketAddr};
+use std::time::Duration;
+
+use tokio::io::{AsyncReadExt, AsyncWriteExt};
+
+use crate::command::Probe;
+use crate::net::connect::{connect, SocketOptions};
+
+/// Most bytes of an answer read to find its status line.
+pub const MAX_HEAD: usize = 8192;
+
+/// Why a check failed. Each variant says what an operator needs to look at.
+#[derive(Debug, thiserror::Error)]
+#[non_exhaustive]
+pub enum ProbeError {
+    #[error("connect: {0}")]
+    Connect(io::Error),
+    #[error("no answer within {0:?}")]
+    Timeout(Duration),
+    #[error("sending the request: {0}")]
+    Send(io::Error),
+    #[error("reading the answer: {0}")]
+    Receive(io::Error),
+    #[error("connection closed before a status line")]
+    Closed,
+    #[error("not an HTTP answer: {0}")]
+    NotHttp(String),
+    #[error("status {got}, expected {expected}")]
+    Status { got: u16, expected: String },
+}
+
+/// Where and how to check one server.
+#[derive(Debug, Clone, PartialEq, Eq, Hash)]
+pub struct Target {
+    pub addr: SocketAddr,
+    /// The `Host` header: the server's name as configured, with its port.
+    pub host: String,
+    pub source: Option<IpAddr>,
+    pub probe: Probe,
+}
+
+/// Runs one check within `timeout` (connect, request and answer together).
+pub async fn check(target: &Target, timeout: Duration) -> Result<(), ProbeError> {
+    match tokio::time::timeout(timeout, run(target, timeout)).await {
+        Ok(r) => r,
+        Err(_) => Err(ProbeError::Timeout(timeout)),
+    }
+}
+
+async fn run(target: &Target, timeout: Duration) -> Result<(), ProbeError> {
+    let opts = SocketOptions {
+        nodelay: true,
+        keepalive: false,
+        // Checks come from quill's own address (or `source`), never a client's.
+        transparent: false,
+    };
+    let mut stream = connect(target.addr, target.source, timeout, opts)
+        .await
+        .map_err(ProbeError::Connect)?;
+    let (path, expected) = match &target.probe {
+        Probe::Tcp => return Ok(()),
+        Probe::Http { path, status } => (path, *status),
+    };
+    let request = format!(
+        "GET {path} HTTP/1.1\r\nHost: {}\r\nUser-Agent: quill-health-check\r\nAccept: */*\r\nConnection: close\r\n\r\n",
+        target.host
+    );
+    stream
+        .write_all(request.as_bytes())
+        .await
+        .map_err(ProbeError::Send)?;
+    let mut buf = Vec::with_capacity(1024);
+    let mut chunk = [0u8; 2048];
+    let got = loop {
+        if let Some(code) = status_code(&buf)? {
+            break code;
+        }
+        if buf.len() >= MAX_HEAD {
+            return Err(ProbeError::NotHttp(format!(
+                "no status line in the first {MAX_HEAD} bytes"
+            )));
+        }
+        let n = stream.read(&mut chunk).await.map_err(ProbeError::Receive)?;
+        if n == 0 {
+            return Err(ProbeError::Closed);
+        }
+        buf.extend_from_slice(&chunk[..n]);
+    };
+    if status_matches(got, expected) {
+        Ok(())
+    } else {
+        Err(ProbeError::Status {
+            got,
+            expected: expected.map_or_else(|| "2xx or 3xx".to_string(), |s| s.to_string()),
+        })
+    }
+}
+
+/// Whether a status passes: the configured one exactly, or any 2xx/3xx.
+pub fn status_matches(got: u16, expected: Option<u16>) -> bool {
+    match expected {
+        Some(s) => got == s,
+        None => (200..400).contains(&got),
+    }
+}
+
+/// The status code of an answer once its status line is complete; `None` while more
+/// bytes are needed.
+pub fn status_code(head: &[u8]) -> Result<Option<u16>, ProbeError> {
+    // The status line ends at the first LF; headers after it are not needed.
+    let Some(end) = head.iter().position(|&b| b == b'\n') else {
+        return Ok(None);
+    };
+    let mut headers = [httparse::EMPTY_HEADER; 0];
+    let mut response = httparse::Response::new(&mut headers);
+    // Parse the status line alone, as if the head ended there.
+    let mut line = head[..=end].to_vec();
+    line.extend_from_slice(b"\r\n");
+    match response.parse(&line) {
+        Ok(_) => response
+            .code
+            .map(Some)
+            .ok_or_else(|| ProbeError::NotHttp("no status code".to_string())),
+        Err(e) => Err(ProbeError::NotHttp(e.to_string())),
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn status_line_forms() {
+        assert!(matches!(status_code(b"HTTP/1.1 200 OK\r\n"), Ok(Some(200))));
+        assert!(matches!(
+            status_code(b"HTTP/1.0 503 Service Unavailable\r\nServer: x\r\n"),
+            Ok(Some(503))
+        ));
+        assert!(matches!(status_code(b"HTTP/1.1 204\n"), Ok(Some(204))));
+        assert!(matches!(status_code(b"HTTP/1.1 20"), Ok(None)));
+        assert!(status_code(b"SSH-2.0-OpenSSH\r\n").is_err());
+        assert!(status_code(b"HTTP/1.1 abc OK\r\n").is_err());
+    }
+
+    #[test]
+    fn default_status_is_2xx_or_3xx() {
+        assert!(status_matches(200, None));
+        assert!(status_matches(302, None));
+        assert!(!status_matches(404, None));
+        assert!(!status_matches(500, None));
+        assert!(status_matches(404, Some(404)));
+        assert!(!status_matches(200, Some(204)));
+    }
+}

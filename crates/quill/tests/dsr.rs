@@ -1,0 +1,366 @@
+//! Direct Server Return (`dsr_if IF`) and the tarpit (`tarpit_acl N`), end to end on
+//! virtual hosts: a client, the balancer and backends on one L2 segment (veth pairs into a
+//! bridge in its own namespace). The backends hold the VIP on their loopback with
+//! `arp_ignore=1`/`arp_announce=2`, as docs/DSR.md says. Root only; skipped otherwise.
+#![allow(clippy::unwrap_used, clippy::expect_used, clippy::panic)]
+
+mod support;
+
+use std::collections::{HashMap, HashSet};
+use std::io::{Read, Write};
+use std::net::{SocketAddr, TcpStream, UdpSocket};
+use std::time::Duration;
+
+use support::hosts::{curl, curl_status, Backend, NsQuill, BIG};
+use support::netns::{self, bridge, plug, Netns};
+use support::{poll_until, wait_until};
+
+const VIP: &str = "10.77.0.100";
+const CLIENT: &str = "10.77.0.10";
+
+/// The DSR segment: `sw` (bridge br0), `cli` 10.77.0.10, `lb` 10.77.0.2 (interface l0),
+/// backends `be1..` 10.77.0.11.. with the VIP on lo.
+struct Segment {
+    cli: Netns,
+    lb: Netns,
+    backends: Vec<Netns>,
+    // Dropped last: the bridge's namespace.
+    _sw: Netns,
+}
+
+impl Segment {
+    fn new(backends: usize) -> Segment {
+        let sw = Netns::new("sw");
+        bridge(&sw, "br0");
+        let cli = Netns::new("cli");
+        plug(&sw, "br0", "p-cli", &cli, "c0", "10.77.0.10/24");
+        let lb = Netns::new("lb");
+        plug(&sw, "br0", "p-lb", &lb, "l0", "10.77.0.2/24");
+        // The balancer's kernel must not route VIP frames itself (it would send redirects
+        // and unreachables): forwarding off, whatever the root namespace has.
+        lb.sysctl(&[
+            "net.ipv4.conf.all.forwarding=0",
+            "net.ipv4.conf.l0.forwarding=0",
+        ]);
+        let backends = (1..=backends)
+            .map(|i| {
+                let be = Netns::new(&format!("be{i}"));
+                plug(
+                    &sw,
+                    "br0",
+                    &format!("p-be{i}"),
+                    &be,
+                    "b0",
+                    &format!("10.77.0.{}/24", 10 + i),
+                );
+                be.ip(&["addr", "add", &format!("{VIP}/32"), "dev", "lo"]);
+                be.sysctl(&[
+                    "net.ipv4.conf.all.arp_ignore=1",
+                    "net.ipv4.conf.all.arp_announce=2",
+                    "net.ipv4.conf.b0.arp_ignore=1",
+                    "net.ipv4.conf.b0.arp_announce=2",
+                ]);
+                be
+            })
+            .collect();
+        Segment {
+            cli,
+            lb,
+            backends,
+            _sw: sw,
+        }
+    }
+
+    /// HTTP on :80 and UDP on VIP:53 on every backend, named be1, be2, ...
+    fn start_backends(&self) -> Vec<Backend> {
+        self.backends
+            .iter()
+            .enumerate()
+            .map(|(i, ns)| {
+                Backend::start(
+                    ns,
+                    &format!("be{}", i + 1),
+                    Some("0.0.0.0:80".parse().unwrap()),
+                    // Bound to the VIP: the answer must come from the address asked.
+                    Some(format!("{VIP}:53").parse().unwrap()),
+                )
+            })
+            .collect()
+    }
+
+    fn backend_ips(&self) -> Vec<String> {
+        (1..=self.backends.len())
+            .map(|i| format!("10.77.0.{}", 10 + i))
+            .collect()
+    }
+
+    fn quill(&self, options: &[&str], listen: &str) -> NsQuill {
+        let mut args: Vec<&str> = options.to_vec();
+        args.extend(["-O", "dsr_if l0", listen]);
+        let ips = self.backend_ips();
+        args.extend(ips.iter().map(String::as_str));
+        NsQuill::start(&self.lb, &args)
+    }
+
+    /// `curl http://VIP/` from the client: the backend's answer `NAME PEER`.
+    fn get(&self) -> Option<(String, String)> {
+        let body = curl(&self.cli, &format!("http://{VIP}/"), 3)?;
+        let mut words = body.split_whitespace();
+        Some((words.next()?.to_string(), words.next()?.to_string()))
+    }
+}
+
+fn wait_started(q: &mut NsQuill, s: &Segment) {
+    wait_until(
+        Duration::from_secs(20),
+        "a request through DSR succeeds",
+        || {
+            if let Some(status) = q.exited() {
+                panic!("quill exited ({status}): {}", q.stderr());
+            }
+            s.get().is_some()
+        },
+    );
+}
+
+#[test]
+fn tcp_through_dsr_spreads_over_backends_and_replies_bypass_the_balancer() {
+    if netns::skip() {
+        return;
+    }
+    let s = Segment::new(2);
+    let _backends = s.start_backends();
+    let mut q = s.quill(&["-r"], &format!("{VIP}:80"));
+    wait_started(&mut q, &s);
+
+    // Flows are spread (hash of client address and port) and the backend sees the client.
+    let mut seen = HashSet::new();
+    for _ in 0..24 {
+        let (name, peer) = s.get().expect("request through DSR");
+        let peer: SocketAddr = peer.parse().unwrap();
+        assert_eq!(
+            peer.ip().to_string(),
+            CLIENT,
+            "the backend sees the real client"
+        );
+        seen.insert(name);
+    }
+    assert_eq!(seen.len(), 2, "both backends served: {seen:?}");
+
+    // A 1 MiB download: the reply goes from the backend to the client directly, so the
+    // balancer's interface moves only the request and the client's ACKs.
+    let (rx0, tx0) = (
+        s.lb.if_stat("l0", "rx_bytes"),
+        s.lb.if_stat("l0", "tx_bytes"),
+    );
+    let body = curl(&s.cli, &format!("http://{VIP}/big"), 20).expect("1 MiB download");
+    assert_eq!(body.len(), BIG);
+    let (rx1, tx1) = (
+        s.lb.if_stat("l0", "rx_bytes"),
+        s.lb.if_stat("l0", "tx_bytes"),
+    );
+    eprintln!(
+        "balancer l0 during a 1 MiB download: rx {} B, tx {} B",
+        rx1 - rx0,
+        tx1 - tx0
+    );
+    assert!(
+        rx1 - rx0 < 64 * 1024 && tx1 - tx0 < 64 * 1024,
+        "the balancer moved {} bytes in and {} out for a 1 MiB download",
+        rx1 - rx0,
+        tx1 - tx0
+    );
+
+    // A backend whose host goes down (no more ARP answers) is skipped, and comes back.
+    s.backends[0].ip(&["link", "set", "b0", "down"]);
+    wait_until(Duration::from_secs(20), "be1 is skipped", || {
+        (0..8).all(|_| s.get().is_some_and(|(n, _)| n == "be2"))
+    });
+    s.backends[0].ip(&["link", "set", "b0", "up"]);
+    wait_until(Duration::from_secs(20), "be1 serves again", || {
+        s.get().is_some_and(|(n, _)| n == "be1")
+    });
+}
+
+/// UDP clients (one socket each) in the client namespace, connected to VIP:53.
+fn udp_clients(s: &Segment, n: usize) -> Vec<UdpSocket> {
+    s.cli.run(move || {
+        (0..n)
+            .map(|_| {
+                let u = UdpSocket::bind("10.77.0.10:0").unwrap();
+                u.connect(format!("{VIP}:53")).unwrap();
+                u.set_read_timeout(Some(Duration::from_millis(500)))
+                    .unwrap();
+                u
+            })
+            .collect()
+    })
+}
+
+/// Asks once on a connected socket; the backend's name if answered. A connected socket
+/// only takes answers from the VIP, so an answer proves it came "from" the VIP.
+fn ask(u: &UdpSocket) -> Option<String> {
+    u.send(b"q").ok()?;
+    let mut buf = [0u8; 256];
+    let n = u.recv(&mut buf).ok()?;
+    let text = String::from_utf8_lossy(&buf[..n]).into_owned();
+    let mut words = text.split_whitespace();
+    let name = words.next()?.to_string();
+    let peer: SocketAddr = words.next()?.parse().ok()?;
+    assert_eq!(
+        peer,
+        u.local_addr().ok()?,
+        "the backend sees the real client"
+    );
+    Some(name)
+}
+
+/// Where each client's flow goes now (every client answered).
+fn mapping(clients: &[UdpSocket]) -> Option<Vec<String>> {
+    clients.iter().map(ask).collect()
+}
+
+#[test]
+fn udp_through_dsr_balances_and_only_a_leaving_backends_flows_move() {
+    if netns::skip() {
+        return;
+    }
+    let s = Segment::new(3);
+    let _backends = s.start_backends();
+    let mut q = s.quill(&["-U", "-r"], &format!("{VIP}:53"));
+    let clients = udp_clients(&s, 24);
+    let mut before = None;
+    wait_until(
+        Duration::from_secs(20),
+        "every UDP client is answered",
+        || {
+            if let Some(status) = q.exited() {
+                panic!("quill exited ({status}): {}", q.stderr());
+            }
+            before = mapping(&clients);
+            before.is_some()
+        },
+    );
+    let before = before.unwrap();
+    let used: HashSet<&String> = before.iter().collect();
+    assert!(used.len() >= 2, "flows spread over backends: {before:?}");
+    // Stickiness: every datagram of a flow goes to the same backend.
+    assert_eq!(mapping(&clients).as_ref(), Some(&before));
+
+    // be1 leaves: its flows move, every other flow stays where it was.
+    s.backends[0].ip(&["link", "set", "b0", "down"]);
+    let mut during = None;
+    wait_until(Duration::from_secs(20), "be1's flows moved", || {
+        during = mapping(&clients);
+        during
+            .as_ref()
+            .is_some_and(|m| m.iter().all(|n| n != "be1"))
+    });
+    let during = during.unwrap();
+    for (i, (b, d)) in before.iter().zip(&during).enumerate() {
+        if b != "be1" {
+            assert_eq!(b, d, "flow {i} of {b} moved to {d} when be1 left");
+        }
+    }
+    // be1 comes back: exactly the original placement.
+    s.backends[0].ip(&["link", "set", "b0", "up"]);
+    wait_until(Duration::from_secs(20), "be1's flows are back", || {
+        mapping(&clients).as_ref() == Some(&before)
+    });
+}
+
+#[test]
+fn tracking_mode_keeps_a_client_on_one_backend() {
+    if netns::skip() {
+        return;
+    }
+    let s = Segment::new(2);
+    let _backends = s.start_backends();
+    // No -r: Pen's client tracking, so DSR hashes the client address only.
+    let mut q = s.quill(&[], &format!("{VIP}:80"));
+    wait_started(&mut q, &s);
+    let names: HashSet<String> = (0..12).filter_map(|_| s.get().map(|(n, _)| n)).collect();
+    assert_eq!(names.len(), 1, "one client, one backend: {names:?}");
+}
+
+#[test]
+fn tarpit_answers_syns_for_listed_addresses_only() {
+    if netns::skip() {
+        return;
+    }
+    let s = Segment::new(2);
+    let _backends = s.start_backends();
+    let mut q = s.quill(
+        &[
+            "-r",
+            "-O",
+            "acl 1 permit 10.77.0.200 255.255.255.248",
+            "-O",
+            "tarpit_acl 1",
+        ],
+        &format!("{VIP}:80"),
+    );
+    wait_started(&mut q, &s);
+
+    // A tarpitted address accepts connections on any port, then never answers.
+    let results = s.cli.run(|| {
+        let mut out = HashMap::new();
+        for port in [22u16, 80, 443, 8080] {
+            let addr: SocketAddr = format!("10.77.0.201:{port}").parse().unwrap();
+            out.insert(port, TcpStream::connect_timeout(&addr, Duration::from_secs(5)).is_ok());
+        }
+        let addr: SocketAddr = "10.77.0.203:80".parse().unwrap();
+        let mut conn = TcpStream::connect_timeout(&addr, Duration::from_secs(5)).expect("connect to the tarpit");
+        conn.set_read_timeout(Some(Duration::from_secs(2))).unwrap();
+        conn.write_all(b"GET / HTTP/1.0\r\n\r\n").unwrap();
+        let mut buf = [0u8; 64];
+        let read = conn.read(&mut buf);
+        let hung = matches!(&read, Err(e) if matches!(e.kind(), std::io::ErrorKind::WouldBlock | std::io::ErrorKind::TimedOut));
+        // An address outside the list: nobody answers ARP for it.
+        let outside: SocketAddr = "10.77.0.220:80".parse().unwrap();
+        let outside_ok = TcpStream::connect_timeout(&outside, Duration::from_secs(2)).is_ok();
+        (out, hung, outside_ok)
+    });
+    let (ports, hung, outside_ok) = results;
+    assert!(
+        ports.values().all(|ok| *ok),
+        "every port looks open: {ports:?}"
+    );
+    assert!(hung, "a request to the tarpit hangs");
+    assert!(!outside_ok, "an address outside the list gets no answer");
+    assert_eq!(
+        curl_status(&s.cli, "http://10.77.0.201/", 2),
+        Some(28),
+        "curl times out"
+    );
+    // The VIP keeps working meanwhile.
+    assert!(s.get().is_some());
+}
+
+#[test]
+fn dsr_start_errors_name_the_problem() {
+    if netns::skip() {
+        return;
+    }
+    let s = Segment::new(1);
+    // No such interface.
+    let mut q = NsQuill::start(
+        &s.lb,
+        &["-O", "dsr_if nosuch0", &format!("{VIP}:80"), "10.77.0.11"],
+    );
+    assert!(poll_until(Duration::from_secs(10), || q.exited().is_some()));
+    assert!(q.stderr().contains("nosuch0"), "{}", q.stderr());
+    // A wildcard listening address is no VIP.
+    let mut q = NsQuill::start(&s.lb, &["-O", "dsr_if l0", "80", "10.77.0.11"]);
+    assert!(poll_until(Duration::from_secs(10), || q.exited().is_some()));
+    assert_eq!(q.exited().and_then(|s| s.code()), Some(2));
+    assert!(q.stderr().contains("VIP"), "{}", q.stderr());
+    // DSR cannot change ports.
+    let mut q = NsQuill::start(
+        &s.lb,
+        &["-O", "dsr_if l0", &format!("{VIP}:80"), "10.77.0.11:81"],
+    );
+    assert!(poll_until(Duration::from_secs(10), || q.exited().is_some()));
+    assert_eq!(q.exited().and_then(|s| s.code()), Some(2));
+    assert!(q.stderr().contains("port 80"), "{}", q.stderr());
+}
