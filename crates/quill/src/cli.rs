@@ -54,6 +54,9 @@ pub struct Invocation {
     pub jail: Option<PathBuf>,
     /// Commands in order, each with the argument it came from.
     pub commands: Vec<(String, Command)>,
+    /// `--takeover`: take the listening sockets over from the quill serving on the same
+    /// Unix control socket (binary upgrade, docs/UPGRADE.md).
+    pub takeover: bool,
 }
 
 /// A command-line error: the offending argument and why. Exit status 2.
@@ -107,6 +110,8 @@ TLS (rustls; TLS 1.3 and 1.2 only):
   -R            require a client certificate        -L ssl23|tls1.2|tls1.3  versions offered
   -Z            accepted (OpenSSL workarounds; rustls needs none)
   -P -Q -D -n -a -S N   accepted for compatibility with Pen, no effect
+  --takeover    binary upgrade: take the listening sockets over from the quill on the
+                same Unix control socket (-C), which then finishes its connections
   --help, --version
 Server fields: host (name, IPv4, or [IPv6]), port (default: the listening port),
   maxc soft limit, hard limit for returning clients (0 = unlimited), weight, prio.
@@ -139,6 +144,7 @@ pub fn parse<I: IntoIterator<Item = OsString>>(args: I) -> Result<Parsed, CliErr
     let mut exit_enabled = false;
     let mut user = None;
     let mut jail = None;
+    let mut takeover = false;
     let mut debug: u32 = 0;
     let mut commands: Vec<(String, Command)> = Vec::new();
     let mut emergency: Option<String> = None;
@@ -151,6 +157,7 @@ pub fn parse<I: IntoIterator<Item = OsString>>(args: I) -> Result<Parsed, CliErr
         match arg {
             Long("help") => return Ok(Parsed::Help),
             Long("version") => return Ok(Parsed::Version),
+            Long("takeover") => takeover = true,
             Long(other) => return Err(err(format!("--{other}"), "unknown option")),
             Value(v) => positional.push(
                 v.into_string()
@@ -365,6 +372,7 @@ pub fn parse<I: IntoIterator<Item = OsString>>(args: I) -> Result<Parsed, CliErr
         user,
         jail,
         commands,
+        takeover,
     }))
 }
 

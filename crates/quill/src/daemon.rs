@@ -22,11 +22,13 @@ use tokio::sync::{mpsc, watch, Notify};
 use crate::cli::{Invocation, Protocol};
 use crate::command::Command;
 use crate::config::{self, ConfigError};
-use crate::control::{self, Context, ControlAddr};
+use crate::control::upgrade::{self, UpgradeError};
+use crate::control::{self, Context, ControlAddr, ControlListener};
 use crate::net::{listen, ListenAddr};
 use crate::privileges;
 use crate::settings::{Action, Settings};
 use crate::state::State;
+use crate::systemd::{self, ActivationError};
 
 /// How long established connections may run on after SIGTERM/SIGINT.
 const SHUTDOWN_GRACE: Duration = Duration::from_secs(10);
@@ -71,6 +73,10 @@ pub enum StartError {
          docs/TRANSPARENT.md"
     )]
     Transparent(io::Error),
+    #[error("binary upgrade: {0}")]
+    Upgrade(#[from] UpgradeError),
+    #[error(transparent)]
+    Activation(#[from] ActivationError),
 }
 
 impl StartError {
@@ -84,6 +90,7 @@ impl StartError {
             | StartError::Privileges(_)
             | StartError::Tls(_)
             | StartError::Unsupported(_)
+            | StartError::Upgrade(UpgradeError::NeedsUnixControl | UpgradeError::Udp)
             | StartError::Dsr(crate::dsr::DsrError::Listen { .. })
             | StartError::Dsr(crate::dsr::DsrError::Server { .. }) => 2,
             _ => 1,
@@ -241,17 +248,63 @@ pub fn run(inv: Invocation) -> Result<(), StartError> {
             Some(crate::dsr::open(config)?)
         }
     };
-    let (listeners, udp_listeners) = match inv.protocol {
+    // The listening sockets come from the running quill (binary upgrade), from systemd
+    // (socket activation), or from our own bind, in that order of preference.
+    let takeover = if inv.takeover {
+        if inv.protocol == Protocol::Udp {
+            return Err(UpgradeError::Udp.into());
+        }
+        let Some(ControlAddr::Unix(path)) = &control_addr else {
+            return Err(UpgradeError::NeedsUnixControl.into());
+        };
+        Some(upgrade::take_over(path, &listen_addr)?)
+    } else {
+        None
+    };
+    let activated = match takeover {
+        Some(_) => None,
+        None => systemd::activated_listeners()?,
+    };
+    let (takeover_control, handshake, taken) = match takeover {
+        Some(t) => (Some(t.control), Some(t.handshake), Some(t.listeners)),
+        None => (None, None, None),
+    };
+    let (listeners, udp_listeners) = match (inv.protocol, taken, activated) {
         _ if dsr.is_some() => (Vec::new(), Vec::new()),
-        Protocol::Tcp => (
+        (Protocol::Udp, _, Some(_)) => {
+            return Err(StartError::Unsupported(
+                "socket activation of UDP sockets (-U)",
+            ))
+        }
+        (Protocol::Udp, _, None) => (Vec::new(), crate::net::udp::open(&listen_addr, workers)?),
+        (Protocol::Tcp, Some(taken), _) => {
+            if taken.len() != workers {
+                tracing::info!(
+                    "binary upgrade: {} event loop(s), one per listener handed over",
+                    taken.len()
+                );
+            }
+            (taken, Vec::new())
+        }
+        (Protocol::Tcp, None, Some(sockets)) => {
+            tracing::info!(
+                "socket activation: {} listener(s) from systemd",
+                sockets.len()
+            );
+            (
+                systemd::spread(sockets, workers).map_err(StartError::Runtime)?,
+                Vec::new(),
+            )
+        }
+        (Protocol::Tcp, None, None) => (
             listen::open(&listen_addr, workers, settings.backlog)?,
             Vec::new(),
         ),
-        Protocol::Udp => (Vec::new(), crate::net::udp::open(&listen_addr, workers)?),
     };
-    let control_listener = match &control_addr {
-        None => None,
-        Some(addr) => {
+    let control_listener = match (&control_addr, takeover_control) {
+        (_, Some(l)) => Some(ControlListener::Unix(l)),
+        (None, None) => None,
+        (Some(addr), None) => {
             let bound = addr.clone();
             let l = control::bind(&bound).map_err(|e| StartError::Control {
                 addr: addr.to_string(),
@@ -266,6 +319,18 @@ pub fn run(inv: Invocation) -> Result<(), StartError> {
             }
             Some(l)
         }
+    };
+    // Kept for a later binary upgrade to hand over.
+    let control_fd = match &control_listener {
+        Some(ControlListener::Unix(l)) => {
+            use std::os::fd::AsFd;
+            Some(
+                l.as_fd()
+                    .try_clone_to_owned()
+                    .map_err(StartError::Runtime)?,
+            )
+        }
+        _ => None,
     };
     if let Some(null) = dev_null {
         // Detach before any thread exists: fork() keeps only the calling thread.
@@ -328,7 +393,11 @@ pub fn run(inv: Invocation) -> Result<(), StartError> {
             .collect::<Vec<Command>>(),
         relisten,
         exit: Arc::new(Notify::new()),
+        listener_fds: std::sync::Mutex::new(Vec::new()),
+        control_fd: std::sync::Mutex::new(control_fd),
+        upgraded: std::sync::atomic::AtomicBool::new(false),
     });
+    ctx.remember_listeners(&listeners);
     // Before the first connection is accepted: the log is open and the start-up actions
     // (e.g. `server N blacklist T` in the file) are carried out. The listeners were opened
     // above, so re-listen actions are dropped.
@@ -375,19 +444,39 @@ pub fn run(inv: Invocation) -> Result<(), StartError> {
 
     tracing::info!("listening on {listen_addr} with {workers} event loop(s)");
 
-    rt.block_on(async {
+    let tasks = rt.block_on(async {
         // Health checks live on this (control) runtime, never on an event loop.
-        tokio::spawn(crate::health::supervise(Arc::clone(&state)));
+        let mut tasks = vec![tokio::spawn(crate::health::supervise(Arc::clone(&state)))];
         if let Some(l) = control_listener {
             let ctx = Arc::clone(&ctx);
-            tokio::spawn(async move {
+            tasks.push(tokio::spawn(async move {
                 if let Err(e) = control::serve(ctx, l).await {
                     tracing::error!("control socket: {e}");
                 }
-            });
+            }));
+        }
+        systemd::ready();
+        if let Some(h) = handshake {
+            // From here the old process stops accepting: this one serves alone.
+            match h.ready() {
+                Ok(()) => tracing::info!("binary upgrade: took over the listening sockets"),
+                Err(e) => tracing::error!("binary upgrade: could not tell the old process: {e}"),
+            }
         }
         handle_signals(&ctx, &mut signals).await;
+        tasks
     });
+    systemd::stopping();
+    // No more control connections or health checks: after an upgrade, the control socket
+    // is the new process's alone.
+    for t in tasks {
+        t.abort();
+    }
+    ctx.forget_sockets();
+    if ctx.upgraded.load(Relaxed) {
+        // The pid file and the sockets now belong to the new process.
+        cleanup.0.clear();
+    }
 
     tracing::info!(
         "stopping: no new connections; waiting up to {:?} for {} open",
@@ -433,10 +522,14 @@ async fn handle_signals(ctx: &Context, signals: &mut Signals) {
             _ = signals.term.recv() => return,
             _ = signals.int.recv() => return,
             _ = ctx.exit.notified() => return,
-            _ = signals.hup.recv() => match ctx.reload() {
-                Ok(()) => tracing::info!("configuration reloaded"),
-                Err(e) => tracing::error!("reload failed, the running configuration stays: {e}"),
-            },
+            _ = signals.hup.recv() => {
+                systemd::reloading();
+                match ctx.reload() {
+                    Ok(()) => tracing::info!("configuration reloaded"),
+                    Err(e) => tracing::error!("reload failed, the running configuration stays: {e}"),
+                }
+                systemd::ready();
+            }
             _ = signals.usr1.recv() => {
                 let stats = control::report::servers(&ctx.state);
                 tracing::warn!(

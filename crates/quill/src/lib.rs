@@ -23,4 +23,5 @@ pub mod proxy;
 pub mod settings;
 pub mod state;
 pub mod syslog;
+pub mod systemd;
 pub mod tls;

@@ -52,6 +52,10 @@ pub struct State {
     pub active: AtomicUsize,
     /// Upstream connects in progress.
     pub pending: AtomicUsize,
+    /// Accept loops paused at `pending_max`, waiting on `pending_released`.
+    pub accept_paused: AtomicUsize,
+    /// Signalled when a connect finishes while an accept loop is paused.
+    pub pending_released: tokio::sync::Notify,
     pub counters: Counters,
     /// Open connections by number; kept only when a control socket can ask for them.
     pub registry: Option<Arc<Registry>>,
@@ -76,6 +80,8 @@ impl State {
             cursor: AtomicUsize::new(usize::MAX),
             active: AtomicUsize::new(0),
             pending: AtomicUsize::new(0),
+            accept_paused: AtomicUsize::new(0),
+            pending_released: tokio::sync::Notify::new(),
             counters: Counters::default(),
             registry: registry.then(Arc::default),
             log: ArcSwapOption::empty(),

@@ -248,3 +248,37 @@ fn reset_and_failed_over_connections_leak_no_descriptors() {
         || b.open() == 0,
     );
 }
+
+#[test]
+fn a_burst_beyond_pending_max_waits_in_the_backlog_and_is_all_served() {
+    let _turn = one_at_a_time();
+    const BURST: usize = 400;
+    let a = IdentityBackend::start("a");
+    let q = Quill::start(&[
+        "-r",
+        "-x",
+        "1000",
+        "-q",
+        "1024",
+        "-O",
+        "pending_max 4",
+        "127.0.0.1:{port}",
+        &a.spec(),
+    ]);
+    // All connects complete in the kernel's backlog before quill has connected on even a
+    // few of them, so most of the burst arrives while pending_max is reached.
+    let mut clients: Vec<TcpStream> = (0..BURST).map(|_| q.connect_from("127.0.0.1")).collect();
+    wait_until(
+        Duration::from_secs(30),
+        format_args!("the backend holds all {BURST} connections"),
+        || a.open() >= BURST,
+    );
+    for (i, c) in clients.iter_mut().enumerate() {
+        c.set_read_timeout(Some(Duration::from_secs(5))).unwrap();
+        assert_eq!(
+            backend_name(c).as_deref(),
+            Some("a"),
+            "client {i} of the burst was not served"
+        );
+    }
+}

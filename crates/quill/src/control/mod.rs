@@ -9,11 +9,14 @@
 
 pub mod dispatch;
 pub mod report;
+pub mod upgrade;
 
 use std::io;
 use std::net::SocketAddr;
+use std::os::fd::OwnedFd;
 use std::path::{Path, PathBuf};
-use std::sync::Arc;
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
 use tokio::io::{AsyncReadExt, AsyncWriteExt};
@@ -46,8 +49,14 @@ pub struct Context {
     pub base_commands: Vec<Command>,
     /// One channel per event loop, to hand it a new listener.
     pub relisten: Vec<mpsc::UnboundedSender<Listener>>,
-    /// Notified by `exit`.
+    /// Notified by `exit`, and when a binary upgrade has handed the sockets over.
     pub exit: Arc<Notify>,
+    /// Duplicates of the current listening sockets, for a binary upgrade to hand over.
+    pub listener_fds: Mutex<Vec<OwnedFd>>,
+    /// A duplicate of the Unix control socket, for a binary upgrade to hand over.
+    pub control_fd: Mutex<Option<OwnedFd>>,
+    /// A new process took the sockets over: stop, and leave its files in place.
+    pub upgraded: AtomicBool,
 }
 
 impl Context {
@@ -122,9 +131,47 @@ impl Context {
 
     /// Gives each event loop its new listener; the old ones close, connections stay.
     pub fn hand_over(&self, listeners: Vec<Listener>) {
+        self.remember_listeners(&listeners);
         for (tx, l) in self.relisten.iter().zip(listeners) {
             let _ = tx.send(l);
         }
+    }
+
+    /// Keeps duplicates of the listeners that serve now, for a binary upgrade.
+    pub fn remember_listeners(&self, listeners: &[Listener]) {
+        let dups: Result<Vec<OwnedFd>, io::Error> =
+            listeners.iter().map(Listener::dup_fd).collect();
+        match dups {
+            Ok(d) => *self.listener_fds.lock().unwrap_or_else(|p| p.into_inner()) = d,
+            Err(e) => tracing::warn!("cannot keep the listeners for a binary upgrade: {e}"),
+        }
+    }
+
+    /// Duplicates of the listeners that serve now.
+    pub fn listener_dups(&self) -> io::Result<Vec<OwnedFd>> {
+        self.listener_fds
+            .lock()
+            .unwrap_or_else(|p| p.into_inner())
+            .iter()
+            .map(OwnedFd::try_clone)
+            .collect()
+    }
+
+    /// Closes the duplicates kept for an upgrade, so that once the event loops and the
+    /// control task have let go of the sockets, they really close (or live on only in the
+    /// process that took them over).
+    pub fn forget_sockets(&self) {
+        self.listener_fds
+            .lock()
+            .unwrap_or_else(|p| p.into_inner())
+            .clear();
+        *self.control_fd.lock().unwrap_or_else(|p| p.into_inner()) = None;
+    }
+
+    /// A new process serves the sockets now: this one stops accepting and finishes.
+    pub fn hand_off(&self) {
+        self.upgraded.store(true, Ordering::SeqCst);
+        self.exit.notify_one();
     }
 
     /// Applies a file on top of the running configuration (`include`), all or nothing.
@@ -312,7 +359,7 @@ pub async fn serve(ctx: Arc<Context>, listener: ControlListener) -> io::Result<(
                     }
                 };
                 let ctx = Arc::clone(&ctx);
-                tokio::spawn(async move { answer(&ctx, sock).await });
+                tokio::spawn(async move { answer_unix(&ctx, sock).await });
             }
         }
     }
@@ -323,7 +370,26 @@ async fn answer<S: tokio::io::AsyncRead + tokio::io::AsyncWrite + Unpin>(
     ctx: &Context,
     mut sock: S,
 ) {
-    let reply = match tokio::time::timeout(READ_TIMEOUT, read_line(&mut sock)).await {
+    let line = tokio::time::timeout(READ_TIMEOUT, read_line(&mut sock)).await;
+    reply(ctx, sock, line).await;
+}
+
+/// As [`answer`], and on a Unix socket `upgrade` hands the sockets to a new process.
+async fn answer_unix(ctx: &Context, mut sock: tokio::net::UnixStream) {
+    let line = tokio::time::timeout(READ_TIMEOUT, read_line(&mut sock)).await;
+    if matches!(&line, Ok(Ok(l)) if l == "upgrade") {
+        upgrade::offer(ctx, sock).await;
+        return;
+    }
+    reply(ctx, sock, line).await;
+}
+
+async fn reply<S: tokio::io::AsyncWrite + Unpin>(
+    ctx: &Context,
+    mut sock: S,
+    line: Result<Result<String, String>, tokio::time::error::Elapsed>,
+) {
+    let reply = match line {
         Err(_) => "error: no command received in time\n".to_string(),
         Ok(Err(reason)) => format!("error: {reason}\n"),
         Ok(Ok(line)) => dispatch::execute_line(ctx, &line),

@@ -86,6 +86,25 @@ pub enum Listener {
     Unix(StdUnixListener),
 }
 
+impl Listener {
+    /// Another descriptor of the same socket (same accept queue).
+    pub fn try_clone(&self) -> io::Result<Listener> {
+        Ok(match self {
+            Listener::Tcp(l) => Listener::Tcp(l.try_clone()?),
+            Listener::Unix(l) => Listener::Unix(l.try_clone()?),
+        })
+    }
+
+    /// A duplicate of the descriptor, to hand to another process.
+    pub fn dup_fd(&self) -> io::Result<std::os::fd::OwnedFd> {
+        use std::os::fd::AsFd;
+        match self {
+            Listener::Tcp(l) => l.as_fd().try_clone_to_owned(),
+            Listener::Unix(l) => l.as_fd().try_clone_to_owned(),
+        }
+    }
+}
+
 /// A non-blocking socket of `kind` bound to `addr` for listening (TCP or UDP), with
 /// SO_REUSEADDR, SO_REUSEPORT if asked, and dual-stack for `:::port`.
 pub(crate) fn bound_socket(

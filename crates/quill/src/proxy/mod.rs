@@ -4,6 +4,7 @@
 pub mod dummy;
 pub mod registry;
 pub mod relay;
+pub mod splice;
 pub mod stream;
 pub mod tcp;
 pub mod udp;

@@ -7,6 +7,10 @@
 //! non-empty, the direction stops reading (backpressure), so memory per connection is bounded
 //! by one scratch-sized read.
 //!
+//! A direction that reads a full scratch buffer is moving bulk data: it switches to
+//! splice(2) through a pooled kernel pipe (see [`super::splice`]) until its source runs dry,
+//! so bulk bytes are not copied through user space at all.
+//!
 //! Invariants: bytes are forwarded in order and never dropped; an EOF is passed on with
 //! `shutdown(SHUT_WR)` only after everything read before it was written; the relay ends when
 //! both directions are done, on an error, on `tcp_fastclose`, or when idle too long.
@@ -23,6 +27,7 @@ use tokio::io::Interest;
 use tokio::net::{TcpStream, UnixStream};
 use tokio::time::{Instant, Sleep};
 
+use super::splice::{KernelPipe, PIPE_SIZE};
 use crate::command::FastClose;
 
 /// Bytes read per system call; also the most a slow peer can make a connection buffer.
@@ -46,6 +51,10 @@ pub trait Stream {
     fn read_now(&self, buf: &mut [u8]) -> io::Result<usize>;
     fn try_write(&self, buf: &[u8]) -> io::Result<usize>;
     fn shutdown_write(&self) -> io::Result<()>;
+    /// Moves up to `len` bytes from this socket into `pipe` (splice); 0 means EOF.
+    fn try_splice_out(&self, pipe: &KernelPipe, len: usize) -> io::Result<usize>;
+    /// Moves up to `len` bytes from `pipe` into this socket (splice).
+    fn try_splice_in(&self, pipe: &KernelPipe, len: usize) -> io::Result<usize>;
 }
 
 macro_rules! impl_stream {
@@ -86,6 +95,12 @@ macro_rules! impl_stream {
             }
             fn shutdown_write(&self) -> io::Result<()> {
                 socket2::SockRef::from(self).shutdown(Shutdown::Write)
+            }
+            fn try_splice_out(&self, pipe: &KernelPipe, len: usize) -> io::Result<usize> {
+                self.try_io(Interest::READABLE, || pipe.fill_from(self, len))
+            }
+            fn try_splice_in(&self, pipe: &KernelPipe, len: usize) -> io::Result<usize> {
+                self.try_io(Interest::WRITABLE, || pipe.drain_into(self, len))
             }
         }
     };
@@ -145,6 +160,24 @@ struct Pipe {
     /// Capture the start of the first read here (only while empty and asked for).
     first: Option<Vec<u8>>,
     bytes: u64,
+    /// The kernel pipe of bulk mode, held only while bulk data flows.
+    bulk: Option<KernelPipe>,
+    /// Bytes in `bulk` not yet written on.
+    in_bulk: usize,
+    /// The last read filled the scratch buffer: the next goes through a kernel pipe.
+    go_bulk: bool,
+    /// splice(2) failed on these sockets: copy only.
+    no_splice: bool,
+}
+
+impl Drop for Pipe {
+    fn drop(&mut self) {
+        if let Some(pipe) = self.bulk.take() {
+            if self.in_bulk == 0 {
+                pipe.give_back();
+            }
+        }
+    }
 }
 
 impl Pipe {
@@ -177,6 +210,21 @@ impl Pipe {
                 self.pending = Vec::new();
                 self.written = 0;
             }
+            while self.in_bulk > 0 {
+                let Some(pipe) = self.bulk.as_ref() else {
+                    break;
+                };
+                ready!(dst.poll_write_ready(cx))?;
+                match dst.try_splice_in(pipe, self.in_bulk) {
+                    Ok(0) => return Poll::Ready(Err(ErrorKind::WriteZero.into())),
+                    Ok(n) => {
+                        self.in_bulk -= n;
+                        *active = true;
+                    }
+                    Err(e) if e.kind() == ErrorKind::WouldBlock => continue,
+                    Err(e) => return Poll::Ready(Err(e)),
+                }
+            }
             if self.eof {
                 // When the other direction is finished too, close() follows at once and
                 // sends the FIN itself: the shutdown would be a wasted system call.
@@ -196,6 +244,38 @@ impl Pipe {
                 return Poll::Pending;
             }
             budget -= 1;
+            if self.go_bulk && self.bulk.is_none() {
+                self.bulk = KernelPipe::take();
+                self.go_bulk = self.bulk.is_some();
+            }
+            if let Some(pipe) = self.bulk.as_ref() {
+                ready!(src.poll_read_ready(cx))?;
+                // The pipe is empty here, so WouldBlock can only mean that the source is.
+                match src.try_splice_out(pipe, PIPE_SIZE) {
+                    Ok(0) => self.eof = true,
+                    Ok(n) => {
+                        self.bytes += n as u64;
+                        self.in_bulk = n;
+                        *active = true;
+                    }
+                    Err(e) => {
+                        let dry = e.kind() == ErrorKind::WouldBlock;
+                        let unsupported =
+                            matches!(e.kind(), ErrorKind::InvalidInput | ErrorKind::Unsupported);
+                        if !dry && !unsupported {
+                            return Poll::Ready(Err(e));
+                        }
+                        // Bulk transfer over (or impossible): back to plain reads, and the
+                        // empty pipe back to the pool.
+                        self.no_splice |= unsupported;
+                        self.go_bulk = false;
+                        if let Some(pipe) = self.bulk.take() {
+                            pipe.give_back();
+                        }
+                    }
+                }
+                continue;
+            }
             // The first read skips the wait for readiness: a new connection's first bytes
             // (a request) are usually there already, and this saves an event-loop round.
             let speculate = !self.speculated;
@@ -221,6 +301,7 @@ impl Pipe {
                 };
                 self.bytes += n as u64;
                 *active = true;
+                self.go_bulk = n == buf.len() && !self.no_splice;
                 if let Some(first) = self.first.as_mut().filter(|f| f.is_empty()) {
                     first.extend_from_slice(&buf[..n.min(crate::connlog::REQUEST_BYTES)]);
                 }
@@ -249,10 +330,8 @@ pub async fn relay<C: Stream + ?Sized, S: Stream + ?Sized>(
     server: &S,
     opts: RelayOptions,
 ) -> Outcome {
-    let mut up = Pipe {
-        first: opts.capture.then(Vec::new),
-        ..Pipe::default()
-    };
+    let mut up = Pipe::default();
+    up.first = opts.capture.then(Vec::new);
     let mut down = Pipe::default();
     let mut active = false;
     // The timer is allocated only when an idle timeout is configured. It is not reset on
@@ -300,6 +379,6 @@ pub async fn relay<C: Stream + ?Sized, S: Stream + ?Sized>(
         up: up.bytes,
         down: down.bytes,
         end,
-        first: up.first.unwrap_or_default(),
+        first: up.first.take().unwrap_or_default(),
     }
 }

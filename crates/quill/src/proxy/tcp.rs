@@ -7,7 +7,10 @@
 
 use std::io;
 use std::net::{IpAddr, Ipv4Addr, SocketAddr};
-use std::sync::atomic::{AtomicUsize, Ordering::Relaxed};
+use std::sync::atomic::{
+    AtomicUsize,
+    Ordering::{Relaxed, SeqCst},
+};
 use std::sync::Arc;
 use std::time::Duration;
 
@@ -100,9 +103,28 @@ async fn accept_loop<L: Accept>(
     shutdown: &mut watch::Receiver<bool>,
     relisten: &mut mpsc::UnboundedReceiver<Listener>,
 ) -> Option<Listener> {
-    // Accepts left before yielding; the setting is read once per batch, not per accept.
+    // Accepts left before yielding; the settings are read once per batch, not per accept.
     let mut budget = state.settings().multi_accept;
     loop {
+        // Pen's pending_max: while that many connections are still connecting to their
+        // server, stop accepting and let the kernel's backlog hold the next clients, rather
+        // than accept them only to close them.
+        if state.pending.load(Relaxed) >= state.settings().pending_max {
+            let notified = state.pending_released.notified();
+            // SeqCst here and in `Connecting::drop`: either this check sees the connect
+            // finished, or that connect sees the pause and notifies; never neither.
+            state.accept_paused.fetch_add(1, SeqCst);
+            let _paused = Held(&state.accept_paused);
+            if state.pending.load(SeqCst) >= state.settings().pending_max {
+                tokio::select! {
+                    biased;
+                    _ = shutdown.changed() => return None,
+                    Some(next) = relisten.recv() => return Some(next),
+                    _ = notified => {}
+                }
+            }
+            continue;
+        }
         tokio::select! {
             biased;
             _ = shutdown.changed() => return None,
@@ -173,6 +195,26 @@ struct Held<'a>(&'a AtomicUsize);
 impl Drop for Held<'_> {
     fn drop(&mut self) {
         self.0.fetch_sub(1, Relaxed);
+    }
+}
+
+/// One upstream connect in progress, counted in `State::pending` until dropped; accept
+/// loops paused at `pending_max` are woken when it ends.
+struct Connecting<'a>(&'a State);
+
+impl<'a> Connecting<'a> {
+    fn start(state: &'a State) -> Connecting<'a> {
+        state.pending.fetch_add(1, Relaxed);
+        Connecting(state)
+    }
+}
+
+impl Drop for Connecting<'_> {
+    fn drop(&mut self) {
+        self.0.pending.fetch_sub(1, SeqCst);
+        if self.0.accept_paused.load(SeqCst) > 0 {
+            self.0.pending_released.notify_waiters();
+        }
     }
 }
 
@@ -409,12 +451,9 @@ async fn choose_and_connect<'s>(
     peer: SocketAddr,
     opts: SocketOptions,
 ) -> Option<(Server, Lease<'s>)> {
-    if state.pending.fetch_add(1, Relaxed) >= settings.pending_max {
-        state.pending.fetch_sub(1, Relaxed);
-        tracing::debug!(%peer, "refused: pending_max {} reached", settings.pending_max);
-        return None;
-    }
-    let _pending = Held(&state.pending);
+    // The accept loop keeps this near `pending_max`; a burst accepted before the limit
+    // was seen may pass it briefly, which is better than closing those clients.
+    let _pending = Connecting::start(state);
     let mut selector = Selector::new(
         settings,
         &state.servers,

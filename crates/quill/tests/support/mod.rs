@@ -27,6 +27,7 @@
 pub mod ctl;
 pub mod dns;
 pub mod hosts;
+pub mod load;
 pub mod netns;
 
 use std::collections::{HashMap, HashSet};

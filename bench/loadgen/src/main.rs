@@ -1,0 +1,380 @@
+//! quill-loadgen: the load generator of quill's benchmark for what wrk cannot do.
+//!
+//! * `latency`: open-loop, constant request rate over keep-alive connections, latency
+//!   measured from each request's *scheduled* send time, so a stalled balancer is charged
+//!   for the requests it delayed (no coordinated omission, as wrk2 does it).
+//! * `count`: a fixed number of keep-alive requests as fast as possible (for strace -c,
+//!   where the figure of merit is system calls per request, not speed).
+//! * `idle`: opens N connections spread over several source addresses and holds them
+//!   until stdin closes (memory per idle proxied connection).
+//!
+//! One OS thread per connection with plain blocking sockets: `thread::sleep` paces with
+//! microsecond precision (hrtimers), which a millisecond-tick async timer cannot. Every
+//! result is one JSON object on stdout.
+
+use std::io::{self, BufRead, Read, Write};
+use std::net::{IpAddr, SocketAddr, TcpStream};
+use std::process::ExitCode;
+use std::thread;
+use std::time::{Duration, Instant};
+
+use hdrhistogram::Histogram;
+use serde_json::json;
+use socket2::{Domain, Socket, Type};
+
+const USAGE: &str = "usage:
+  quill-loadgen latency --addr HOST:PORT [--path /1k] --rate REQ_PER_S [--connections 50] [--duration 10] [--warmup 2]
+  quill-loadgen count   --addr HOST:PORT [--path /1k] --requests N [--connections 50]
+  quill-loadgen idle    --addr HOST:PORT --connections N [--sources 127.0.0.2,127.0.0.3]";
+
+/// Longest response head accepted; the benchmark's backends send small heads.
+const MAX_HEAD: usize = 16 * 1024;
+
+#[derive(Debug)]
+struct Args {
+    mode: String,
+    addr: SocketAddr,
+    path: String,
+    rate: f64,
+    connections: usize,
+    duration: Duration,
+    warmup: Duration,
+    requests: u64,
+    sources: Vec<IpAddr>,
+}
+
+fn parse_args() -> Result<Args, String> {
+    use lexopt::prelude::*;
+    let mut p = lexopt::Parser::from_env();
+    let mut mode = None;
+    let mut addr = None;
+    let mut a = Args {
+        mode: String::new(),
+        addr: SocketAddr::from(([127, 0, 0, 1], 0)),
+        path: "/1k".into(),
+        rate: 0.0,
+        connections: 50,
+        duration: Duration::from_secs(10),
+        warmup: Duration::from_secs(2),
+        requests: 0,
+        sources: Vec::new(),
+    };
+    fn num<T: std::str::FromStr>(p: &mut lexopt::Parser, what: &str) -> Result<T, String> {
+        let v = p.value().map_err(|e| e.to_string())?;
+        let s = v.to_string_lossy().into_owned();
+        s.parse().map_err(|_| format!("{what}: not a number: {s}"))
+    }
+    while let Some(arg) = p.next().map_err(|e| e.to_string())? {
+        match arg {
+            Long("addr") => {
+                let v = p.value().map_err(|e| e.to_string())?;
+                let s = v.to_string_lossy().into_owned();
+                addr = Some(s.parse().map_err(|_| format!("--addr: not HOST:PORT: {s}"))?);
+            }
+            Long("path") => {
+                a.path = p
+                    .value()
+                    .map_err(|e| e.to_string())?
+                    .to_string_lossy()
+                    .into()
+            }
+            Long("rate") => a.rate = num(&mut p, "--rate")?,
+            Long("connections") => a.connections = num(&mut p, "--connections")?,
+            Long("duration") => a.duration = Duration::from_secs_f64(num(&mut p, "--duration")?),
+            Long("warmup") => a.warmup = Duration::from_secs_f64(num(&mut p, "--warmup")?),
+            Long("requests") => a.requests = num(&mut p, "--requests")?,
+            Long("sources") => {
+                let v = p.value().map_err(|e| e.to_string())?;
+                for s in v.to_string_lossy().split(',').filter(|s| !s.is_empty()) {
+                    a.sources
+                        .push(s.parse().map_err(|_| format!("--sources: not an IP: {s}"))?);
+                }
+            }
+            Long("help") | Short('h') => return Err(USAGE.into()),
+            Value(v) if mode.is_none() => mode = Some(v.to_string_lossy().into_owned()),
+            other => return Err(format!("{}\n{USAGE}", other.unexpected())),
+        }
+    }
+    a.mode = mode.ok_or(USAGE)?;
+    a.addr = addr.ok_or("--addr is required")?;
+    if a.connections == 0 {
+        return Err("--connections must be at least 1".into());
+    }
+    Ok(a)
+}
+
+fn main() -> ExitCode {
+    let args = match parse_args() {
+        Ok(a) => a,
+        Err(e) => {
+            eprintln!("quill-loadgen: {e}");
+            return ExitCode::from(2);
+        }
+    };
+    let result = match args.mode.as_str() {
+        "latency" if args.rate > 0.0 => latency(&args),
+        "latency" => Err("latency needs --rate > 0".into()),
+        "count" if args.requests > 0 => count(&args),
+        "count" => Err("count needs --requests > 0".into()),
+        "idle" => idle(&args),
+        m => Err(format!("unknown mode {m}\n{USAGE}")),
+    };
+    match result {
+        Ok(v) => {
+            println!("{v}");
+            ExitCode::SUCCESS
+        }
+        Err(e) => {
+            eprintln!("quill-loadgen: {e}");
+            ExitCode::FAILURE
+        }
+    }
+}
+
+/// One keep-alive HTTP/1.1 client connection with its read buffer.
+struct Client {
+    stream: TcpStream,
+    request: Vec<u8>,
+    buf: Vec<u8>,
+}
+
+impl Client {
+    fn connect(addr: SocketAddr, path: &str) -> io::Result<Client> {
+        let stream = TcpStream::connect(addr)?;
+        stream.set_nodelay(true)?;
+        stream.set_read_timeout(Some(Duration::from_secs(10)))?;
+        let request = format!("GET {path} HTTP/1.1\r\nHost: {addr}\r\n\r\n").into_bytes();
+        Ok(Client {
+            stream,
+            request,
+            buf: Vec::with_capacity(4096),
+        })
+    }
+
+    fn send(&mut self) -> io::Result<()> {
+        self.stream.write_all(&self.request)
+    }
+
+    /// Reads one whole response (head and Content-Length body). Bytes after it stay in
+    /// the buffer for the next response.
+    fn receive(&mut self) -> io::Result<u16> {
+        loop {
+            let mut headers = [httparse::EMPTY_HEADER; 32];
+            let mut resp = httparse::Response::new(&mut headers);
+            match resp.parse(&self.buf) {
+                Ok(httparse::Status::Complete(head)) => {
+                    let status = resp.code.unwrap_or(0);
+                    let len = content_length(resp.headers)?;
+                    let total = head + len;
+                    while self.buf.len() < total {
+                        self.fill()?;
+                    }
+                    self.buf.drain(..total);
+                    return Ok(status);
+                }
+                Ok(httparse::Status::Partial) if self.buf.len() < MAX_HEAD => self.fill()?,
+                Ok(httparse::Status::Partial) => return Err(bad("response head too long")),
+                Err(e) => return Err(bad(&format!("bad response: {e}"))),
+            }
+        }
+    }
+
+    fn fill(&mut self) -> io::Result<()> {
+        let mut chunk = [0u8; 64 * 1024];
+        let n = self.stream.read(&mut chunk)?;
+        if n == 0 {
+            return Err(io::ErrorKind::UnexpectedEof.into());
+        }
+        self.buf.extend_from_slice(&chunk[..n]);
+        Ok(())
+    }
+}
+
+fn content_length(headers: &[httparse::Header<'_>]) -> io::Result<usize> {
+    for h in headers {
+        if h.name.eq_ignore_ascii_case("content-length") {
+            return std::str::from_utf8(h.value)
+                .ok()
+                .and_then(|s| s.trim().parse().ok())
+                .ok_or_else(|| bad("bad Content-Length"));
+        }
+    }
+    Err(bad("response without Content-Length"))
+}
+
+fn bad(msg: &str) -> io::Error {
+    io::Error::new(io::ErrorKind::InvalidData, msg.to_string())
+}
+
+/// What one connection thread measured.
+struct Tally {
+    hist: Histogram<u64>,
+    ok: u64,
+    errors: u64,
+    late: u64,
+}
+
+fn new_hist() -> Result<Histogram<u64>, String> {
+    // 1 µs .. 60 s, 3 significant digits.
+    Histogram::new_with_bounds(1, 60_000_000, 3).map_err(|e| e.to_string())
+}
+
+fn latency(a: &Args) -> Result<serde_json::Value, String> {
+    let period = Duration::from_secs_f64(a.connections as f64 / a.rate);
+    let start = Instant::now() + Duration::from_millis(100);
+    let measure_from = start + a.warmup;
+    let end = measure_from + a.duration;
+    let mut threads = Vec::with_capacity(a.connections);
+    for i in 0..a.connections {
+        let (addr, path) = (a.addr, a.path.clone());
+        // Stagger the connections evenly over one period.
+        let first = start + period.mul_f64(i as f64 / a.connections as f64);
+        threads.push(thread::spawn(move || -> Result<Tally, String> {
+            let mut t = Tally {
+                hist: new_hist()?,
+                ok: 0,
+                errors: 0,
+                late: 0,
+            };
+            let mut client = Client::connect(addr, &path).map_err(|e| format!("connect: {e}"))?;
+            let mut due = first;
+            while due < end {
+                let now = Instant::now();
+                if due > now {
+                    thread::sleep(due - now);
+                } else if now - due > period {
+                    t.late += 1;
+                }
+                let outcome = client.send().and_then(|()| client.receive());
+                let done = Instant::now();
+                let counted = due >= measure_from;
+                match outcome {
+                    Ok(200) if counted => {
+                        t.ok += 1;
+                        let us = done.duration_since(due).as_micros() as u64;
+                        t.hist.saturating_record(us.max(1));
+                    }
+                    Ok(200) => {}
+                    Ok(_) | Err(_) => {
+                        if counted {
+                            t.errors += 1;
+                        }
+                        if outcome.is_err() {
+                            client = Client::connect(addr, &path)
+                                .map_err(|e| format!("reconnect: {e}"))?;
+                        }
+                    }
+                }
+                due += period;
+            }
+            Ok(t)
+        }));
+    }
+    let mut all = new_hist()?;
+    let (mut ok, mut errors, mut late) = (0, 0, 0);
+    for t in threads {
+        let t = t.join().map_err(|_| "a connection thread panicked")??;
+        all.add(&t.hist).map_err(|e| e.to_string())?;
+        ok += t.ok;
+        errors += t.errors;
+        late += t.late;
+    }
+    let secs = a.duration.as_secs_f64();
+    Ok(json!({
+        "mode": "latency",
+        "target_rate": a.rate,
+        "achieved_rate": ok as f64 / secs,
+        "connections": a.connections,
+        "duration_s": secs,
+        "ok": ok,
+        "errors": errors,
+        "late_sends": late,
+        "p50_us": all.value_at_quantile(0.50),
+        "p90_us": all.value_at_quantile(0.90),
+        "p99_us": all.value_at_quantile(0.99),
+        "p999_us": all.value_at_quantile(0.999),
+        "max_us": all.max(),
+        "mean_us": all.mean(),
+    }))
+}
+
+fn count(a: &Args) -> Result<serde_json::Value, String> {
+    let per = a.requests.div_ceil(a.connections as u64);
+    let started = Instant::now();
+    let mut threads = Vec::with_capacity(a.connections);
+    for _ in 0..a.connections {
+        let (addr, path) = (a.addr, a.path.clone());
+        threads.push(thread::spawn(move || -> Result<(u64, u64), String> {
+            let mut client = Client::connect(addr, &path).map_err(|e| format!("connect: {e}"))?;
+            let (mut ok, mut errors) = (0, 0);
+            for _ in 0..per {
+                match client.send().and_then(|()| client.receive()) {
+                    Ok(200) => ok += 1,
+                    Ok(_) => errors += 1,
+                    Err(_) => {
+                        errors += 1;
+                        client = Client::connect(addr, &path)
+                            .map_err(|e| format!("reconnect: {e}"))?;
+                    }
+                }
+            }
+            Ok((ok, errors))
+        }));
+    }
+    let (mut ok, mut errors) = (0, 0);
+    for t in threads {
+        let (o, e) = t.join().map_err(|_| "a connection thread panicked")??;
+        ok += o;
+        errors += e;
+    }
+    Ok(json!({
+        "mode": "count",
+        "ok": ok,
+        "errors": errors,
+        "seconds": started.elapsed().as_secs_f64(),
+    }))
+}
+
+fn idle(a: &Args) -> Result<serde_json::Value, String> {
+    let sources = if a.sources.is_empty() {
+        vec![IpAddr::from([127, 0, 0, 1])]
+    } else {
+        a.sources.clone()
+    };
+    let started = Instant::now();
+    let mut held = Vec::with_capacity(a.connections);
+    for i in 0..a.connections {
+        let src = sources[i % sources.len()];
+        let sock = Socket::new(Domain::for_address(a.addr), Type::STREAM, None)
+            .map_err(|e| format!("socket: {e}"))?;
+        sock.bind(&SocketAddr::new(src, 0).into())
+            .map_err(|e| format!("bind {src}: {e}"))?;
+        sock.connect(&a.addr.into())
+            .map_err(|e| format!("connect #{i} from {src}: {e}"))?;
+        held.push(sock);
+    }
+    let connect_s = started.elapsed().as_secs_f64();
+    println!(
+        "{}",
+        json!({"mode": "idle", "connected": held.len(), "connect_s": connect_s})
+    );
+    io::stdout().flush().map_err(|e| e.to_string())?;
+    // Hold until the harness closes our stdin, then check every connection is still open.
+    for line in io::stdin().lock().lines() {
+        if line.is_err() {
+            break;
+        }
+    }
+    let mut closed = 0;
+    for s in &held {
+        s.set_nonblocking(true).map_err(|e| e.to_string())?;
+        let mut b = [std::mem::MaybeUninit::<u8>::uninit(); 1];
+        match s.recv(&mut b) {
+            Ok(0) => closed += 1,
+            Ok(_) => {}
+            Err(e) if e.kind() == io::ErrorKind::WouldBlock => {}
+            Err(_) => closed += 1,
+        }
+    }
+    Ok(json!({"mode": "idle", "held": held.len(), "closed_by_peer": closed}))
+}
