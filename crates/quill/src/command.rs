@@ -101,6 +101,11 @@ pub enum Command {
     Listen(Option<Word>),
     /// `control_acl N`: check control-socket clients against list N.
     ControlAcl(AclId),
+    /// `metrics_listen [[ADDR:]PORT]` (extension): serve Prometheus metrics, the JSON status
+    /// and the web dashboard over HTTP there (a bare port means 127.0.0.1); no argument asks.
+    MetricsListen(Option<Word>),
+    /// `no metrics_listen` (extension): close the metrics listener.
+    NoMetricsListen,
     /// `log [FILE]` / `no log`: the connection log.
     Log(Option<Word>),
     NoLog,
@@ -190,6 +195,9 @@ pub enum Command {
     CheckRise(u32),
     /// `check_fall N` (extension): failures in a row that take a server down.
     CheckFall(u32),
+    /// `shutdown_grace N` (extension): seconds open connections may run on after quill
+    /// stops accepting (TERM, `exit`, a binary upgrade); 0 = as long as they last.
+    ShutdownGrace(u64),
     /// `slow_start N` (extension): seconds over which a server that comes back up ramps
     /// from a small share of its weight to all of it (0 = at once).
     SlowStart(u64),
@@ -802,6 +810,7 @@ fn command_name(word: &str) -> Option<&'static str> {
         "udp_idle_timeout",
         "listen",
         "control_acl",
+        "metrics_listen",
         "log",
         "web_stats",
         "abort_on_error",
@@ -838,6 +847,7 @@ fn command_name(word: &str) -> Option<&'static str> {
         "check_rise",
         "check_fall",
         "slow_start",
+        "shutdown_grace",
         "dsr_if",
         "tarpit_acl",
         "transparent",
@@ -894,6 +904,7 @@ fn parse_negated(command: &'static str, w: &mut Words<'_>) -> Result<Command, Pa
         "acl" => Command::NoAcl(w.acl_id()?),
         "log" => Command::NoLog,
         "web_stats" => Command::NoWebStats,
+        "metrics_listen" => Command::NoMetricsListen,
         "abort_on_error" => Command::AbortOnError(false),
         "ssl_cert" => Command::SslCert(None),
         "ssl_key" => Command::SslKey(None),
@@ -1013,6 +1024,7 @@ fn parse_positive(command: &'static str, w: &mut Words<'_>) -> Result<Command, P
         }
         "listen" => Command::Listen(w.optional_word("an address")?),
         "control_acl" => Command::ControlAcl(w.acl_id()?),
+        "metrics_listen" => Command::MetricsListen(w.optional_word("[address:]port")?),
         "log" => Command::Log(w.optional_word("a file name")?),
         "web_stats" => Command::WebStats(w.optional_word("a file name")?),
         "abort_on_error" => Command::AbortOnError(true),
@@ -1076,6 +1088,7 @@ fn parse_positive(command: &'static str, w: &mut Words<'_>) -> Result<Command, P
         "check_rise" => Command::CheckRise(w.count()?),
         "check_fall" => Command::CheckFall(w.count()?),
         "slow_start" => Command::SlowStart(w.number("number of seconds")?),
+        "shutdown_grace" => Command::ShutdownGrace(w.number("number of seconds")?),
         "dsr_if" => {
             let name = w.word("an interface name")?;
             // Linux interface names: 1-15 bytes, no '/' (they are sysfs file names).
@@ -1353,6 +1366,8 @@ impl fmt::Display for Command {
             Command::UdpIdleTimeout(v) => with_optional(f, "udp_idle_timeout", v),
             Command::Listen(a) => with_optional(f, "listen", a),
             Command::ControlAcl(list) => write!(f, "control_acl {list}"),
+            Command::MetricsListen(a) => with_optional(f, "metrics_listen", a),
+            Command::NoMetricsListen => f.write_str("no metrics_listen"),
             Command::Log(file) => with_optional(f, "log", file),
             Command::NoLog => f.write_str("no log"),
             Command::WebStats(file) => with_optional(f, "web_stats", file),
@@ -1395,6 +1410,7 @@ impl fmt::Display for Command {
             Command::CheckRise(n) => write!(f, "check_rise {n}"),
             Command::CheckFall(n) => write!(f, "check_fall {n}"),
             Command::SlowStart(n) => write!(f, "slow_start {n}"),
+            Command::ShutdownGrace(n) => write!(f, "shutdown_grace {n}"),
             Command::DsrIf(name) => write!(f, "dsr_if {name}"),
             Command::TarpitAcl(list) => with_optional(f, "tarpit_acl", list),
             Command::NoTarpitAcl => f.write_str("no tarpit_acl"),
@@ -1632,6 +1648,8 @@ mod roundtrip {
             proptest::option::of(1u64..).prop_map(Command::UdpIdleTimeout),
             proptest::option::of(word()).prop_map(Command::Listen),
             acl_id().prop_map(Command::ControlAcl),
+            proptest::option::of(word()).prop_map(Command::MetricsListen),
+            Just(Command::NoMetricsListen),
             proptest::option::of(word()).prop_map(Command::Log),
             Just(Command::NoLog),
             proptest::option::of(word()).prop_map(Command::WebStats),
@@ -1656,6 +1674,7 @@ mod roundtrip {
             (1u32..).prop_map(Command::CheckRise),
             (1u32..).prop_map(Command::CheckFall),
             any::<u64>().prop_map(Command::SlowStart),
+            any::<u64>().prop_map(Command::ShutdownGrace),
             "[a-z][a-z0-9.-]{0,14}".prop_map(|w| Command::DsrIf(Word(w))),
             proptest::option::of(acl_id()).prop_map(Command::TarpitAcl),
             Just(Command::NoTarpitAcl),

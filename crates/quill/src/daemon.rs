@@ -7,7 +7,9 @@
 //! starts a thread, so a bad start exits with a message and nothing is half started.
 //! Signals: HUP reloads the configuration file and reopens the log; USR1 reports statistics
 //! and rewrites the `web_stats` file; TERM and INT stop accepting, let open connections
-//! finish for a bounded time, remove the pid file and Unix sockets, and exit 0.
+//! finish for `shutdown_grace` (a second TERM/INT cuts that short), remove the pid file and
+//! Unix sockets, and exit 0. After a binary upgrade (`--takeover` in the new process) the
+//! old one stops the same way but leaves the files, which are the new process's.
 
 use std::io;
 use std::path::PathBuf;
@@ -29,9 +31,6 @@ use crate::privileges;
 use crate::settings::{Action, Settings};
 use crate::state::State;
 use crate::systemd::{self, ActivationError};
-
-/// How long established connections may run on after SIGTERM/SIGINT.
-const SHUTDOWN_GRACE: Duration = Duration::from_secs(10);
 
 /// Why the daemon could not start. Each variant carries what the user needs to fix it.
 #[derive(Debug, thiserror::Error)]
@@ -65,6 +64,8 @@ pub enum StartError {
     Privileges(String),
     #[error("{0}")]
     Tls(#[from] crate::tls::TlsError),
+    #[error("{0}")]
+    Metrics(String),
     #[error(transparent)]
     Dsr(#[from] crate::dsr::DsrError),
     #[error(
@@ -320,6 +321,20 @@ pub fn run(inv: Invocation) -> Result<(), StartError> {
             Some(l)
         }
     };
+    // Bound like the other listeners: before detaching and before dropping privileges.
+    // In a binary upgrade the old process still holds it: it is bound once that one has
+    // let go (see `rebind_metrics_after_upgrade`).
+    let metrics_listener = match settings.metrics_listen {
+        None => None,
+        Some(addr) => {
+            warn_if_control_open(&settings, addr);
+            if inv.takeover {
+                None
+            } else {
+                Some(control::web::bind(addr).map_err(|e| StartError::Metrics(e.to_string()))?)
+            }
+        }
+    };
     // Kept for a later binary upgrade to hand over.
     let control_fd = match &control_listener {
         Some(ControlListener::Unix(l)) => {
@@ -378,6 +393,10 @@ pub fn run(inv: Invocation) -> Result<(), StartError> {
 
     let state = State::new(settings, control_addr.is_some());
     let (stop_tx, stop_rx) = watch::channel(false);
+    let (metrics_tx, metrics_rx) = mpsc::unbounded_channel();
+    if metrics_listener.is_some() {
+        let _ = metrics_tx.send(metrics_listener);
+    }
     let (relisten, receivers): (Vec<_>, Vec<_>) = (0..listeners.len())
         .map(|_| mpsc::unbounded_channel())
         .unzip();
@@ -393,6 +412,7 @@ pub fn run(inv: Invocation) -> Result<(), StartError> {
             .collect::<Vec<Command>>(),
         relisten,
         exit: Arc::new(Notify::new()),
+        metrics: metrics_tx,
         listener_fds: std::sync::Mutex::new(Vec::new()),
         control_fd: std::sync::Mutex::new(control_fd),
         upgraded: std::sync::atomic::AtomicBool::new(false),
@@ -403,7 +423,7 @@ pub fn run(inv: Invocation) -> Result<(), StartError> {
     // above, so re-listen actions are dropped.
     let start_actions = actions
         .into_iter()
-        .filter(|a| !matches!(a, Action::Relisten(_)))
+        .filter(|a| !matches!(a, Action::Relisten(_) | Action::MetricsListen(_)))
         .collect();
     ctx.carry_out(start_actions);
     ctx.reopen_log();
@@ -439,14 +459,19 @@ pub fn run(inv: Invocation) -> Result<(), StartError> {
         let running = dsr
             .spawn(Arc::clone(&state), stop_rx.clone())
             .map_err(StartError::Runtime)?;
+        let _ = state.dsr.set(Arc::clone(&running.counters));
         threads.push(running.thread);
     }
 
     tracing::info!("listening on {listen_addr} with {workers} event loop(s)");
 
     let tasks = rt.block_on(async {
-        // Health checks live on this (control) runtime, never on an event loop.
-        let mut tasks = vec![tokio::spawn(crate::health::supervise(Arc::clone(&state)))];
+        // Health checks and the metrics listener live on this (control) runtime, never on
+        // an event loop.
+        let mut tasks = vec![
+            tokio::spawn(crate::health::supervise(Arc::clone(&state))),
+            tokio::spawn(control::web::run(Arc::clone(&ctx), metrics_rx)),
+        ];
         if let Some(l) = control_listener {
             let ctx = Arc::clone(&ctx);
             tasks.push(tokio::spawn(async move {
@@ -461,6 +486,12 @@ pub fn run(inv: Invocation) -> Result<(), StartError> {
             match h.ready() {
                 Ok(()) => tracing::info!("binary upgrade: took over the listening sockets"),
                 Err(e) => tracing::error!("binary upgrade: could not tell the old process: {e}"),
+            }
+            if let Some(addr) = ctx.state.settings().metrics_listen {
+                tasks.push(tokio::spawn(rebind_metrics_after_upgrade(
+                    Arc::clone(&ctx),
+                    addr,
+                )));
             }
         }
         handle_signals(&ctx, &mut signals).await;
@@ -478,20 +509,82 @@ pub fn run(inv: Invocation) -> Result<(), StartError> {
         cleanup.0.clear();
     }
 
+    // `shutdown_grace`: how long established connections may run on (0 = no limit).
+    let grace = state.settings().shutdown_grace;
+    let deadline = (grace > 0).then(|| Instant::now() + Duration::from_secs(grace));
     tracing::info!(
-        "stopping: no new connections; waiting up to {:?} for {} open",
-        SHUTDOWN_GRACE,
+        "stopping: no new connections; waiting {} for {} open",
+        if grace > 0 {
+            format!("up to {grace} s")
+        } else {
+            "without limit".to_string()
+        },
         state.active.load(Relaxed)
     );
     let _ = stop_tx.send(true);
-    let deadline = Instant::now() + SHUTDOWN_GRACE;
     rt.block_on(async {
-        while state.active.load(Relaxed) > 0 && Instant::now() < deadline {
-            tokio::time::sleep(Duration::from_millis(20)).await;
+        let drained = async {
+            while state.active.load(Relaxed) > 0
+                && match deadline {
+                    Some(d) => Instant::now() < d,
+                    None => true,
+                }
+            {
+                tokio::time::sleep(Duration::from_millis(20)).await;
+            }
+        };
+        // A second TERM or INT ends the wait at once (the way out of an unlimited grace).
+        tokio::select! {
+            () = drained => {}
+            _ = signals.term.recv() => tracing::warn!("second signal: closing {} open connection(s) now", state.active.load(Relaxed)),
+            _ = signals.int.recv() => tracing::warn!("second signal: closing {} open connection(s) now", state.active.load(Relaxed)),
         }
     });
     drop(cleanup);
     Ok(())
+}
+
+/// After a binary upgrade: binds the metrics listener as soon as the old process has
+/// closed it (it does when this one says `ready`), unless the address changed meanwhile.
+async fn rebind_metrics_after_upgrade(ctx: Arc<Context>, addr: std::net::SocketAddr) {
+    const PATIENCE: Duration = Duration::from_secs(30);
+    let deadline = tokio::time::Instant::now() + PATIENCE;
+    loop {
+        if ctx.state.settings().metrics_listen != Some(addr) {
+            return;
+        }
+        match control::web::bind(addr) {
+            Ok(l) => {
+                ctx.hand_over_metrics(Some(l));
+                return;
+            }
+            Err(e)
+                if e.source.kind() == io::ErrorKind::AddrInUse
+                    && tokio::time::Instant::now() < deadline =>
+            {
+                // The old process is letting go: a short pause, then try again.
+                tokio::time::sleep(Duration::from_millis(50)).await;
+            }
+            Err(e) => {
+                tracing::error!("binary upgrade: {e}");
+                return;
+            }
+        }
+    }
+}
+
+/// The dashboard's control buttons answer whoever `control_acl` permits; with an empty
+/// list (Pen's "permit all") on a non-loopback address, say so once.
+fn warn_if_control_open(settings: &Settings, addr: std::net::SocketAddr) {
+    let acl = &settings.acls[settings.control_acl.index()];
+    if !addr.ip().is_loopback() && acl.rules().is_empty() {
+        tracing::warn!(
+            "metrics_listen {addr}: control_acl {} is empty, so any address that reaches \
+             it may blacklist servers from the dashboard; set 'control_acl N' to a list \
+             that permits only operators",
+            settings.control_acl
+        );
+    }
 }
 
 /// The signals quill reacts to, registered once at start-up.

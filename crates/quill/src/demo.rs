@@ -1,6 +1,6 @@
-//! `quill demo`: two dummy backends and a round-robin balancer on loopback, started as real
-//! quill processes, with a few requests sent through to show the balancing. Runs until
-//! Ctrl-C (or, with QUILL_DEMO_ONCE=1 in the environment, exits after the requests).
+//! `quill demo`: two dummy backends and a round-robin balancer (with its metrics listener
+//! and dashboard) on loopback, started as real quill processes, with a few requests sent
+//! through to show the balancing. Runs until Ctrl-C (or, with QUILL_DEMO_ONCE=1 in the environment, exits after the requests).
 
 use std::io::{self, Read, Write};
 use std::net::{Ipv4Addr, SocketAddr, TcpListener, TcpStream};
@@ -69,6 +69,7 @@ pub fn run() -> io::Result<()> {
     let b1 = free_port(9001)?;
     let b2 = free_port(9002)?;
     let lb = free_port(8080)?;
+    let metrics = free_port(9180)?;
     let mut children = Children(Vec::new());
     for port in [b1, b2] {
         let mut child = spawn(&[
@@ -83,6 +84,8 @@ pub fn run() -> io::Result<()> {
     let mut balancer = spawn(&[
         "-f".into(),
         "-r".into(),
+        "-O".into(),
+        format!("metrics_listen 127.0.0.1:{metrics}"),
         format!("127.0.0.1:{lb}"),
         format!("127.0.0.1:{b1}"),
         format!("127.0.0.1:{b2}"),
@@ -91,7 +94,12 @@ pub fn run() -> io::Result<()> {
     children.0.push(balancer);
 
     println!("backends: dummy web servers on 127.0.0.1:{b1} and 127.0.0.1:{b2}");
-    println!("balancer: quill -f -r 127.0.0.1:{lb} 127.0.0.1:{b1} 127.0.0.1:{b2}");
+    println!(
+        "balancer: quill -f -r -O \"metrics_listen 127.0.0.1:{metrics}\" 127.0.0.1:{lb} 127.0.0.1:{b1} 127.0.0.1:{b2}"
+    );
+    println!(
+        "dashboard: http://127.0.0.1:{metrics}/  (Prometheus: http://127.0.0.1:{metrics}/metrics)"
+    );
     for i in 1..=4 {
         println!("request {i}: {}", get(lb)?);
     }

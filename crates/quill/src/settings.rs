@@ -12,7 +12,8 @@ use std::sync::Arc;
 
 use crate::acl::{Acl, AclId, GeoRef, ACL_LISTS};
 use crate::command::{
-    Command, FastClose, Host, HostPort, Millis, Probe, ServerCheck, ServerField, Word, MAX_SERVERS,
+    parse_port, split_host_port, Command, FastClose, Host, HostPort, Millis, Probe, ServerCheck,
+    ServerField, Word, MAX_SERVERS,
 };
 use crate::geoip::GeoIp;
 use crate::net::ListenAddr;
@@ -168,8 +169,11 @@ pub struct Settings {
     pub compat: Vec<Command>,
     /// Where clients connect (`listen`, or the first argument of the command line).
     pub listen: Option<ListenAddr>,
-    /// Access list checked for TCP control-socket clients.
+    /// Access list checked for TCP control-socket clients (and for control requests on
+    /// the metrics listener).
     pub control_acl: AclId,
+    /// Where the HTTP metrics / status / dashboard listener is (`metrics_listen`).
+    pub metrics_listen: Option<SocketAddr>,
     /// The connection log file (`-l`, `log FILE`).
     pub log: Option<Word>,
     /// The HTML status file written on SIGUSR1 (`-w`, `web_stats FILE`).
@@ -187,6 +191,8 @@ pub struct Settings {
     pub check: HealthCheck,
     /// Seconds over which a server coming back up ramps to its full weight (0 = at once).
     pub slow_start: u64,
+    /// Seconds open connections may run on once quill stops accepting (0 = no limit).
+    pub shutdown_grace: u64,
     /// The Direct Server Return interface (`dsr_if IF`); read at start-up.
     pub dsr_if: Option<Word>,
     /// The access list whose permitted addresses the DSR plane tarpits.
@@ -194,6 +200,10 @@ pub struct Settings {
     /// Connect to backends from the client's address (IP_TRANSPARENT).
     pub transparent: bool,
 }
+
+/// Default `shutdown_grace`: long enough for requests in flight, short enough for a
+/// service manager's stop timeout.
+pub const DEFAULT_SHUTDOWN_GRACE: u64 = 10;
 
 /// Default `udp_idle_timeout`: as long as Linux conntrack keeps an unreplied UDP flow.
 pub const DEFAULT_UDP_IDLE_TIMEOUT: u64 = 30;
@@ -235,6 +245,7 @@ impl Default for Settings {
             compat: Vec::new(),
             listen: None,
             control_acl: AclId::default(),
+            metrics_listen: None,
             log: None,
             web_stats: None,
             abort_on_error: false,
@@ -243,6 +254,7 @@ impl Default for Settings {
             tls_built: tls::Built::default(),
             check: HealthCheck::default(),
             slow_start: 0,
+            shutdown_grace: DEFAULT_SHUTDOWN_GRACE,
             dsr_if: None,
             tarpit_acl: None,
             transparent: false,
@@ -271,6 +283,8 @@ pub enum Action {
     Relisten(ListenAddr),
     /// The connection log must be reopened (new file, or none).
     ReopenLog,
+    /// The metrics listener must move to this address, or close (`None`).
+    MetricsListen(Option<SocketAddr>),
     /// Stop (or resume) sending new connections to server `index`.
     Drain { index: usize, on: bool },
 }
@@ -325,6 +339,21 @@ pub enum ApplyError {
     NotASetting(String),
     #[error("{0}")]
     Tls(String),
+}
+
+/// The address of `metrics_listen [ADDR:]PORT`: a bare port means 127.0.0.1, because the
+/// listener shows client addresses and can take control commands; exposing it on a
+/// network is a choice the user spells out.
+pub fn metrics_addr(s: &str) -> Result<SocketAddr, ApplyError> {
+    let invalid = |e: String| ApplyError::Listen(format!("metrics_listen {s}: {e}"));
+    let (host, port) = match split_host_port(s).map_err(|e| invalid(e.to_string()))? {
+        (port, None) => ("127.0.0.1", port),
+        ("", Some(port)) => ("0.0.0.0", port),
+        (host, Some(port)) => (host, port),
+    };
+    let port = parse_port(port).map_err(|e| invalid(e.to_string()))?;
+    let host = Host::new(host).map_err(|e| invalid(e.to_string()))?;
+    Ok(SocketAddr::new(resolve(&host)?, port))
 }
 
 /// Resolves a host to one address (the first the resolver gives), at configuration time.
@@ -450,6 +479,25 @@ impl Settings {
                 self.control_acl = *list;
                 Applied::value(list)
             }
+            Command::MetricsListen(None) => Applied::value(
+                self.metrics_listen
+                    .map(|a| a.to_string())
+                    .unwrap_or_default(),
+            ),
+            Command::MetricsListen(Some(word)) => {
+                let addr = metrics_addr(word.as_str())?;
+                if self.metrics_listen == Some(addr) {
+                    return Ok(Applied::done());
+                }
+                self.metrics_listen = Some(addr);
+                Applied::action(Action::MetricsListen(Some(addr)))
+            }
+            Command::NoMetricsListen => {
+                if self.metrics_listen.take().is_none() {
+                    return Ok(Applied::done());
+                }
+                Applied::action(Action::MetricsListen(None))
+            }
             Command::Log(None) => {
                 Applied::value(self.log.as_ref().map(Word::to_string).unwrap_or_default())
             }
@@ -478,6 +526,7 @@ impl Settings {
             Command::CheckRise(n) => set(&mut self.check.rise, *n),
             Command::CheckFall(n) => set(&mut self.check.fall, *n),
             Command::SlowStart(n) => set(&mut self.slow_start, *n),
+            Command::ShutdownGrace(n) => set(&mut self.shutdown_grace, *n),
             Command::DsrIf(name) => set(&mut self.dsr_if, Some(name.clone())),
             Command::TarpitAcl(None) => Applied::value(
                 self.tarpit_acl
@@ -632,6 +681,9 @@ impl Settings {
         if self.control_acl != d.control_acl {
             out.push(Command::ControlAcl(self.control_acl));
         }
+        if let Some(addr) = self.metrics_listen {
+            out.extend(Word::new(&addr.to_string()).map(|w| Command::MetricsListen(Some(w))));
+        }
         if let Some(f) = &self.log {
             out.push(Command::Log(Some(f.clone())));
         }
@@ -659,6 +711,9 @@ impl Settings {
         }
         if self.slow_start != d.slow_start {
             out.push(Command::SlowStart(self.slow_start));
+        }
+        if self.shutdown_grace != d.shutdown_grace {
+            out.push(Command::ShutdownGrace(self.shutdown_grace));
         }
         if let Some(name) = &self.dsr_if {
             out.push(Command::DsrIf(name.clone()));
@@ -821,6 +876,7 @@ mod tests {
             "check_rise 1",
             "check_fall 5",
             "slow_start 30",
+            "shutdown_grace 0",
         ]);
         let mut rebuilt = Settings::default();
         for cmd in s.to_commands() {

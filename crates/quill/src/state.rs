@@ -20,7 +20,7 @@ use crate::settings::{Action, ApplyError, Reply, Settings};
 /// Process-wide counters (summed over all event loops).
 #[derive(Debug, Default)]
 pub struct Counters {
-    /// Client connections accepted.
+    /// Client connections accepted (UDP: new flows), including those then refused.
     pub accepted: AtomicU64,
     /// Client connections closed at once because `conn_max` was reached.
     pub refused_conn_max: AtomicU64,
@@ -63,6 +63,8 @@ pub struct State {
     pub log: ArcSwapOption<ConnLog>,
     /// Process start, for uptime in status reports.
     pub started: std::time::Instant,
+    /// The DSR plane's counters, once it runs (`dsr_if`), for the metrics.
+    pub dsr: std::sync::OnceLock<Arc<crate::dsr::DsrCounters>>,
     /// Bumped each time new settings are published (the health checks re-plan on it).
     pub generation: tokio::sync::watch::Sender<u64>,
 }
@@ -86,6 +88,7 @@ impl State {
             registry: registry.then(Arc::default),
             log: ArcSwapOption::empty(),
             started: std::time::Instant::now(),
+            dsr: std::sync::OnceLock::new(),
             generation: tokio::sync::watch::Sender::new(0),
         })
     }

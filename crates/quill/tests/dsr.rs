@@ -95,7 +95,9 @@ impl Segment {
     }
 
     fn quill(&self, options: &[&str], listen: &str) -> NsQuill {
-        let mut args: Vec<&str> = options.to_vec();
+        // -d: the start-up line says how frames are read.
+        let mut args: Vec<&str> = vec!["-d"];
+        args.extend(options);
         args.extend(["-O", "dsr_if l0", listen]);
         let ips = self.backend_ips();
         args.extend(ips.iter().map(String::as_str));
@@ -132,6 +134,13 @@ fn tcp_through_dsr_spreads_over_backends_and_replies_bypass_the_balancer() {
     let _backends = s.start_backends();
     let mut q = s.quill(&["-r"], &format!("{VIP}:80"));
     wait_started(&mut q, &s);
+    // Frames come from the TPACKET_V2 ring, unless the test run asked for another reader.
+    let how = match std::env::var("QUILL_DSR_RING").unwrap_or_default().as_str() {
+        "v3" => "TPACKET_V3 receive ring",
+        "off" => "one frame per recv",
+        _ => "TPACKET_V2 receive ring",
+    };
+    assert!(q.stderr().contains(how), "{}", q.stderr());
 
     // Flows are spread (hash of client address and port) and the backend sees the client.
     let mut seen = HashSet::new();

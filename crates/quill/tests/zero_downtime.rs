@@ -216,3 +216,26 @@ fn a_new_binary_that_cannot_start_leaves_the_old_one_serving() {
     assert_eq!(ctl_ok(&ctl, "pid").trim(), old.pid().to_string());
     assert_no_failures(load);
 }
+
+#[test]
+fn shutdown_grace_zero_waits_for_connections_and_a_second_term_ends_the_wait() {
+    if skip_on_pen("shutdown_grace is a quill extension") {
+        return;
+    }
+    let a = IdentityBackend::start("a");
+    let mut q = Quill::start(&["-O", "shutdown_grace 0", "127.0.0.1:{port}", &a.spec()]);
+    let addr = q.addr();
+    let (_, mut open) = q.name_from("127.0.0.1");
+    q.signal("TERM");
+    wait_until(DEADLINE, "the listener is closed after SIGTERM", || {
+        try_connect(addr).is_err()
+    });
+    exchange_on(&mut open, 3);
+    q.assert_running();
+    // The operator's way out of an unlimited grace: TERM again.
+    q.signal("TERM");
+    assert_eq!(q.wait_exit(DEADLINE), Some(Some(0)), "{}", q.stderr());
+    let (rest, _) = expect_closed(&mut open, Duration::from_secs(10));
+    assert!(rest.is_empty());
+    assert!(q.stderr().contains("second signal"), "{}", q.stderr());
+}

@@ -59,6 +59,41 @@ impl Health {
     }
 }
 
+/// What a server is doing now, named the same way by every report (`servers`, `status`,
+/// JSON, Prometheus's `quill_server_state`, the dashboard). A new condition is one variant
+/// here, listed in `ALL`.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Condition {
+    /// Selectable.
+    Up,
+    /// Skipped until its blacklist time runs out (a failure, or `server N blacklist T`).
+    Blacklisted,
+    /// `server N drain`: no new connections; open ones finish.
+    Draining,
+    /// Its health check failed `check_fall` times in a row.
+    Down,
+}
+
+impl Condition {
+    /// Every condition, in the order reports list them.
+    pub const ALL: &'static [Condition] = &[
+        Condition::Up,
+        Condition::Blacklisted,
+        Condition::Draining,
+        Condition::Down,
+    ];
+
+    /// The word reports use.
+    pub fn word(self) -> &'static str {
+        match self {
+            Condition::Up => "up",
+            Condition::Blacklisted => "blacklisted",
+            Condition::Draining => "draining",
+            Condition::Down => "down",
+        }
+    }
+}
+
 impl ServerState {
     /// Whether the server is blacklisted at `now` (milliseconds of [`super::clock`]).
     pub fn is_blacklisted(&self, now: u64) -> bool {
@@ -96,14 +131,20 @@ impl ServerState {
 
     /// The state word of reports: down, draining, blacklisted or up.
     pub fn state_word(&self, now: u64) -> &'static str {
+        self.condition(now).word()
+    }
+
+    /// What the server is doing at `now`; the first that applies of down, draining,
+    /// blacklisted, up.
+    pub fn condition(&self, now: u64) -> Condition {
         if self.health() == Health::Down {
-            "down"
+            Condition::Down
         } else if self.draining.load(Relaxed) {
-            "draining"
+            Condition::Draining
         } else if self.is_blacklisted(now) {
-            "blacklisted"
+            Condition::Blacklisted
         } else {
-            "up"
+            Condition::Up
         }
     }
 

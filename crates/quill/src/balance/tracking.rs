@@ -113,6 +113,18 @@ impl ClientTable {
         self.len() == 0
     }
 
+    /// The `limit` most recently used entries of each shard: a bounded copy for reports
+    /// that show recent clients, holding each shard's lock for at most `limit` steps.
+    pub fn most_recent(&self, limit: usize) -> Vec<(IpAddr, ClientEntry)> {
+        let mut out = Vec::new();
+        for shard in self.shards.iter() {
+            if let Ok(g) = shard.lock() {
+                out.extend(g.iter().take(limit).map(|(ip, e)| (*ip, *e)));
+            }
+        }
+        out
+    }
+
     /// A copy of every entry, most recently used first within each shard (for `recent`).
     pub fn snapshot(&self) -> Vec<(IpAddr, ClientEntry)> {
         let mut out = Vec::new();

@@ -107,6 +107,28 @@ pub fn execute(ctx: &Context, cmd: &Command) -> Result<String, String> {
             tracing::info!("now listening on {addr}");
             Ok(String::new())
         }
+        Command::MetricsListen(Some(_)) | Command::NoMetricsListen => {
+            // As with `listen`: bind first, so an address that cannot be bound changes
+            // nothing; then publish, then hand the socket to the metrics server.
+            let addr = match cmd {
+                Command::MetricsListen(Some(word)) => {
+                    Some(crate::settings::metrics_addr(word.as_str()).map_err(|e| e.to_string())?)
+                }
+                _ => None,
+            };
+            if state.settings().metrics_listen == addr {
+                return Ok(String::new());
+            }
+            let listener = ctx.bind_metrics(addr).map_err(|e| e.to_string())?;
+            let (_, actions) = state.execute(cmd).map_err(|e| e.to_string())?;
+            ctx.hand_over_metrics(listener);
+            let rest = actions
+                .into_iter()
+                .filter(|a| !matches!(a, crate::settings::Action::MetricsListen(_)))
+                .collect();
+            ctx.carry_out(rest);
+            Ok(String::new())
+        }
         Command::Exit if ctx.exit_enabled => {
             ctx.exit.notify_one();
             Ok(String::new())

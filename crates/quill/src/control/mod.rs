@@ -8,8 +8,10 @@
 //! channels, and aborts a connection's task through the handle the registry keeps.
 
 pub mod dispatch;
+pub mod metrics;
 pub mod report;
 pub mod upgrade;
+pub mod web;
 
 use std::io;
 use std::net::SocketAddr;
@@ -57,6 +59,8 @@ pub struct Context {
     pub control_fd: Mutex<Option<OwnedFd>>,
     /// A new process took the sockets over: stop, and leave its files in place.
     pub upgraded: AtomicBool,
+    /// Hands the metrics listener [`web::run`] serves a new socket (`None`: close it).
+    pub metrics: mpsc::UnboundedSender<Option<std::net::TcpListener>>,
 }
 
 impl Context {
@@ -101,7 +105,7 @@ impl Context {
         // Rebuilding from scratch always "sets" the listening address; only a real change
         // means a new socket. It is bound before anything is published, so an address
         // that cannot be bound fails the reload as a whole.
-        actions.retain(|a| !matches!(a, Action::Relisten(_)));
+        actions.retain(|a| !matches!(a, Action::Relisten(_) | Action::MetricsListen(_)));
         let old = self.state.settings();
         let new_listeners = match &settings.listen {
             Some(addr) if settings.listen != old.listen => {
@@ -113,14 +117,42 @@ impl Context {
             }
             _ => None,
         };
+        let new_metrics = if settings.metrics_listen == old.metrics_listen {
+            None
+        } else {
+            Some(
+                self.bind_metrics(settings.metrics_listen)
+                    .map_err(|e| ConfigError {
+                        file: self.config_file.clone().unwrap_or_default(),
+                        line: 0,
+                        reason: e.to_string(),
+                    })?,
+            )
+        };
         actions.push(Action::ReopenLog);
         crate::daemon::set_log_level(settings.debug);
         let rest = self.state.replace(settings, actions);
         if let Some(listeners) = new_listeners {
             self.hand_over(listeners);
         }
+        if let Some(metrics) = new_metrics {
+            self.hand_over_metrics(metrics);
+        }
         self.carry_out(rest);
         Ok(())
+    }
+
+    /// Binds the metrics listener for `addr` (nothing to bind for `None`).
+    pub fn bind_metrics(
+        &self,
+        addr: Option<SocketAddr>,
+    ) -> Result<Option<std::net::TcpListener>, web::BindError> {
+        addr.map(web::bind).transpose()
+    }
+
+    /// Gives the metrics server its new listener (`None`: stop listening).
+    pub fn hand_over_metrics(&self, listener: Option<std::net::TcpListener>) {
+        let _ = self.metrics.send(listener);
     }
 
     /// Binds the sockets for a new listening address, one per event loop.
@@ -202,6 +234,10 @@ impl Context {
                     }
                 }
                 Action::ReopenLog => self.reopen_log(),
+                Action::MetricsListen(addr) => match self.bind_metrics(addr) {
+                    Ok(l) => self.hand_over_metrics(l),
+                    Err(e) => tracing::error!("{e}"),
+                },
                 other => {
                     let _ = self.state.perform(other);
                 }

@@ -14,7 +14,7 @@ use crate::settings::{ServerConf, Settings};
 use crate::state::State;
 
 /// The servers in use (those with an address), with their runtime state.
-fn in_use<'a>(
+pub fn in_use<'a>(
     settings: &'a Settings,
     state: &'a State,
 ) -> impl Iterator<Item = (usize, &'a ServerConf, IpAddr, &'a ServerState)> + 'a {
@@ -84,6 +84,32 @@ pub fn recent(state: &State, seconds: u64) -> String {
         );
     }
     out
+}
+
+/// Clients seen in the last `seconds`, most recent first, at most `limit` (the dashboard's
+/// list). Reads at most `limit` entries of each shard of the client table.
+pub fn recent_json(state: &State, seconds: u64, limit: usize) -> serde_json::Value {
+    let now = clock::now_ms();
+    let mut clients: Vec<_> = state
+        .clients
+        .most_recent(limit)
+        .into_iter()
+        .filter(|(_, e)| now.saturating_sub(e.last_seen) <= seconds.saturating_mul(1000))
+        .collect();
+    clients.sort_by_key(|(_, e)| std::cmp::Reverse(e.last_seen));
+    clients.truncate(limit);
+    let list: Vec<_> = clients
+        .into_iter()
+        .map(|(ip, e)| {
+            json!({
+                "address": ip.to_string(),
+                "server": e.server,
+                "connections": e.connections,
+                "last_seen_seconds_ago": now.saturating_sub(e.last_seen) / 1000,
+            })
+        })
+        .collect();
+    json!({ "tracked": state.clients.len(), "clients": list })
 }
 
 fn escape(s: &str) -> String {

@@ -20,7 +20,7 @@ use super::frame::{
     self, Arp, Frame, Mac, Payload, ARP_REPLY, ARP_REQUEST, BROADCAST, L4, PROTO_TCP, PROTO_UDP,
 };
 use super::maglev::{mix64, Maglev};
-use super::packet::{PacketSocket, VNET_HDR_LEN};
+use super::packet::{FrameRing, PacketSocket, RxRing, VNET_HDR_LEN};
 use super::tarpit::{self, Syn, Tarpit};
 use super::{DsrConfig, DsrError, Transport};
 use crate::acl::AclAction;
@@ -32,6 +32,28 @@ use crate::state::State;
 const TICK: Duration = Duration::from_millis(100);
 /// Largest frame taken: a 64 KiB GSO super-frame plus headers.
 const RX_BUF: usize = VNET_HDR_LEN + 65_536 + 64;
+/// The TPACKET_V2 ring (the default): slots larger than any frame (GSO super-frames are up
+/// to 64 KiB), 256 of them; only the pages a frame reaches are ever touched.
+const SLOT_SIZE: usize = 68 << 10;
+const SLOTS: usize = 256;
+/// Frames handled per wake-up at most, so that ticks are not starved under load.
+const BATCH: usize = 256;
+/// The TPACKET_V3 ring: blocks larger than any frame, 8 MiB in all; a block is handed over
+/// when full or when its timer (at least one kernel tick, 4 ms at HZ=250) runs out.
+const RING_BLOCK: usize = 256 << 10;
+const RING_BLOCKS: usize = 32;
+const RING_RETIRE: Duration = Duration::from_millis(1);
+
+/// How frames are read.
+#[derive(Debug)]
+enum Reader {
+    /// TPACKET_V2 ring: per-frame hand-over, no added latency, batches of what is ready.
+    Frames(FrameRing),
+    /// TPACKET_V3 ring: per-block hand-over (a block timer adds latency at low rates).
+    Blocks(RxRing),
+    /// One `recv` per frame, into one buffer.
+    Recv(Vec<u8>),
+}
 
 /// What the plane did, for status reports and tests (monotonic counters).
 #[derive(Debug, Default)]
@@ -68,6 +90,8 @@ pub struct Plane {
     /// the interface has none.
     our_ip: Ipv4Addr,
     counters: Arc<DsrCounters>,
+    /// How frames are read; taken by [`Plane::run`].
+    reader: Option<Reader>,
 }
 
 /// The interface's MAC address, from sysfs.
@@ -117,12 +141,35 @@ impl Plane {
             return Err(DsrError::Socket { interface, source });
         }
         let our_ip = interface_ipv4(&interface).unwrap_or(Ipv4Addr::UNSPECIFIED);
+        // QUILL_DSR_RING=v2 (default), v3 or off: a diagnostic switch, and what bench/dsr
+        // compares.
+        let wanted = std::env::var("QUILL_DSR_RING").unwrap_or_default();
+        let ring = match wanted.as_str() {
+            "off" => Ok(None),
+            "v3" => sock
+                .rx_ring(RING_BLOCK, RING_BLOCKS, RING_RETIRE)
+                .map(|r| Some(Reader::Blocks(r))),
+            _ => sock
+                .frame_ring(SLOT_SIZE, SLOTS)
+                .map(|r| Some(Reader::Frames(r))),
+        };
+        let reader = match ring {
+            Ok(Some(reader)) => reader,
+            Ok(None) => Reader::Recv(vec![0u8; RX_BUF]),
+            Err(e) => {
+                tracing::warn!(
+                    "DSR on {interface}: no receive ring ({e}); reading one frame per call"
+                );
+                Reader::Recv(vec![0u8; RX_BUF])
+            }
+        };
         Ok(Plane {
             config,
             sock,
             our_mac,
             our_ip,
             counters: Arc::default(),
+            reader: Some(reader),
         })
     }
 
@@ -131,12 +178,17 @@ impl Plane {
     }
 
     /// Runs until `stop` turns true (checked every tick).
-    pub fn run(self, state: &State, stop: &watch::Receiver<bool>) {
+    pub fn run(mut self, state: &State, stop: &watch::Receiver<bool>) {
         tracing::info!(
-            "DSR on {} (MAC {}, ifindex {}): {} {}:{}",
+            "DSR on {} (MAC {}, ifindex {}, {}): {} {}:{}",
             self.config.interface,
             fmt_mac(&self.our_mac),
             self.sock.ifindex(),
+            match self.reader {
+                Some(Reader::Frames(_)) => "TPACKET_V2 receive ring",
+                Some(Reader::Blocks(_)) => "TPACKET_V3 receive ring",
+                _ => "one frame per recv",
+            },
             match self.config.transport {
                 Transport::Tcp => "TCP",
                 Transport::Udp => "UDP",
@@ -157,7 +209,10 @@ impl Plane {
             recv_errors: 0,
             configured: false,
         };
-        let mut rx = vec![0u8; RX_BUF];
+        let mut reader = self
+            .reader
+            .take()
+            .unwrap_or(Reader::Recv(vec![0u8; RX_BUF]));
         while !*stop.borrow() {
             let now = Instant::now();
             if run
@@ -167,12 +222,25 @@ impl Plane {
                 run.last_tick = Some(now);
                 self.tick(&mut run, state, now);
             }
-            match self.sock.recv(&mut rx) {
-                Ok(Some(n)) => {
-                    run.recv_errors = 0;
-                    self.handle(&mut run, state, &mut rx[..n], now);
-                }
-                Ok(None) => {}
+            let received = match &mut reader {
+                Reader::Frames(ring) => ring
+                    .next_batch(&self.sock, TICK, BATCH, |frame| {
+                        self.handle(&mut run, state, frame, now);
+                    })
+                    .map(|_| ()),
+                Reader::Blocks(ring) => ring
+                    .next_block(&self.sock, TICK, |frame| {
+                        self.handle(&mut run, state, frame, now);
+                    })
+                    .map(|_| ()),
+                Reader::Recv(rx) => self.sock.recv(rx).map(|got| {
+                    if let Some(n) = got {
+                        self.handle(&mut run, state, &mut rx[..n], now);
+                    }
+                }),
+            };
+            match received {
+                Ok(()) => run.recv_errors = 0,
                 Err(e) => {
                     // The interface went down or away: say so once, then wait a tick
                     // between attempts instead of spinning.
@@ -184,11 +252,38 @@ impl Plane {
                 }
             }
         }
+        let c = &self.counters;
+        tracing::info!(
+            "DSR on {} stopped: {} frames forwarded, {} dropped without a backend, {} ARP \
+             replies, tarpit {} SYN+ACKs and {} dropped, {} send errors",
+            self.config.interface,
+            c.forwarded.load(Relaxed),
+            c.no_backend.load(Relaxed),
+            c.arp_replies.load(Relaxed),
+            c.tarpit_synack.load(Relaxed),
+            c.tarpit_dropped.load(Relaxed),
+            c.send_errors.load(Relaxed)
+        );
     }
 
     /// The periodic work: settings, ARP refresh, the set of backends that are up.
     fn tick(&self, run: &mut Running, state: &State, now: Instant) {
         let settings = state.settings();
+        if !run.configured {
+            // Announce the VIP (gratuitous ARP): neighbours that still map it to another
+            // MAC address, e.g. a balancer this one replaces, learn ours at once.
+            let vip = self.config.vip;
+            let announce = Arp {
+                op: ARP_REQUEST,
+                sender_mac: self.our_mac,
+                sender_ip: vip,
+                target_mac: [0; 6],
+                target_ip: vip,
+            };
+            self.send_built(run, |buf, mac| {
+                frame::build_arp(buf, BROADCAST, mac, &announce)
+            });
+        }
         if !Arc::ptr_eq(&settings, &run.settings) || !run.configured {
             run.configured = true;
             run.settings = settings;

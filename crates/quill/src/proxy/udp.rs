@@ -486,6 +486,8 @@ impl Worker {
         }
         let state = &self.state;
         let settings = state.settings();
+        // Counted like a TCP accept: every new flow, including those refused below.
+        state.counters.accepted.fetch_add(1, Relaxed);
         let active = state.active.fetch_add(1, Relaxed) + 1;
         if active > settings.conn_max {
             state.active.fetch_sub(1, Relaxed);
@@ -535,7 +537,6 @@ impl Worker {
                 return None;
             }
         };
-        state.counters.accepted.fetch_add(1, Relaxed);
         let flow = Rc::new(Flow {
             client: r.from,
             local: r.local,

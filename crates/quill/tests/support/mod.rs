@@ -27,6 +27,7 @@
 pub mod ctl;
 pub mod dns;
 pub mod hosts;
+pub mod http;
 pub mod load;
 pub mod netns;
 

@@ -1,0 +1,315 @@
+#!/usr/bin/env python3
+"""DSR benchmark on a network-namespace topology (root only; Python 3 stdlib only).
+
+Topology (namespaces named qb<pid>-*, removed at exit):
+    cli 10.77.0.10 --+
+    lb  10.77.0.2  --+-- br0 (ns sw)      VIP 10.77.0.100 on lo of be1/be2 (arp_ignore/announce)
+    be1 10.77.0.11 --+
+    be2 10.77.0.12 --+
+
+Scenarios:
+  pps       UDP datagrams (18-byte payload) blasted from cli to VIP:9 for --duration s by
+            --senders processes; the forwarding rate is what reaches the backends
+            (sum of their b0 rx_packets), with the balancer's CPU seconds. Balancers:
+            quill (dsr_if), pen (-O "dsr_if l0", if this Pen build has DSR), and the
+            kernel's IPVS in direct-routing mode (ipvsadm -g) when the kernel has IPVS.
+  download  sequential `curl` of a 1 MiB file for --duration s, via DSR (VIP:80) and via
+            quill's normal proxy mode (10.77.0.2:8080): requests/s and requests per
+            balancer CPU second; the ratio DSR / proxy is the figure of merit.
+
+NOTE: timings on a shared, loaded machine are noisy; the ratios (measured interleaved in one
+run) are what to read. The sender runs on the same cores as the balancer.
+"""
+import argparse
+import os
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+
+PID = os.getpid()
+VIP = "10.77.0.100"
+NS = {r: f"qb{PID}-{r}" for r in ("sw", "cli", "lb", "be1", "be2")}
+
+
+def sh(*args, check=True, **kw):
+    return subprocess.run(list(args), check=check, stdin=subprocess.DEVNULL, **kw)
+
+
+def ip(ns, *args):
+    sh("ip", "-n", NS[ns], *args)
+
+
+def nsexec(ns, *args, **kw):
+    return sh("ip", "netns", "exec", NS[ns], *args, **kw)
+
+
+def popen(ns, *args, **kw):
+    return subprocess.Popen(["ip", "netns", "exec", NS[ns], *args], stdin=subprocess.DEVNULL, **kw)
+
+
+def topo_up(www):
+    for n in NS.values():
+        sh("ip", "netns", "add", n)
+        sh("ip", "-n", n, "link", "set", "lo", "up")
+    ip("sw", "link", "add", "br0", "type", "bridge")
+    ip("sw", "link", "set", "br0", "type", "bridge", "stp_state", "0", "forward_delay", "0")
+    ip("sw", "link", "set", "br0", "up")
+    for role, ifname, addr in (("cli", "c0", "10.77.0.10"), ("lb", "l0", "10.77.0.2"),
+                               ("be1", "b0", "10.77.0.11"), ("be2", "b0", "10.77.0.12")):
+        port = f"p-{role}"
+        sh("ip", "-n", NS[role], "link", "add", ifname, "type", "veth", "peer", "name", port,
+           "netns", NS["sw"])
+        ip("sw", "link", "set", port, "master", "br0", "up")
+        ip(role, "link", "set", ifname, "up")
+        ip(role, "addr", "add", f"{addr}/24", "dev", ifname)
+    nsexec("lb", "sysctl", "-q", "-w", "net.ipv4.conf.all.forwarding=0", "net.ipv4.conf.l0.forwarding=0")
+    for be in ("be1", "be2"):
+        ip(be, "addr", "add", f"{VIP}/32", "dev", "lo")
+        nsexec(be, "sysctl", "-q", "-w", "net.ipv4.conf.all.arp_ignore=1",
+               "net.ipv4.conf.all.arp_announce=2", "net.ipv4.conf.b0.arp_ignore=1",
+               "net.ipv4.conf.b0.arp_announce=2",
+               # The blast goes to a closed port: no ICMP storm back to the sender.
+               "net.ipv4.icmp_ratelimit=1000")
+    servers = [popen(be, sys.executable, "-m", "http.server", "80", "--bind", "0.0.0.0",
+                     "--directory", www, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+               for be in ("be1", "be2")]
+    return servers
+
+
+def topo_down():
+    for n in NS.values():
+        sh("ip", "netns", "del", n, check=False, stderr=subprocess.DEVNULL)
+
+
+def stat(ns, ifname, what):
+    out = nsexec(ns, "cat", f"/sys/class/net/{ifname}/statistics/{what}", capture_output=True)
+    return int(out.stdout)
+
+
+def cpu_seconds(pid):
+    """CPU time of a process's threads, in seconds (schedstat: nanoseconds, not ticks)."""
+    total = 0
+    try:
+        for tid in os.listdir(f"/proc/{pid}/task"):
+            try:
+                with open(f"/proc/{pid}/task/{tid}/schedstat") as f:
+                    total += int(f.read().split()[0])
+            except OSError:
+                pass
+    except OSError:
+        return 0.0
+    return total / 1e9
+
+
+def balancer_pid(proc):
+    """The balancer's pid: `ip netns exec` execs it, so the Popen pid is the balancer's."""
+    return proc.pid
+
+
+def wait_for(cond, secs=20):
+    end = time.time() + secs
+    while time.time() < end:
+        if cond():
+            return True
+        time.sleep(0.1)  # a poll interval while waiting for readiness
+    return False
+
+
+SENDER = r"""
+import socket, sys, time
+end = time.time() + float(sys.argv[1])
+s = socket.socket(socket.AF_INET, socket.SOCK_DGRAM)
+s.connect((sys.argv[2], 9))
+payload = b"x" * 18
+n = 0
+while True:
+    for _ in range(1000):
+        try:
+            s.send(payload)
+        except OSError:
+            pass
+    n += 1000
+    if time.time() >= end:
+        break
+print(n)
+"""
+
+
+def run_pps(name, start, stop, duration, senders):
+    """Starts a balancer (start() -> pid or None), blasts UDP, returns (sent, forwarded, cpu)."""
+    pid = start()
+    if pid is None:
+        return None
+    try:
+        # Prime ARP (the client learns the VIP's MAC) and let the balancer find backends.
+        ok = wait_for(lambda: nsexec("cli", sys.executable, "-c", PRIME, VIP, check=False).returncode == 0
+                      and arp_known())
+        if not ok:
+            print(f"  {name}: the VIP never answered ARP")
+            return None
+        time.sleep(1.0)  # let the balancer learn its backends (ARP refresh)
+        rx0 = stat("be1", "b0", "rx_packets") + stat("be2", "b0", "rx_packets")
+        tx0 = stat("cli", "c0", "tx_packets")
+        cpu0 = cpu_seconds(pid) if pid else 0.0
+        procs = [popen("cli", sys.executable, "-c", SENDER, str(duration), VIP,
+                       stdout=subprocess.PIPE) for _ in range(senders)]
+        for p in procs:
+            p.wait()
+        time.sleep(0.2)  # let queued frames drain before reading the counters
+        rx1 = stat("be1", "b0", "rx_packets") + stat("be2", "b0", "rx_packets")
+        tx1 = stat("cli", "c0", "tx_packets")
+        cpu1 = cpu_seconds(pid) if pid else 0.0
+        return tx1 - tx0, rx1 - rx0, cpu1 - cpu0
+    finally:
+        stop()
+
+
+# One datagram to the VIP: makes the client resolve the VIP's MAC address.
+PRIME = "import socket, sys; socket.socket(socket.AF_INET, socket.SOCK_DGRAM).sendto(b'x', (sys.argv[1], 9))"
+
+
+def arp_known():
+    out = nsexec("cli", "ip", "neigh", "show", VIP, capture_output=True, check=False)
+    return b"lladdr" in out.stdout
+
+
+# A client loop: fetches URL for DURATION seconds with curl (keep-alive off: one
+# connection per request), prints how many succeeded.
+FETCHER = r"""
+import subprocess, sys, time
+url, end, n = sys.argv[1], time.time() + float(sys.argv[2]), 0
+while time.time() < end:
+    n += subprocess.run(["curl", "-s", "-o", "/dev/null", "--max-time", "10", url]).returncode == 0
+print(n)
+"""
+
+
+def run_download(url, pid, duration, clients):
+    cpu0 = cpu_seconds(pid)
+    t0 = time.time()
+    procs = [popen("cli", sys.executable, "-c", FETCHER, url, str(duration), stdout=subprocess.PIPE)
+             for _ in range(clients)]
+    n = sum(int(p.communicate()[0] or 0) for p in procs)
+    elapsed = time.time() - t0
+    return n / elapsed, n / max(cpu_seconds(pid) - cpu0, 1e-6)
+
+
+def main():
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--quick", action="store_true", help="short runs (3 s each)")
+    ap.add_argument("--duration", type=float, default=10.0)
+    ap.add_argument("--senders", type=int, default=2)
+    ap.add_argument("--clients", type=int, default=4, help="concurrent curl loops (download)")
+    ap.add_argument("--quill-bin", default=None)
+    ap.add_argument("--no-build", action="store_true")
+    a = ap.parse_args()
+    if a.quick:
+        a.duration = 3.0
+    if os.geteuid() != 0:
+        sys.exit("bench/dsr: needs root (network namespaces)")
+    for tool in ("ip", "curl"):
+        if not shutil.which(tool):
+            sys.exit(f"bench/dsr: {tool} is missing")
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    quill = a.quill_bin or os.path.join(root, "target", "release", "quill")
+    if not a.quill_bin and not a.no_build:
+        sh("cargo", "build", "--release", "-p", "quill", cwd=root)
+    www = tempfile.mkdtemp(prefix="qb-www-")
+    with open(os.path.join(www, "big"), "wb") as f:
+        f.write(b"x" * (1 << 20))
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(1))
+    servers = []
+    try:
+        servers = topo_up(www)
+        results = {}
+
+        def spawn(args, env=None):
+            p = popen("lb", *args, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+                      env=dict(os.environ, **(env or {})))
+            holder["p"] = p
+            time.sleep(0.3)
+            return p.pid if p.poll() is None else None
+
+        def kill():
+            p = holder.get("p")
+            if p:
+                p.terminate()
+                try:
+                    p.wait(5)
+                except subprocess.TimeoutExpired:
+                    p.kill()
+            holder.clear()
+
+        holder = {}
+        backends = ["10.77.0.11", "10.77.0.12"]
+        print(f"== forwarding rate: UDP to {VIP}:9, {a.senders} sender(s), {a.duration:.0f} s")
+        results["quill"] = run_pps("quill", lambda: spawn([quill, "-f", "-U", "-r", "-O", "dsr_if l0", f"{VIP}:9", *backends]),
+                                   kill, a.duration, a.senders)
+        # The same quill reading from a TPACKET_V3 ring, and one frame per recv().
+        for variant, mode in (("quill-v3", "v3"), ("quill-recv", "off")):
+            results[variant] = run_pps(variant, lambda: spawn([quill, "-f", "-U", "-r", "-O", "dsr_if l0", f"{VIP}:9", *backends],
+                                                              env={"QUILL_DSR_RING": mode}),
+                                       kill, a.duration, a.senders)
+        if shutil.which("pen"):
+            results["pen"] = run_pps("pen", lambda: spawn(["pen", "-f", "-U", "-r", "-O", "dsr_if l0", f"{VIP}:9", *backends]),
+                                     kill, a.duration, a.senders)
+        if os.path.exists("/proc/net/ip_vs") and shutil.which("ipvsadm"):
+            def ipvs_up():
+                ip("lb", "addr", "add", f"{VIP}/32", "dev", "l0")
+                nsexec("lb", "ipvsadm", "-A", "-u", f"{VIP}:9", "-s", "rr")
+                for b in backends:
+                    nsexec("lb", "ipvsadm", "-a", "-u", f"{VIP}:9", "-r", b, "-g")
+                return 0
+
+            def ipvs_down():
+                nsexec("lb", "ipvsadm", "-C", check=False)
+                ip("lb", "addr", "del", f"{VIP}/32", "dev", "l0")
+            results["ipvs"] = run_pps("ipvs", ipvs_up, ipvs_down, a.duration, a.senders)
+        else:
+            print("  ipvs: not measured (this kernel has no IPVS: /proc/net/ip_vs is missing, or ipvsadm is not installed)")
+        for name, r in results.items():
+            if r is None:
+                print(f"  {name:10} did not forward (not supported by this build, or failed to start)")
+                continue
+            sent, fwd, cpu = r
+            cpu_note = f", {fwd / cpu:,.0f} packets per balancer CPU second" if cpu > 0 else ""
+            print(f"  {name:10} sent {sent / a.duration:>10,.0f} pps  forwarded {fwd / a.duration:>10,.0f} pps"
+                  f" ({100.0 * fwd / max(sent, 1):5.1f} %){cpu_note}")
+        for other in ("quill-v3", "quill-recv"):
+            if results.get("quill") and results.get(other):
+                print(f"  quill (V2 ring) / {other}: {results['quill'][1] / max(results[other][1], 1):.2f} x forwarding rate, "
+                      f"{(results['quill'][1] / max(results['quill'][2], 1e-9)) / (results[other][1] / max(results[other][2], 1e-9)):.2f} x per CPU second")
+        if results.get("quill") and results.get("ipvs"):
+            print(f"  quill / ipvs forwarding rate: {results['quill'][1] / max(results['ipvs'][1], 1):.2f}")
+
+        print(f"== 1 MiB download, {a.clients} concurrent curl loops, {a.duration:.0f} s each")
+        downloads = {}
+        for name, env in (("DSR", None), ("DSR-v3", {"QUILL_DSR_RING": "v3"}), ("DSR-recv", {"QUILL_DSR_RING": "off"})):
+            pid = spawn([quill, "-f", "-r", "-O", "dsr_if l0", f"{VIP}:80", *backends], env)
+            wait_for(lambda: nsexec("cli", "curl", "-s", "-o", "/dev/null", "--max-time", "2", f"http://{VIP}/big", check=False).returncode == 0)
+            downloads[name] = run_download(f"http://{VIP}/big", pid, a.duration, a.clients)
+            kill()
+        dsr = downloads["DSR"]
+        pid = spawn([quill, "-f", "-r", "10.77.0.2:8080", "10.77.0.11:80", "10.77.0.12:80"])
+        wait_for(lambda: nsexec("cli", "curl", "-s", "-o", "/dev/null", "--max-time", "2", "http://10.77.0.2:8080/big", check=False).returncode == 0)
+        proxy = run_download("http://10.77.0.2:8080/big", pid, a.duration, a.clients)
+        kill()
+        downloads["proxy"] = proxy
+        for name, (rps, per_cpu) in downloads.items():
+            print(f"  {name:9} {rps:7.1f} req/s  {per_cpu:9.1f} req per balancer CPU second")
+        print(f"  DSR / proxy: {dsr[0] / max(proxy[0], 1e-9):.2f}x req/s, "
+              f"{dsr[1] / max(proxy[1], 1e-9):.1f}x req per balancer CPU second")
+        print("NOTE: shared 2-core machine with other jobs running; read the ratios, not the absolute figures.")
+    finally:
+        for s in servers:
+            s.terminate()
+        topo_down()
+        shutil.rmtree(www, ignore_errors=True)
+
+
+if __name__ == "__main__":
+    main()

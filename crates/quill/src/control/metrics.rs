@@ -1,0 +1,417 @@
+//! Prometheus metrics (`/metrics` of the metrics listener), read from the shared state on
+//! each scrape: the data plane keeps counting in its own atomics and never learns that it
+//! is observed. Nothing here changes anything.
+//!
+//! Every family is one row of [`FAMILIES`] (name, help, type, and how to read its value), so
+//! a new counter in `State` or in a server's state is exported by adding one row.
+
+use std::borrow::Cow;
+use std::sync::atomic::Ordering::Relaxed;
+use std::sync::Arc;
+
+use prometheus_client::collector::Collector;
+use prometheus_client::encoding::{DescriptorEncoder, EncodeMetric, MetricEncoder};
+use prometheus_client::metrics::counter::ConstCounter;
+use prometheus_client::metrics::gauge::ConstGauge;
+use prometheus_client::metrics::MetricType;
+use prometheus_client::registry::{Registry, Unit};
+
+use super::report;
+use crate::balance::servers::Condition;
+use crate::balance::{clock, ServerState};
+use crate::dsr::DsrCounters;
+use crate::state::State;
+
+/// The content type of [`encode`]'s output (OpenMetrics text, which Prometheus reads).
+pub const CONTENT_TYPE: &str = "application/openmetrics-text; version=1.0.0; charset=utf-8";
+
+/// Whether a family only grows (a counter, exported as `NAME_total`) or goes up and down.
+#[derive(Debug, Clone, Copy)]
+pub enum Kind {
+    Counter,
+    Gauge,
+}
+
+/// Reads one value of the whole process.
+pub type Reader = fn(&State) -> u64;
+
+/// Where a family's values come from.
+#[derive(Debug, Clone, Copy)]
+pub enum Source {
+    /// One value for the whole process.
+    Global(Reader),
+    /// One value per value of `label` (e.g. the reasons a connection was refused).
+    ByLabel {
+        label: &'static str,
+        values: &'static [(&'static str, Reader)],
+    },
+    /// One value per server in use, labelled `server` (its number) and `address`.
+    PerServer(fn(&ServerState) -> u64),
+    /// One value for the process, from a part that may not run (e.g. the DSR plane): the
+    /// family is left out when the reader gives `None`.
+    IfRunning(fn(&State) -> Option<u64>),
+}
+
+/// One metric family.
+#[derive(Debug)]
+pub struct Family {
+    /// Name without the `quill_` prefix (and, for counters, without `_total`).
+    pub name: &'static str,
+    pub help: &'static str,
+    pub unit: Option<Unit>,
+    pub kind: Kind,
+    pub source: Source,
+}
+
+fn load(a: &std::sync::atomic::AtomicU64) -> u64 {
+    a.load(Relaxed)
+}
+
+/// A DSR counter, when the DSR plane runs.
+fn dsr(s: &State, read: fn(&DsrCounters) -> &std::sync::atomic::AtomicU64) -> Option<u64> {
+    s.dsr.get().map(|c| load(read(c)))
+}
+
+/// The exported families besides `server_state` (which is a state set, see [`Metrics`]).
+pub static FAMILIES: &[Family] = &[
+    Family {
+        name: "connections_accepted",
+        help: "Client connections (UDP: new flows) accepted, including those then refused.",
+        unit: None,
+        kind: Kind::Counter,
+        source: Source::Global(|s| load(&s.counters.accepted)),
+    },
+    Family {
+        name: "connections_refused",
+        help: "Client connections (UDP: flows) refused, by reason: the client ACL, conn_max, \
+               or no server (nor emergency server) reachable.",
+        unit: None,
+        kind: Kind::Counter,
+        source: Source::ByLabel {
+            label: "reason",
+            values: &[
+                ("acl", |s| load(&s.counters.refused_acl)),
+                ("conn_max", |s| load(&s.counters.refused_conn_max)),
+                ("no_server", |s| load(&s.counters.no_server)),
+            ],
+        },
+    },
+    Family {
+        name: "tls_handshakes",
+        help: "TLS handshakes with clients (when quill terminates TLS), by result: completed, \
+               or failed (protocol or certificate refused, timeout, reset).",
+        unit: None,
+        kind: Kind::Counter,
+        source: Source::ByLabel {
+            label: "result",
+            values: &[
+                ("ok", |s| load(&s.counters.tls_handshakes)),
+                ("failed", |s| load(&s.counters.tls_failures)),
+            ],
+        },
+    },
+    Family {
+        name: "upstream_tls_handshake_failures",
+        help: "TLS handshakes with servers (upstream_tls) that failed: certificate not \
+               verified, wrong name, protocol, timeout. Each also counts as a failed connect.",
+        unit: None,
+        kind: Kind::Counter,
+        source: Source::Global(|s| load(&s.counters.upstream_tls_failures)),
+    },
+    Family {
+        name: "connections_open",
+        help: "Client connections (UDP: flows) open now.",
+        unit: None,
+        kind: Kind::Gauge,
+        source: Source::Global(|s| s.active.load(Relaxed) as u64),
+    },
+    Family {
+        name: "upstream_connects_pending",
+        help: "Connections to servers in progress now.",
+        unit: None,
+        kind: Kind::Gauge,
+        source: Source::Global(|s| s.pending.load(Relaxed) as u64),
+    },
+    Family {
+        name: "clients_tracked",
+        help: "Entries in the client tracking table.",
+        unit: None,
+        kind: Kind::Gauge,
+        source: Source::Global(|s| s.clients.len() as u64),
+    },
+    Family {
+        name: "uptime",
+        help: "Time since quill started.",
+        unit: Some(Unit::Seconds),
+        kind: Kind::Gauge,
+        source: Source::Global(|s| s.started.elapsed().as_secs()),
+    },
+    Family {
+        name: "server_connections_open",
+        help: "Connections open to the server now.",
+        unit: None,
+        kind: Kind::Gauge,
+        source: Source::PerServer(|s| u64::from(s.conns.load(Relaxed))),
+    },
+    Family {
+        name: "server_connections",
+        help: "Connections made to the server.",
+        unit: None,
+        kind: Kind::Counter,
+        source: Source::PerServer(|s| load(&s.total)),
+    },
+    Family {
+        name: "server_failures",
+        help: "Failed attempts to connect to the server.",
+        unit: None,
+        kind: Kind::Counter,
+        source: Source::PerServer(|s| load(&s.failures)),
+    },
+    Family {
+        name: "server_checks_passed",
+        help: "Active health checks of the server that passed.",
+        unit: None,
+        kind: Kind::Counter,
+        source: Source::PerServer(|s| load(&s.checks_passed)),
+    },
+    Family {
+        name: "server_checks_failed",
+        help: "Active health checks of the server that failed.",
+        unit: None,
+        kind: Kind::Counter,
+        source: Source::PerServer(|s| load(&s.checks_failed)),
+    },
+    Family {
+        name: "server_sent",
+        help: "Bytes relayed from clients to the server.",
+        unit: Some(Unit::Bytes),
+        kind: Kind::Counter,
+        source: Source::PerServer(|s| load(&s.bytes_to)),
+    },
+    Family {
+        name: "server_received",
+        help: "Bytes relayed from the server to clients.",
+        unit: Some(Unit::Bytes),
+        kind: Kind::Counter,
+        source: Source::PerServer(|s| load(&s.bytes_from)),
+    },
+    Family {
+        name: "dsr_forwarded_frames",
+        help: "DSR: frames forwarded to a server.",
+        unit: None,
+        kind: Kind::Counter,
+        source: Source::IfRunning(|s| dsr(s, |c| &c.forwarded)),
+    },
+    Family {
+        name: "dsr_no_server_frames",
+        help: "DSR: frames for the virtual address dropped because no server was up.",
+        unit: None,
+        kind: Kind::Counter,
+        source: Source::IfRunning(|s| dsr(s, |c| &c.no_backend)),
+    },
+    Family {
+        name: "dsr_arp_replies",
+        help: "DSR: ARP replies sent for the virtual address or a tarpitted address.",
+        unit: None,
+        kind: Kind::Counter,
+        source: Source::IfRunning(|s| dsr(s, |c| &c.arp_replies)),
+    },
+    Family {
+        name: "dsr_tarpit_synacks",
+        help: "DSR: SYN+ACKs sent by the tarpit.",
+        unit: None,
+        kind: Kind::Counter,
+        source: Source::IfRunning(|s| dsr(s, |c| &c.tarpit_synack)),
+    },
+    Family {
+        name: "dsr_tarpit_dropped_frames",
+        help: "DSR: other frames to tarpitted addresses, dropped.",
+        unit: None,
+        kind: Kind::Counter,
+        source: Source::IfRunning(|s| dsr(s, |c| &c.tarpit_dropped)),
+    },
+    Family {
+        name: "dsr_send_errors",
+        help: "DSR: frames that could not be sent (buffer full, interface down).",
+        unit: None,
+        kind: Kind::Counter,
+        source: Source::IfRunning(|s| dsr(s, |c| &c.send_errors)),
+    },
+];
+
+/// The collector behind `/metrics`: every family of [`FAMILIES`], the servers' state set
+/// and the build info, read from `state` at each scrape.
+#[derive(Debug)]
+pub struct Metrics {
+    state: Arc<State>,
+}
+
+/// A registry holding the collector for `state`, with the `quill_` prefix.
+pub fn registry(state: Arc<State>) -> Registry {
+    let mut registry = Registry::with_prefix("quill");
+    registry.register_collector(Box::new(Metrics { state }));
+    registry
+}
+
+/// The metrics in OpenMetrics text format.
+pub fn encode(registry: &Registry) -> Result<String, std::fmt::Error> {
+    let mut out = String::new();
+    prometheus_client::encoding::text::encode(&mut out, registry)?;
+    Ok(out)
+}
+
+type Labels = Vec<(&'static str, Cow<'static, str>)>;
+
+/// Writes one sample of a family.
+fn write_value(encoder: MetricEncoder<'_>, kind: Kind, v: u64) -> Result<(), std::fmt::Error> {
+    match kind {
+        Kind::Counter => ConstCounter::new(v).encode(encoder),
+        Kind::Gauge => ConstGauge::new(v).encode(encoder),
+    }
+}
+
+fn metric_type(kind: Kind) -> MetricType {
+    match kind {
+        Kind::Counter => MetricType::Counter,
+        Kind::Gauge => MetricType::Gauge,
+    }
+}
+
+impl Collector for Metrics {
+    fn encode(&self, mut encoder: DescriptorEncoder) -> Result<(), std::fmt::Error> {
+        let state = &self.state;
+        let settings = state.settings();
+        let now = clock::now_ms();
+        // The labels of every server in use, built once per scrape.
+        let servers: Vec<(Labels, &ServerState)> = report::in_use(&settings, state)
+            .map(|(i, conf, ip, rt)| {
+                let address = std::net::SocketAddr::new(ip, conf.port).to_string();
+                let labels = vec![
+                    ("server", Cow::Owned(i.to_string())),
+                    ("address", Cow::Owned(address)),
+                ];
+                (labels, rt)
+            })
+            .collect();
+
+        let info = ConstGauge::new(1u64);
+        let version = [("version", env!("CARGO_PKG_VERSION"))];
+        let mut family = encoder.encode_descriptor(
+            "build_info",
+            "The version of quill running (always 1).",
+            None,
+            MetricType::Gauge,
+        )?;
+        info.encode(family.encode_family(&version)?)?;
+
+        let mut family = encoder.encode_descriptor(
+            "server_state",
+            "1 for the condition the server is in now, 0 for the others.",
+            None,
+            MetricType::Gauge,
+        )?;
+        for (labels, rt) in &servers {
+            let current = rt.condition(now);
+            for condition in Condition::ALL {
+                let mut with_state = labels.clone();
+                with_state.push(("state", Cow::Borrowed(condition.word())));
+                let v = u64::from(*condition == current);
+                ConstGauge::new(v).encode(family.encode_family(&with_state)?)?;
+            }
+        }
+
+        for f in FAMILIES {
+            // A part that does not run has no family at all (not a misleading 0).
+            let running = match f.source {
+                Source::IfRunning(read) => match read(state) {
+                    Some(v) => Some(v),
+                    None => continue,
+                },
+                _ => None,
+            };
+            let mut family =
+                encoder.encode_descriptor(f.name, f.help, f.unit.as_ref(), metric_type(f.kind))?;
+            match f.source {
+                Source::Global(read) => write_value(family, f.kind, read(state))?,
+                Source::IfRunning(_) => write_value(family, f.kind, running.unwrap_or(0))?,
+                Source::ByLabel { label, values } => {
+                    for (value, read) in values {
+                        let labels = [(label, *value)];
+                        write_value(family.encode_family(&labels)?, f.kind, read(state))?;
+                    }
+                }
+                Source::PerServer(read) => {
+                    for (labels, rt) in &servers {
+                        write_value(family.encode_family(labels)?, f.kind, read(rt))?;
+                    }
+                }
+            }
+        }
+        Ok(())
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::command::Command;
+    use crate::settings::Settings;
+
+    #[test]
+    fn families_have_unique_valid_names() {
+        let mut seen = std::collections::HashSet::new();
+        for f in FAMILIES {
+            assert!(
+                f.name.bytes().all(|b| b.is_ascii_lowercase() || b == b'_'),
+                "{}",
+                f.name
+            );
+            assert!(
+                !f.name.ends_with("_total"),
+                "the encoder adds _total: {}",
+                f.name
+            );
+            assert!(seen.insert(f.name), "duplicate family {}", f.name);
+        }
+    }
+
+    #[test]
+    fn scrape_reads_the_counters() {
+        let state = State::new(Settings::default(), false);
+        for line in [
+            "server 0 address 127.0.0.1 port 9001",
+            "server 1 address ::1 port 9002",
+        ] {
+            let cmd: Command = line.parse().unwrap();
+            state.execute(&cmd).unwrap();
+        }
+        state.counters.accepted.store(7, Relaxed);
+        state.counters.refused_acl.store(2, Relaxed);
+        state.counters.tls_handshakes.store(5, Relaxed);
+        state.counters.tls_failures.store(3, Relaxed);
+        state.counters.upstream_tls_failures.store(1, Relaxed);
+        if let Some(s) = state.servers.get(1) {
+            s.bytes_to.store(1234, Relaxed);
+            s.blacklist(clock::now_ms(), 60);
+        }
+        let registry = registry(Arc::clone(&state));
+        let text = encode(&registry).unwrap();
+        assert!(!text.contains("quill_dsr_"), "no DSR families without DSR");
+        for line in [
+            "quill_connections_accepted_total 7",
+            "quill_connections_refused_total{reason=\"acl\"} 2",
+            "quill_tls_handshakes_total{result=\"ok\"} 5",
+            "quill_tls_handshakes_total{result=\"failed\"} 3",
+            "quill_upstream_tls_handshake_failures_total 1",
+            "quill_server_sent_bytes_total{server=\"1\",address=\"[::1]:9002\"} 1234",
+            "quill_server_state{server=\"1\",address=\"[::1]:9002\",state=\"blacklisted\"} 1",
+            "quill_server_state{server=\"0\",address=\"127.0.0.1:9001\",state=\"up\"} 1",
+            "# EOF",
+        ] {
+            assert!(
+                text.lines().any(|l| l == line),
+                "missing {line:?} in\n{text}"
+            );
+        }
+    }
+}
