@@ -37,6 +37,8 @@ import time
 from pathlib import Path
 from typing import Any
 
+from procs import raise_autogroup
+
 BENCH_DIR = Path(__file__).resolve().parent
 REPO_ROOT = BENCH_DIR.parent
 RESULTS_DIR = BENCH_DIR / "results"
@@ -117,16 +119,6 @@ class Procs:
     def stop_all(self) -> None:
         for p in list(self.live.values())[::-1]:
             self.stop(p)
-
-
-def raise_autogroup(pid: int | str) -> None:
-    """nice -20 alone does not help against a busy process of another session: with
-    sched_autogroup each session is one scheduling group of equal weight. Each process
-    started here is its own session, so its group gets the weight of nice -20 too."""
-    try:
-        Path(f"/proc/{pid}/autogroup").write_text("-20")
-    except OSError:
-        pass
 
 
 def ticks(pid: int) -> int:

@@ -95,6 +95,8 @@ Selection (Pen's):
   -r            round robin, no tracking            -h   hash of the client address
   -N            hash, without saving clients        -W   least connections per weight
   -s            stubborn: never fail over           -O prio   lowest prio value first
+HTTP:
+  -H            add X-Forwarded-For / X-Forwarded-Proto to every request (command: http)
 Limits and timers:
   -x N          max simultaneous connections        -c N  client table size [2048]
   -t sec        connect timeout [5]                 -b sec blacklist time [30]
@@ -118,15 +120,6 @@ Server fields: host (name, IPv4, or [IPv6]), port (default: the listening port),
 
 Example: quill -f -r 8080 127.0.0.1:9001 127.0.0.1:9002
 ";
-
-/// Pen options that belong to features this build does not have yet. Accepting them
-/// silently would mislead (TLS that is not there), so they are refused by name.
-fn not_yet(opt: char) -> Option<&'static str> {
-    Some(match opt {
-        'H' => "X-Forwarded-For insertion",
-        _ => return None,
-    })
-}
 
 fn takes_value(opt: char) -> bool {
     "BCFOSTbceijlmopqtuwxEKGAL".contains(opt)
@@ -213,6 +206,7 @@ pub fn parse<I: IntoIterator<Item = OsString>>(args: I) -> Result<Parsed, CliErr
                             .map_err(|_| err(&arg, "backlog is too large"))?,
                     ),
                     'h' => Command::Hash(true),
+                    'H' => Command::Http(true),
                     'N' => Command::HashOnly(true),
                     'r' => Command::RoundRobin(true),
                     's' => Command::Stubborn(true),
@@ -299,15 +293,7 @@ pub fn parse<I: IntoIterator<Item = OsString>>(args: I) -> Result<Parsed, CliErr
                             "installing a Windows service does not apply here",
                         ))
                     }
-                    _ => match not_yet(c) {
-                        Some(feature) => {
-                            return Err(err(
-                                &arg,
-                                format!("{feature} is not supported by this build of quill yet"),
-                            ))
-                        }
-                        None => return Err(err(&flag, "unknown option (see quill --help)")),
-                    },
+                    _ => return Err(err(&flag, "unknown option (see quill --help)")),
                 };
                 commands.push((arg, cmd));
             }

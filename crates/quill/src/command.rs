@@ -201,6 +201,87 @@ pub enum Command {
     /// `slow_start N` (extension): seconds over which a server that comes back up ramps
     /// from a small share of its weight to all of it (0 = at once).
     SlowStart(u64),
+    /// `http` / `no http` (Pen's `-H`): frame HTTP/1.x and add `X-Forwarded-For` and
+    /// `X-Forwarded-Proto` to every request.
+    Http(bool),
+    /// `http_header_max [BYTES]` (extension): largest request head with `http` (431
+    /// beyond); no argument asks.
+    HttpHeaderMax(Option<usize>),
+    /// `hsts MAX_AGE [include_subdomains] [preload]` / `no hsts` (extension): add
+    /// `Strict-Transport-Security` to responses of TLS-terminated HTTP (needs `http`).
+    Hsts(Option<Hsts>),
+    /// `proxy_protocol v1|v2` / `no proxy_protocol` (extension): send a PROXY protocol
+    /// header first on every backend connection.
+    ProxyProtocol(Option<ProxyVersion>),
+    /// `accept_proxy` / `no accept_proxy` (extension): clients begin with a PROXY protocol
+    /// header (v1 or v2) naming the real client.
+    AcceptProxy(bool),
+}
+
+/// A PROXY protocol version (HAProxy's specification).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum ProxyVersion {
+    /// The text form: `PROXY TCP4 src dst sport dport\r\n`.
+    V1,
+    /// The binary form.
+    V2,
+}
+
+impl ProxyVersion {
+    fn word(self) -> &'static str {
+        match self {
+            ProxyVersion::V1 => "v1",
+            ProxyVersion::V2 => "v2",
+        }
+    }
+}
+
+/// `server N proxy_protocol ...`: the server's own choice, or the global one.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+pub enum ServerProxy {
+    /// `global`: follow `proxy_protocol` (the default).
+    #[default]
+    Global,
+    /// `off`: never, whatever `proxy_protocol` says.
+    Off,
+    /// `v1` / `v2`.
+    On(ProxyVersion),
+}
+
+/// The `Strict-Transport-Security` policy of `hsts`.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Hsts {
+    /// Seconds browsers remember to use only HTTPS.
+    pub max_age: u64,
+    pub include_subdomains: bool,
+    pub preload: bool,
+}
+
+impl Hsts {
+    /// The header field's value, e.g. `max-age=31536000; includeSubDomains`.
+    pub fn header_value(&self) -> String {
+        let mut v = format!("max-age={}", self.max_age);
+        if self.include_subdomains {
+            v.push_str("; includeSubDomains");
+        }
+        if self.preload {
+            v.push_str("; preload");
+        }
+        v
+    }
+}
+
+impl fmt::Display for Hsts {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        write!(f, "{}", self.max_age)?;
+        if self.include_subdomains {
+            f.write_str(" include_subdomains")?;
+        }
+        if self.preload {
+            f.write_str(" preload")?;
+        }
+        Ok(())
+    }
 }
 
 /// What an active health check does.
@@ -424,6 +505,8 @@ pub enum ServerField {
     Drain(bool),
     /// `check tcp|http PATH [STATUS]|off|default` (extension): this server's health check.
     Check(ServerCheck),
+    /// `proxy_protocol v1|v2|off|global` (extension): this server's PROXY protocol.
+    ProxyProtocol(ServerProxy),
 }
 
 /// A host as written by the user: an IP literal or a DNS name, checked for syntax only.
@@ -851,6 +934,11 @@ fn command_name(word: &str) -> Option<&'static str> {
         "dsr_if",
         "tarpit_acl",
         "transparent",
+        "http",
+        "http_header_max",
+        "hsts",
+        "proxy_protocol",
+        "accept_proxy",
     ];
     NAMES.iter().copied().find(|n| *n == word)
 }
@@ -922,6 +1010,10 @@ fn parse_negated(command: &'static str, w: &mut Words<'_>) -> Result<Command, Pa
         "check" => Command::Check(None),
         "tarpit_acl" => Command::NoTarpitAcl,
         "transparent" => Command::Transparent(false),
+        "http" => Command::Http(false),
+        "hsts" => Command::Hsts(None),
+        "proxy_protocol" => Command::ProxyProtocol(None),
+        "accept_proxy" => Command::AcceptProxy(false),
         _ => return Err(ParseError::Unknown(format!("no {command}"))),
     })
 }
@@ -1106,6 +1198,42 @@ fn parse_positive(command: &'static str, w: &mut Words<'_>) -> Result<Command, P
             Some(n) => Some(AclId::from_str(n).map_err(|_| ParseError::AclIndex(n.to_string()))?),
         }),
         "transparent" => Command::Transparent(true),
+        "http" => Command::Http(true),
+        "http_header_max" => {
+            let n = w.optional_number::<usize>("number of bytes")?;
+            if n.is_some_and(|n| n < crate::proxy::http::MIN_HEADER_MAX) {
+                return Err(ParseError::Invalid {
+                    command,
+                    what: "size (at least 256 bytes)",
+                    value: n.unwrap_or_default().to_string(),
+                });
+            }
+            Command::HttpHeaderMax(n)
+        }
+        "hsts" => {
+            let max_age = w.number("max-age in seconds")?;
+            let (mut include_subdomains, mut preload) = (false, false);
+            for word in w.iter.by_ref() {
+                match word {
+                    "include_subdomains" => include_subdomains = true,
+                    "preload" => preload = true,
+                    other => {
+                        return Err(ParseError::Invalid {
+                            command,
+                            what: "option (include_subdomains, preload)",
+                            value: other.into(),
+                        })
+                    }
+                }
+            }
+            Command::Hsts(Some(Hsts {
+                max_age,
+                include_subdomains,
+                preload,
+            }))
+        }
+        "proxy_protocol" => Command::ProxyProtocol(Some(proxy_version(w.next("v1 or v2")?)?)),
+        "accept_proxy" => Command::AcceptProxy(true),
         _ => return Err(ParseError::Unknown(command.to_string())),
     })
 }
@@ -1118,6 +1246,18 @@ fn ssl_option(w: &mut Words<'_>) -> Result<SslOption, ParseError> {
                cipher_server_preference)",
         value: word.to_string(),
     })
+}
+
+fn proxy_version(word: &str) -> Result<ProxyVersion, ParseError> {
+    match word {
+        "v1" => Ok(ProxyVersion::V1),
+        "v2" => Ok(ProxyVersion::V2),
+        other => Err(ParseError::Invalid {
+            command: "proxy_protocol",
+            what: "version (v1 or v2)",
+            value: other.into(),
+        }),
+    }
 }
 
 fn parse_server(w: &mut Words<'_>) -> Result<Command, ParseError> {
@@ -1158,6 +1298,13 @@ fn parse_server(w: &mut Words<'_>) -> Result<Command, ParseError> {
                     kind => ServerCheck::Probe(parse_probe(w, kind)?),
                 })
             }
+            "proxy_protocol" => {
+                ServerField::ProxyProtocol(match w.next("v1, v2, off or global")? {
+                    "off" => ServerProxy::Off,
+                    "global" => ServerProxy::Global,
+                    v => ServerProxy::On(proxy_version(v)?),
+                })
+            }
             other => {
                 return Err(ParseError::Invalid {
                     command: "server",
@@ -1171,7 +1318,7 @@ fn parse_server(w: &mut Words<'_>) -> Result<Command, ParseError> {
     if fields.is_empty() {
         return Err(ParseError::Missing {
             command: "server",
-            what: "a field (acl, address, port, max, hard, weight, prio, blacklist, drain, check)",
+            what: "a field (acl, address, port, max, hard, weight, prio, blacklist, drain, check, proxy_protocol)",
         });
     }
     Ok(Command::Server { index, fields })
@@ -1317,6 +1464,11 @@ impl fmt::Display for ServerField {
             ServerField::Drain(true) => f.write_str("drain"),
             ServerField::Drain(false) => f.write_str("drain 0"),
             ServerField::Check(c) => write!(f, "check {c}"),
+            ServerField::ProxyProtocol(ServerProxy::Global) => f.write_str("proxy_protocol global"),
+            ServerField::ProxyProtocol(ServerProxy::Off) => f.write_str("proxy_protocol off"),
+            ServerField::ProxyProtocol(ServerProxy::On(v)) => {
+                write!(f, "proxy_protocol {}", v.word())
+            }
         }
     }
 }
@@ -1415,6 +1567,13 @@ impl fmt::Display for Command {
             Command::TarpitAcl(list) => with_optional(f, "tarpit_acl", list),
             Command::NoTarpitAcl => f.write_str("no tarpit_acl"),
             Command::Transparent(on) => on_off(f, *on, "transparent"),
+            Command::Http(on) => on_off(f, *on, "http"),
+            Command::HttpHeaderMax(n) => with_optional(f, "http_header_max", n),
+            Command::Hsts(Some(h)) => write!(f, "hsts {h}"),
+            Command::Hsts(None) => f.write_str("no hsts"),
+            Command::ProxyProtocol(Some(v)) => write!(f, "proxy_protocol {}", v.word()),
+            Command::ProxyProtocol(None) => f.write_str("no proxy_protocol"),
+            Command::AcceptProxy(on) => on_off(f, *on, "accept_proxy"),
         }
     }
 }
@@ -1573,6 +1732,13 @@ mod roundtrip {
                 probe().prop_map(ServerCheck::Probe),
             ]
             .prop_map(ServerField::Check),
+            prop_oneof![
+                Just(ServerProxy::Global),
+                Just(ServerProxy::Off),
+                Just(ServerProxy::On(ProxyVersion::V1)),
+                Just(ServerProxy::On(ProxyVersion::V2)),
+            ]
+            .prop_map(ServerField::ProxyProtocol),
         ]
     }
 
@@ -1679,6 +1845,19 @@ mod roundtrip {
             proptest::option::of(acl_id()).prop_map(Command::TarpitAcl),
             Just(Command::NoTarpitAcl),
             any::<bool>().prop_map(Command::Transparent),
+            any::<bool>().prop_map(Command::Http),
+            proptest::option::of(256usize..).prop_map(Command::HttpHeaderMax),
+            proptest::option::of((any::<u64>(), any::<bool>(), any::<bool>()).prop_map(
+                |(max_age, include_subdomains, preload)| Hsts {
+                    max_age,
+                    include_subdomains,
+                    preload
+                }
+            ))
+            .prop_map(Command::Hsts),
+            proptest::option::of(prop_oneof![Just(ProxyVersion::V1), Just(ProxyVersion::V2)])
+                .prop_map(Command::ProxyProtocol),
+            any::<bool>().prop_map(Command::AcceptProxy),
             tls_command(),
         ]
     }

@@ -12,8 +12,8 @@ use std::sync::Arc;
 
 use crate::acl::{Acl, AclId, GeoRef, ACL_LISTS};
 use crate::command::{
-    parse_port, split_host_port, Command, FastClose, Host, HostPort, Millis, Probe, ServerCheck,
-    ServerField, Word, MAX_SERVERS,
+    parse_port, split_host_port, Command, FastClose, Host, HostPort, Hsts, Millis, Probe,
+    ProxyVersion, ServerCheck, ServerField, ServerProxy, Word, MAX_SERVERS,
 };
 use crate::geoip::GeoIp;
 use crate::net::ListenAddr;
@@ -35,6 +35,8 @@ pub struct ServerConf {
     pub prio: u32,
     /// Only clients permitted by this list may be sent here.
     pub acl: Option<AclId>,
+    /// PROXY protocol towards this server (`server N proxy_protocol`).
+    pub proxy_protocol: ServerProxy,
     /// This server's own health check, or the global one.
     pub check: ServerCheck,
 }
@@ -50,6 +52,7 @@ impl Default for ServerConf {
             weight: 1,
             prio: 0,
             acl: None,
+            proxy_protocol: ServerProxy::Global,
             check: ServerCheck::Inherit,
         }
     }
@@ -187,6 +190,17 @@ pub struct Settings {
     /// The rustls configurations built from `tls` by [`Settings::build_tls`]; published
     /// with the rest of the snapshot, so a connection uses one consistent pair.
     pub tls_built: tls::Built,
+    /// `http` (`-H`): HTTP/1.x framing with `X-Forwarded-For` / `X-Forwarded-Proto`.
+    pub http: bool,
+    /// Largest request head with `http` (`http_header_max`).
+    pub http_header_max: usize,
+    /// `Strict-Transport-Security` for TLS-terminated HTTP responses (`hsts`).
+    pub hsts: Option<Hsts>,
+    /// PROXY protocol header sent to backends (`proxy_protocol`), unless a server says
+    /// otherwise.
+    pub proxy_protocol: Option<ProxyVersion>,
+    /// Clients start with a PROXY protocol header (`accept_proxy`).
+    pub accept_proxy: bool,
     /// Active health checks.
     pub check: HealthCheck,
     /// Seconds over which a server coming back up ramps to its full weight (0 = at once).
@@ -239,7 +253,9 @@ impl Default for Settings {
             emergency: None,
             abuse: None,
             multi_accept: 100,
-            backlog: 500,
+            // Pen's 500 drops SYNs under a burst of connects (clients then wait 1 s to
+            // retry); the kernel caps this at net.core.somaxconn.
+            backlog: 4096,
             workers: 0,
             udp_idle_timeout: DEFAULT_UDP_IDLE_TIMEOUT,
             compat: Vec::new(),
@@ -252,6 +268,11 @@ impl Default for Settings {
             geoip: None,
             tls: TlsConf::default(),
             tls_built: tls::Built::default(),
+            http: false,
+            http_header_max: crate::proxy::http::DEFAULT_HEADER_MAX,
+            hsts: None,
+            proxy_protocol: None,
+            accept_proxy: false,
             check: HealthCheck::default(),
             slow_start: 0,
             shutdown_grace: DEFAULT_SHUTDOWN_GRACE,
@@ -520,6 +541,11 @@ impl Settings {
             Command::AbortOnError(on) => set(&mut self.abort_on_error, *on),
             Command::SslClientRenegotiationInterval(_) => self.apply_tls(cmd)?,
             other if other.is_tls() => self.apply_tls(cmd)?,
+            Command::Http(on) => set(&mut self.http, *on),
+            Command::HttpHeaderMax(v) => query_or_set(&mut self.http_header_max, *v),
+            Command::Hsts(h) => set(&mut self.hsts, *h),
+            Command::ProxyProtocol(v) => set(&mut self.proxy_protocol, *v),
+            Command::AcceptProxy(on) => set(&mut self.accept_proxy, *on),
             Command::Check(probe) => set(&mut self.check.probe, probe.clone()),
             Command::CheckInterval(d) => set(&mut self.check.interval, *d),
             Command::CheckTimeout(d) => set(&mut self.check.timeout, *d),
@@ -575,6 +601,7 @@ impl Settings {
                 ServerField::Hard(h) => conf.hard = *h,
                 ServerField::Weight(w) => conf.weight = *w,
                 ServerField::Prio(p) => conf.prio = *p,
+                ServerField::ProxyProtocol(pp) => conf.proxy_protocol = *pp,
                 ServerField::Blacklist(t) => {
                     if conf.ip.is_none() {
                         return Err(ApplyError::NoSuchServer(index));
@@ -694,6 +721,21 @@ impl Settings {
             out.push(Command::AbortOnError(true));
         }
         out.extend(self.tls.to_commands());
+        if self.http {
+            out.push(Command::Http(true));
+        }
+        if self.http_header_max != d.http_header_max {
+            out.push(Command::HttpHeaderMax(Some(self.http_header_max)));
+        }
+        if self.hsts.is_some() {
+            out.push(Command::Hsts(self.hsts));
+        }
+        if self.proxy_protocol.is_some() {
+            out.push(Command::ProxyProtocol(self.proxy_protocol));
+        }
+        if self.accept_proxy {
+            out.push(Command::AcceptProxy(true));
+        }
         if let Some(p) = &self.check.probe {
             out.push(Command::Check(Some(p.clone())));
         }
@@ -736,6 +778,9 @@ impl Settings {
             ];
             if let Some(a) = s.acl {
                 fields.push(ServerField::Acl(a));
+            }
+            if s.proxy_protocol != ServerProxy::Global {
+                fields.push(ServerField::ProxyProtocol(s.proxy_protocol));
             }
             if s.check != ServerCheck::Inherit {
                 fields.push(ServerField::Check(s.check.clone()));
@@ -863,11 +908,16 @@ mod tests {
             "source 127.0.0.1",
             "emergency 127.0.0.1:9",
             "block",
+            "http",
+            "http_header_max 8192",
+            "hsts 31536000 include_subdomains",
+            "proxy_protocol v2",
+            "accept_proxy",
             "dsr_if eth1",
             "acl 3 permit 10.77.0.200 255.255.255.248",
             "tarpit_acl 3",
             "transparent",
-            "server 0 address 127.0.0.1 port 80 max 3 hard 4 weight 2 prio 1 acl 2",
+            "server 0 address 127.0.0.1 port 80 max 3 hard 4 weight 2 prio 1 acl 2 proxy_protocol off",
             "server 3 address ::1 port 81 check http /health 204",
             "server 4 address ::1 port 82 check off",
             "check tcp",

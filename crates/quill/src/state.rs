@@ -34,6 +34,11 @@ pub struct Counters {
     pub tls_failures: AtomicU64,
     /// TLS handshakes with upstream servers that failed (certificate, protocol, timeout).
     pub upstream_tls_failures: AtomicU64,
+    /// Client connections closed for a missing or malformed PROXY protocol header
+    /// (`accept_proxy`).
+    pub bad_proxy_header: AtomicU64,
+    /// HTTP requests refused with 400 or 431 (`http`).
+    pub http_refused: AtomicU64,
 }
 
 /// Shared state of one quill process.

@@ -852,3 +852,57 @@ fn re_encryption_verifies_the_backend_certificate() {
     ]);
     assert_eq!(get(&misnamed, false), "");
 }
+
+/// With `http` (-H), TLS-terminated requests carry `X-Forwarded-Proto: https` (and the
+/// client's address) on every request of a keep-alive connection, and `hsts` adds
+/// `Strict-Transport-Security` to every response.
+#[test]
+fn http_after_tls_gets_forwarded_proto_https_and_hsts() {
+    use support::http_echo::{read_final_response, EchoServer};
+    let (_dir, ca, leaf) = tls_fixture();
+    let echo = EchoServer::start();
+    let q = Quill::start(&[
+        "-H",
+        "-E",
+        s(&leaf.cert),
+        "-K",
+        s(&leaf.key),
+        "-O",
+        "hsts 31536000 include_subdomains",
+        "{port}",
+        &echo.spec(),
+    ]);
+    let mut tls = tls_connect(q.addr(), "localhost", &client_config(&ca.cert, None)).unwrap();
+    assert_eq!(tls.conn.alpn_protocol(), None);
+    for i in 0..3 {
+        let body = format!("request {i}");
+        tls.write_all(
+            format!(
+                "POST /{i} HTTP/1.1\r\nHost: x\r\nX-Forwarded-Proto: http\r\nContent-Length: {}\r\n\r\n{body}",
+                body.len()
+            )
+            .as_bytes(),
+        )
+        .unwrap();
+        let resp = read_final_response(&mut tls).unwrap_or_else(|| panic!("no response {i}"));
+        let seen = resp.seen();
+        assert_eq!(seen.request_line(), format!("POST /{i} HTTP/1.1"));
+        assert_eq!(seen.fields("X-Forwarded-Proto"), ["https"], "{}", seen.head);
+        assert_eq!(
+            seen.fields("X-Forwarded-For"),
+            ["127.0.0.1"],
+            "{}",
+            seen.head
+        );
+        assert_eq!(seen.body_len, body.len());
+        assert_eq!(
+            resp.field("Strict-Transport-Security").as_deref(),
+            Some("max-age=31536000; includeSubDomains")
+        );
+    }
+    assert_eq!(
+        echo.connections(),
+        1,
+        "one backend connection for the keep-alive client"
+    );
+}

@@ -57,7 +57,7 @@ pub fn execute(ctx: &Context, cmd: &Command) -> Result<String, String> {
             let age = clock::now_ms().saturating_sub(c.started) / 1000;
             Ok(format!(
                 "connection {id} client {} upstream {upstream} age {age}",
-                c.client
+                c.real_client()
             ))
         }
         Command::Close(id) => {

@@ -2,6 +2,9 @@
 //! never parse configuration text, and never block.
 
 pub mod dummy;
+pub mod http;
+pub mod proxy_protocol;
+pub mod pump;
 pub mod registry;
 pub mod relay;
 pub mod splice;

@@ -32,7 +32,10 @@ const ABUSE: usize = usize::MAX - 2;
 #[derive(Debug)]
 pub struct ConnInfo {
     pub id: u64,
+    /// The peer address of the client socket.
     pub client: SocketAddr,
+    /// The client a PROXY protocol header named (`accept_proxy`), when there was one.
+    pub proxied: OnceLock<SocketAddr>,
     /// `clock::now_ms()` at accept.
     pub started: u64,
     upstream: AtomicUsize,
@@ -43,6 +46,11 @@ pub struct ConnInfo {
 }
 
 impl ConnInfo {
+    /// The real client: the one a PROXY protocol header named, else the peer.
+    pub fn real_client(&self) -> SocketAddr {
+        self.proxied.get().copied().unwrap_or(self.client)
+    }
+
     pub fn upstream(&self) -> Upstream {
         match self.upstream.load(Relaxed) {
             NONE => Upstream::None,
@@ -106,6 +114,7 @@ impl Registry {
         let info = Arc::new(ConnInfo {
             id,
             client,
+            proxied: OnceLock::new(),
             started: now,
             upstream: AtomicUsize::new(NONE),
             bytes_up: AtomicU64::new(0),

@@ -34,7 +34,7 @@ use crate::command::FastClose;
 pub const SCRATCH_SIZE: usize = 64 * 1024;
 
 /// Reads in one direction before yielding to other connections of the same event loop.
-const BUDGET: usize = 32;
+pub(crate) const BUDGET: usize = 32;
 
 thread_local! {
     static SCRATCH: RefCell<Box<[u8]>> = RefCell::new(vec![0; SCRATCH_SIZE].into_boxed_slice());
@@ -51,6 +51,10 @@ pub trait Stream {
     fn read_now(&self, buf: &mut [u8]) -> io::Result<usize>;
     fn try_write(&self, buf: &[u8]) -> io::Result<usize>;
     fn shutdown_write(&self) -> io::Result<()>;
+    /// Copies received bytes without consuming them. When `more(peeked)` says more bytes
+    /// are needed, the cached readiness is cleared, so that the next wait for readiness
+    /// waits for new bytes instead of returning at once.
+    fn try_peek(&self, buf: &mut [u8], more: &mut dyn FnMut(&[u8]) -> bool) -> io::Result<usize>;
     /// Moves up to `len` bytes from this socket into `pipe` (splice); 0 means EOF.
     fn try_splice_out(&self, pipe: &KernelPipe, len: usize) -> io::Result<usize>;
     /// Moves up to `len` bytes from `pipe` into this socket (splice).
@@ -96,6 +100,27 @@ macro_rules! impl_stream {
             fn shutdown_write(&self) -> io::Result<()> {
                 socket2::SockRef::from(self).shutdown(Shutdown::Write)
             }
+            fn try_peek(
+                &self,
+                buf: &mut [u8],
+                more: &mut dyn FnMut(&[u8]) -> bool,
+            ) -> io::Result<usize> {
+                let mut got = None;
+                let result = self.try_io(Interest::READABLE, || {
+                    let n = rustix::net::recv(self, &mut *buf, rustix::net::RecvFlags::PEEK)
+                        .map_err(io::Error::from)?;
+                    got = Some(n);
+                    if n > 0 && more(&buf[..n]) {
+                        Err(ErrorKind::WouldBlock.into())
+                    } else {
+                        Ok(n)
+                    }
+                });
+                match (result, got) {
+                    (Err(e), Some(n)) if e.kind() == ErrorKind::WouldBlock => Ok(n),
+                    (result, _) => result,
+                }
+            }
             fn try_splice_out(&self, pipe: &KernelPipe, len: usize) -> io::Result<usize> {
                 self.try_io(Interest::READABLE, || pipe.fill_from(self, len))
             }
@@ -130,6 +155,8 @@ pub enum End {
     Idle,
     /// A socket error (reset, broken pipe...).
     Error(io::Error),
+    /// An HTTP request was refused (400 or 431) and the connection closed (`http`).
+    Refused,
 }
 
 /// Totals of one relay.

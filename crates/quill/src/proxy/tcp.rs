@@ -1,5 +1,7 @@
-//! The TCP data plane: accept -> conn_max -> client ACL -> select -> connect (timeout,
-//! failover) -> relay -> close.
+//! The TCP data plane: accept -> conn_max -> PROXY header (`accept_proxy`) -> client ACL
+//! -> TLS handshake (`ssl_cert`) -> select -> connect (timeout, failover) -> PROXY header
+//! (`proxy_protocol`) -> TLS handshake (`upstream_tls`) -> relay (raw sockets: the fast
+//! path; TLS on a side: the stream relay; `http`: the HTTP pump) -> close.
 //!
 //! One instance of [`serve`] runs per event loop, each on its own listener. A connection
 //! task holds only the two sockets and a few words of state while it relays; the selection
@@ -17,11 +19,13 @@ use std::time::Duration;
 use tokio::net::{TcpListener, TcpStream, UnixListener};
 use tokio::sync::{mpsc, watch};
 
+use super::http::{Exchange, HttpParams, Scheme};
+use super::proxy_protocol;
 use super::registry::{Registered, Registry, Upstream};
-use super::relay::{self, relay, RelayOptions, Stream};
+use super::relay::{self, relay, Outcome, RelayOptions, Stream};
 use super::stream;
 use crate::balance::{clock, Choice, Selector, ServerState};
-use crate::command::Host;
+use crate::command::{Host, ProxyVersion, ServerProxy};
 use crate::connlog::unix_now;
 use crate::net::connect::{apply_options, connect, source_for, SocketOptions};
 use crate::net::Listener;
@@ -175,6 +179,8 @@ async fn accept_failed(e: io::Error) {
 /// A client-side socket: TCP or Unix.
 trait ClientStream: Stream + tokio::io::AsyncRead + tokio::io::AsyncWrite + Unpin + 'static {
     fn set_options(&self, opts: SocketOptions);
+    /// The address the client connected to; `None` for a Unix socket.
+    fn local(&self) -> Option<SocketAddr>;
 }
 
 impl ClientStream for TcpStream {
@@ -183,10 +189,16 @@ impl ClientStream for TcpStream {
             tracing::debug!("client socket options: {e}");
         }
     }
+    fn local(&self) -> Option<SocketAddr> {
+        self.local_addr().ok()
+    }
 }
 
 impl ClientStream for tokio::net::UnixStream {
     fn set_options(&self, _: SocketOptions) {}
+    fn local(&self) -> Option<SocketAddr> {
+        None
+    }
 }
 
 /// Decrements a counter when dropped: every exit path releases what it took.
@@ -237,31 +249,10 @@ impl Drop for Lease<'_> {
     }
 }
 
-/// The client side of a connection: the socket itself, or TLS terminated on it.
-enum Client<C> {
-    Plain(C),
-    Tls(Box<ServerTlsStream<C>>),
-}
-
-/// The upstream side of a connection: a socket, or TLS originated on it.
-pub(crate) enum Server {
-    Plain(TcpStream),
-    Tls(Box<ClientTlsStream<TcpStream>>),
-}
-
-impl Server {
-    fn peer_addr(&self) -> io::Result<SocketAddr> {
-        match self {
-            Server::Plain(s) => s.peer_addr(),
-            Server::Tls(s) => s.get_ref().0.peer_addr(),
-        }
-    }
-}
-
 async fn handle<C: ClientStream>(
     state: Arc<State>,
     client: C,
-    peer: SocketAddr,
+    mut peer: SocketAddr,
     local_port: u16,
     registered: Option<Registered>,
 ) {
@@ -276,6 +267,35 @@ async fn handle<C: ClientStream>(
         tracing::debug!(%peer, "refused: conn_max {} reached", settings.conn_max);
         return;
     }
+    // The destination the client reached, when a PROXY header (in or out) needs it: the
+    // listener, or what the client's own PROXY header says.
+    let mut destination = None;
+    if settings.accept_proxy {
+        // Boxed, as every phase that plain connections skip: the task's size is that of
+        // its largest phase, and it is allocated for the whole life of the connection.
+        let read = proxy_protocol::read_header(&client);
+        match Box::pin(tokio::time::timeout(timeout(&settings), read)).await {
+            Ok(Ok(header)) => {
+                if let Some((source, dest)) = header.addrs {
+                    peer = source;
+                    destination = Some(dest);
+                    if let Some(r) = &registered {
+                        let _ = r.info.proxied.set(source);
+                    }
+                }
+            }
+            Ok(Err(e)) => {
+                state.counters.bad_proxy_header.fetch_add(1, Relaxed);
+                tracing::debug!(%peer, "closed: {e}");
+                return;
+            }
+            Err(_) => {
+                state.counters.bad_proxy_header.fetch_add(1, Relaxed);
+                tracing::debug!(%peer, "closed: no PROXY protocol header in time");
+                return;
+            }
+        }
+    }
     let opts = SocketOptions {
         nodelay: settings.tcp_nodelay,
         keepalive: settings.keepalive,
@@ -283,12 +303,12 @@ async fn handle<C: ClientStream>(
     };
     if settings.dummy {
         match &settings.tls_built.server {
-            None => super::dummy::serve(client, local_port).await,
+            None => Box::pin(super::dummy::serve(client, local_port)).await,
             Some(tls) => {
                 client.set_options(opts);
                 let shake = handshake(&state, tls, client, peer, timeout(&settings));
                 if let Some(c) = Box::pin(shake).await {
-                    super::dummy::serve(c, local_port).await;
+                    Box::pin(super::dummy::serve(c, local_port)).await;
                 }
             }
         }
@@ -306,9 +326,12 @@ async fn handle<C: ClientStream>(
         }
         return;
     }
+    let preamble = Preamble {
+        peer,
+        destination: destination.or_else(|| client.local()),
+    };
     // The handshake comes after the cheap refusals, so a denied client costs no crypto.
-    // Its state (rustls's, over a kilobyte) is boxed so that it is not part of every
-    // connection task, and freed when the handshake is over.
+    // Boxed like every phase plain connections skip: rustls's state is over a kilobyte.
     let client = match &settings.tls_built.server {
         None => Client::Plain(client),
         Some(tls) => match Box::pin(handshake(&state, tls, client, peer, timeout(&settings))).await
@@ -318,7 +341,7 @@ async fn handle<C: ClientStream>(
         },
     };
     let upstream = if permitted {
-        Box::pin(choose_and_connect(&state, &settings, peer, opts)).await
+        Box::pin(choose_and_connect(&state, &settings, preamble, opts)).await
     } else if let Some(abuse) = &settings.abuse {
         tracing::debug!(%peer, "denied by client_acl {}: sent to the abuse server", settings.client_acl);
         let lease = Lease::take(&state.abuse, None);
@@ -326,8 +349,9 @@ async fn handle<C: ClientStream>(
             &state,
             &settings,
             abuse.addr,
+            None,
             Some(&abuse.name.host),
-            peer,
+            preamble,
             opts,
         );
         match Box::pin(open).await {
@@ -364,19 +388,35 @@ async fn handle<C: ClientStream>(
         .as_ref()
         .and_then(|_| server.peer_addr().ok())
         .map(|a| a.ip());
+    let exchange = settings.http.then(|| {
+        Box::new(Exchange::new(HttpParams {
+            client: ip,
+            scheme: match client {
+                Client::Plain(_) => Scheme::Http,
+                Client::Tls(_) => Scheme::Https,
+            },
+            header_max: settings.http_header_max,
+            hsts: settings.hsts,
+        }))
+    });
     // The relay may last for hours: do not pin the settings snapshot that long.
     drop(settings);
-    // Raw sockets on both sides take the fast path; TLS on either side the stream relay.
+    // Raw sockets on both sides without `http` take the fast path.
     let outcome = match (client, server) {
-        (Client::Plain(c), Server::Plain(s)) => relay(&c, &s, relay_opts).await,
+        (Client::Plain(c), Server::Plain(s)) if exchange.is_none() => {
+            relay(&c, &s, relay_opts).await
+        }
+        (Client::Plain(mut c), Server::Plain(mut s)) => {
+            pump_streams(&state, &mut c, &mut s, exchange, relay_opts).await
+        }
         (Client::Plain(mut c), Server::Tls(mut s)) => {
-            stream::relay(&mut c, &mut *s, relay_opts).await
+            pump_streams(&state, &mut c, &mut *s, exchange, relay_opts).await
         }
         (Client::Tls(mut c), Server::Plain(mut s)) => {
-            stream::relay(&mut *c, &mut s, relay_opts).await
+            pump_streams(&state, &mut *c, &mut s, exchange, relay_opts).await
         }
         (Client::Tls(mut c), Server::Tls(mut s)) => {
-            stream::relay(&mut *c, &mut *s, relay_opts).await
+            pump_streams(&state, &mut *c, &mut *s, exchange, relay_opts).await
         }
     };
     lease.server.bytes_to.fetch_add(outcome.up, Relaxed);
@@ -391,6 +431,60 @@ async fn handle<C: ClientStream>(
     if let relay::End::Error(e) = &outcome.end {
         tracing::debug!(%peer, server = ?lease.index, "connection ended: {e}");
     }
+}
+
+/// Relays between two streams of which at least one is not a raw socket, or through the
+/// HTTP exchange with `http`. Boxed: plain connections never need this state.
+async fn pump_streams<C, S>(
+    state: &State,
+    client: &mut C,
+    server: &mut S,
+    exchange: Option<Box<Exchange>>,
+    opts: RelayOptions,
+) -> Outcome
+where
+    C: tokio::io::AsyncRead + tokio::io::AsyncWrite + Unpin + ?Sized,
+    S: tokio::io::AsyncRead + tokio::io::AsyncWrite + Unpin + ?Sized,
+{
+    match exchange {
+        None => Box::pin(stream::relay(client, server, opts)).await,
+        Some(exchange) => {
+            let outcome = Box::pin(super::pump::relay(client, server, Some(*exchange), opts)).await;
+            if matches!(outcome.end, relay::End::Refused) {
+                state.counters.http_refused.fetch_add(1, Relaxed);
+            }
+            outcome
+        }
+    }
+}
+
+/// The client side of a connection: the socket itself, or TLS terminated on it.
+enum Client<C> {
+    Plain(C),
+    Tls(Box<ServerTlsStream<C>>),
+}
+
+/// The upstream side of a connection: a socket, or TLS originated on it.
+enum Server {
+    Plain(TcpStream),
+    Tls(Box<ClientTlsStream<TcpStream>>),
+}
+
+impl Server {
+    fn peer_addr(&self) -> io::Result<SocketAddr> {
+        match self {
+            Server::Plain(s) => s.peer_addr(),
+            Server::Tls(s) => s.get_ref().0.peer_addr(),
+        }
+    }
+}
+
+/// Who the client is and where it connected to, for the PROXY header sent to a server.
+#[derive(Debug, Clone, Copy)]
+struct Preamble {
+    peer: SocketAddr,
+    /// `None` for a Unix-socket client (the header's LOCAL / UNKNOWN form).
+    destination: Option<SocketAddr>,
 }
 
 /// Terminates TLS on a client connection; `None` (counted and logged) when it fails.
@@ -414,17 +508,43 @@ async fn handshake<C: ClientStream>(
     }
 }
 
-/// Connects to an upstream and, with `upstream_tls`, runs the TLS handshake on it
-/// (verifying the server's certificate), both within the connect timeout each.
+/// The PROXY protocol version for server `index` (`None`: emergency or abuse server).
+fn proxy_version(settings: &Settings, index: Option<usize>) -> Option<ProxyVersion> {
+    match index.and_then(|i| settings.servers.get(i)) {
+        Some(conf) => match conf.proxy_protocol {
+            ServerProxy::Global => settings.proxy_protocol,
+            ServerProxy::Off => None,
+            ServerProxy::On(v) => Some(v),
+        },
+        None => settings.proxy_protocol,
+    }
+}
+
+/// Connects to an upstream, sends the PROXY header if one is configured, and with
+/// `upstream_tls` runs the TLS handshake (verifying the server's certificate). The PROXY
+/// header goes first, in clear, as PROXY-aware TLS servers expect. Any failure is the
+/// server's: the caller blacklists it and fails over.
 async fn open_upstream(
     state: &State,
     settings: &Settings,
     addr: SocketAddr,
+    index: Option<usize>,
     host: Option<&Host>,
-    peer: SocketAddr,
+    preamble: Preamble,
     opts: SocketOptions,
 ) -> io::Result<Server> {
-    let stream = connect(addr, source_for(settings, peer), timeout(settings), opts).await?;
+    let mut stream = connect(
+        addr,
+        source_for(settings, preamble.peer),
+        timeout(settings),
+        opts,
+    )
+    .await?;
+    if let Some(version) = proxy_version(settings, index) {
+        send_proxy_header(&mut stream, version, preamble.peer, preamble.destination)
+            .await
+            .map_err(|e| io::Error::new(e.kind(), format!("PROXY protocol header: {e}")))?;
+    }
     match &settings.tls_built.upstream {
         None => Ok(Server::Plain(stream)),
         Some(tls) => match tls
@@ -440,6 +560,21 @@ async fn open_upstream(
     }
 }
 
+/// Writes the PROXY protocol header announcing `client` -> `destination` (`None`, a Unix
+/// socket client: the LOCAL / UNKNOWN form) as the first bytes to the server.
+async fn send_proxy_header(
+    server: &mut TcpStream,
+    version: ProxyVersion,
+    client: SocketAddr,
+    destination: Option<SocketAddr>,
+) -> io::Result<()> {
+    use tokio::io::AsyncWriteExt;
+    let addrs = destination.map(|d| (client, d));
+    server
+        .write_all(&proxy_protocol::encode(version, addrs))
+        .await
+}
+
 fn timeout(settings: &Settings) -> Duration {
     Duration::from_secs(settings.timeout.max(1))
 }
@@ -448,9 +583,10 @@ fn timeout(settings: &Settings) -> Duration {
 async fn choose_and_connect<'s>(
     state: &'s State,
     settings: &Settings,
-    peer: SocketAddr,
+    preamble: Preamble,
     opts: SocketOptions,
 ) -> Option<(Server, Lease<'s>)> {
+    let peer = preamble.peer;
     // The accept loop keeps this near `pending_max`; a burst accepted before the limit
     // was seen may pass it briefly, which is better than closing those clients.
     let _pending = Connecting::start(state);
@@ -473,7 +609,7 @@ async fn choose_and_connect<'s>(
         };
         let lease = Lease::take(server, Some(index));
         let host = settings.servers.get(index).and_then(|s| s.host.as_ref());
-        match open_upstream(state, settings, addr, host, peer, opts).await {
+        match open_upstream(state, settings, addr, Some(index), host, preamble, opts).await {
             Ok(stream) => {
                 server.total.fetch_add(1, Relaxed);
                 if selector.tracks() {
@@ -497,7 +633,8 @@ async fn choose_and_connect<'s>(
     }
     if let Some(em) = &settings.emergency {
         let lease = Lease::take(&state.emergency, None);
-        match open_upstream(state, settings, em.addr, Some(&em.name.host), peer, opts).await {
+        let host = Some(&em.name.host);
+        match open_upstream(state, settings, em.addr, None, host, preamble, opts).await {
             Ok(stream) => {
                 tracing::debug!(%peer, "emergency server {}", em.name);
                 state.emergency.total.fetch_add(1, Relaxed);

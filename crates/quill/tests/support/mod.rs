@@ -28,6 +28,7 @@ pub mod ctl;
 pub mod dns;
 pub mod hosts;
 pub mod http;
+pub mod http_echo;
 pub mod load;
 pub mod netns;
 

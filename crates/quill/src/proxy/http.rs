@@ -1,0 +1,1193 @@
+//! HTTP/1.x message framing for `http` (`-H`): inserts `X-Forwarded-For` and
+//! `X-Forwarded-Proto` into every request of a connection and, optionally,
+//! `Strict-Transport-Security` into the responses of TLS-terminated connections.
+//!
+//! Sans-IO: an [`Exchange`] is fed the bytes each side sends and appends what must be
+//! forwarded. Invariants: body and tunnel bytes are forwarded verbatim and in order; a
+//! request head is forwarded only once it is complete and valid (else the client gets 400
+//! or 431 after the answers to its earlier requests); responses are forwarded byte for byte
+//! (with HSTS one header line is added); nothing here panics on any input.
+
+use std::collections::VecDeque;
+use std::io::Write;
+use std::net::IpAddr;
+
+use crate::command::Hsts;
+
+/// Default limit of a request head (`http_header_max`), as large as NGINX's buffers.
+pub const DEFAULT_HEADER_MAX: usize = 16 * 1024;
+/// Smallest `http_header_max` accepted: a request line and a few headers must fit.
+pub const MIN_HEADER_MAX: usize = 256;
+/// Header fields per request; more is answered with 431.
+const MAX_HEADERS: usize = 128;
+/// Responses heads larger than this are not framed any more (passed through raw).
+const RESPONSE_HEAD_MAX: usize = 64 * 1024;
+/// Requests forwarded but not yet answered; beyond this the client is not read (pipelining
+/// backpressure), so the queue stays bounded.
+const MAX_PIPELINE: usize = 128;
+/// Longest chunk-size line (with extensions) accepted in a chunked request body.
+const CHUNK_LINE_MAX: usize = 4096;
+
+/// How the client reached quill: what `X-Forwarded-Proto` says.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Scheme {
+    Http,
+    Https,
+}
+
+impl Scheme {
+    fn as_bytes(self) -> &'static [u8] {
+        match self {
+            Scheme::Http => b"http",
+            Scheme::Https => b"https",
+        }
+    }
+}
+
+/// What the rewriting needs to know about one client connection.
+#[derive(Debug, Clone)]
+pub struct HttpParams {
+    /// The client's address (after `accept_proxy`), for `X-Forwarded-For`.
+    pub client: IpAddr,
+    /// `Https` when quill terminated TLS for this connection.
+    pub scheme: Scheme,
+    /// Largest request head accepted (431 beyond).
+    pub header_max: usize,
+    /// `Strict-Transport-Security` for responses; used only when `scheme` is `Https`.
+    pub hsts: Option<Hsts>,
+}
+
+/// Why a request was refused; the client gets this status and the connection closes.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Refusal {
+    /// 400: not HTTP/1.x, or ambiguous framing.
+    BadRequest,
+    /// 431: the head (or the trailer section) is larger than `http_header_max`.
+    TooLarge,
+}
+
+impl Refusal {
+    /// The whole response sent to the client.
+    pub fn response(self) -> &'static [u8] {
+        match self {
+            Refusal::BadRequest => b"HTTP/1.1 400 Bad Request\r\nContent-Type: text/plain\r\nContent-Length: 12\r\nConnection: close\r\n\r\nBad Request\n",
+            Refusal::TooLarge => b"HTTP/1.1 431 Request Header Fields Too Large\r\nContent-Type: text/plain\r\nContent-Length: 32\r\nConnection: close\r\n\r\nRequest Header Fields Too Large\n",
+        }
+    }
+}
+
+/// The request side.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum Req {
+    /// Expecting a request head.
+    Head,
+    /// Content-Length body: bytes left.
+    Body(u64),
+    Chunked(Chunk),
+    /// An `Upgrade` or `CONNECT` request was forwarded: nothing more is read until its
+    /// response says whether the connection switches to a tunnel.
+    AwaitDecision,
+    /// Plain byte relay.
+    Tunnel,
+    /// A request was refused: nothing more is forwarded.
+    Failed(Refusal),
+}
+
+/// Position inside a chunked body (RFC 9112 section 7.1). Framing bytes are forwarded
+/// unchanged; only CRLF line ends are accepted, so quill and the server cannot disagree
+/// on where the body ends.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum Chunk {
+    /// In the chunk-size line: value so far, hex digits read, past the digits, line length.
+    Size {
+        size: u64,
+        digits: u8,
+        ext: bool,
+        len: usize,
+    },
+    /// CR of the size line seen.
+    SizeLf { size: u64 },
+    /// Chunk data left.
+    Data(u64),
+    /// Expecting the CR after chunk data.
+    DataCr,
+    /// Expecting the LF after chunk data.
+    DataLf,
+    /// In the trailer section: length of the current line, CR seen, bytes so far.
+    Trailer { line: usize, cr: bool, total: usize },
+}
+
+const CHUNK_START: Chunk = Chunk::Size {
+    size: 0,
+    digits: 0,
+    ext: false,
+    len: 0,
+};
+
+/// What a forwarded request needs from its response.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+struct Pending {
+    head: bool,
+    connect: bool,
+    /// The request asked to switch protocols (`Upgrade`) or is a `CONNECT`.
+    switch: bool,
+}
+
+/// The response side.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum Resp {
+    Head,
+    Body(u64),
+    Chunked(Chunk),
+    /// Body delimited by the server closing the connection.
+    UntilClose,
+    Tunnel,
+    /// The server does not speak HTTP/1.x as quill understands it: everything it sends
+    /// passes through untouched from here on.
+    Raw,
+}
+
+/// Outcome of feeding the client's bytes.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Fed {
+    /// Everything from here on, in this direction, may be forwarded verbatim.
+    Verbatim,
+    /// `n` input bytes were consumed and their rewrite appended to the output.
+    Consumed(usize),
+}
+
+/// The HTTP state of one client connection.
+#[derive(Debug)]
+pub struct Exchange {
+    params: HttpParams,
+    /// The client address as text, written into every request.
+    client_text: Box<str>,
+    req: Req,
+    /// A request head not complete yet (empty, and unallocated, between requests).
+    req_head: Vec<u8>,
+    /// How much of `req_head` has been searched for the end of the head.
+    req_scanned: usize,
+    /// Whether the head of the request being received has been forwarded.
+    req_forwarded: bool,
+    /// Forwarded requests without a final response yet, oldest first.
+    pending: VecDeque<Pending>,
+    resp: Resp,
+    resp_head: Vec<u8>,
+    resp_scanned: usize,
+    /// Some response bytes for the oldest pending request have been forwarded.
+    resp_started: bool,
+    /// The refusal has been handed out for sending.
+    refusal_sent: bool,
+}
+
+/// The result of looking for the end of a message head.
+enum HeadEnd {
+    /// Not complete yet.
+    Partial,
+    /// A complete head of this many bytes (from httparse).
+    Complete(usize),
+}
+
+impl Exchange {
+    pub fn new(params: HttpParams) -> Exchange {
+        let client_text = params.client.to_canonical().to_string().into_boxed_str();
+        Exchange {
+            params,
+            client_text,
+            req: Req::Head,
+            req_head: Vec::new(),
+            req_scanned: 0,
+            req_forwarded: false,
+            pending: VecDeque::new(),
+            resp: Resp::Head,
+            resp_head: Vec::new(),
+            resp_scanned: 0,
+            resp_started: false,
+            refusal_sent: false,
+        }
+    }
+
+    /// Whether the client's bytes can be accepted now. While this is false the driver
+    /// should not read from the client (an `Upgrade` waits for its answer, too many
+    /// unanswered requests, or a refusal).
+    pub fn accepts_client_bytes(&self) -> bool {
+        match self.req {
+            Req::AwaitDecision | Req::Failed(_) => false,
+            Req::Head => self.pending.len() < MAX_PIPELINE || self.resp == Resp::Raw,
+            _ => true,
+        }
+    }
+
+    /// The refusal of the client's request, if one happened (the connection ends).
+    pub fn refusal(&self) -> Option<Refusal> {
+        match self.req {
+            Req::Failed(r) => Some(r),
+            _ => None,
+        }
+    }
+
+    /// Feeds bytes from the client; the rewritten bytes are appended to `out`. Consumes
+    /// less than all of `input` only when [`Exchange::accepts_client_bytes`] turned false.
+    pub fn client_bytes(&mut self, input: &[u8], out: &mut Vec<u8>) -> Fed {
+        if self.req == Req::Tunnel {
+            return Fed::Verbatim;
+        }
+        let mut pos = 0;
+        while pos < input.len() && self.accepts_client_bytes() {
+            let rest = &input[pos..];
+            pos += match self.req {
+                Req::Head => self.request_head(rest, out),
+                Req::Body(left) => {
+                    let n = left.min(rest.len() as u64) as usize;
+                    out.extend_from_slice(&rest[..n]);
+                    if left == n as u64 {
+                        self.request_done();
+                    } else {
+                        self.req = Req::Body(left - n as u64);
+                    }
+                    n
+                }
+                Req::Chunked(state) => {
+                    let (n, next) = chunked(state, rest, self.params.header_max);
+                    out.extend_from_slice(&rest[..n]);
+                    match next {
+                        Ok(Some(state)) => self.req = Req::Chunked(state),
+                        Ok(None) => self.request_done(),
+                        Err(refusal) => self.req = Req::Failed(refusal),
+                    }
+                    n
+                }
+                Req::Tunnel => {
+                    out.extend_from_slice(rest);
+                    rest.len()
+                }
+                Req::AwaitDecision | Req::Failed(_) => 0,
+            };
+        }
+        Fed::Consumed(pos)
+    }
+
+    /// The end of a request message.
+    fn request_done(&mut self) {
+        self.req_forwarded = false;
+        let switch = self.pending.back().is_some_and(|p| p.switch);
+        self.req = if !switch {
+            Req::Head
+        } else if self.resp == Resp::Raw {
+            // Responses cannot be followed: assume the server switched.
+            Req::Tunnel
+        } else {
+            Req::AwaitDecision
+        };
+    }
+
+    /// Handles bytes while expecting a request head; returns how many were consumed.
+    fn request_head(&mut self, input: &[u8], out: &mut Vec<u8>) -> usize {
+        let max = self.params.header_max;
+        let before = self.req_head.len();
+        if before == 0 {
+            // The common case: the whole head arrived in one read. Parse it in place.
+            if worth_parsing(input, 0, 0) {
+                match self.parse_request(input, out) {
+                    Ok(HeadEnd::Complete(n)) => return n,
+                    Ok(HeadEnd::Partial) => {}
+                    Err(refusal) => return self.refuse(refusal),
+                }
+            }
+            if input.len() > max {
+                return self.refuse(Refusal::TooLarge);
+            }
+            self.req_head.extend_from_slice(input);
+            self.req_scanned = input.len();
+            return input.len();
+        }
+        // `before <= max` always holds: more is refused below.
+        let take = input.len().min((max + 1).saturating_sub(before));
+        self.req_head.extend_from_slice(&input[..take]);
+        let scan_from = self.req_scanned.saturating_sub(2);
+        self.req_scanned = self.req_head.len();
+        if worth_parsing(&self.req_head, before, scan_from) {
+            let head = std::mem::take(&mut self.req_head);
+            self.req_scanned = 0;
+            match self.parse_request(&head, out) {
+                // The head began in earlier input; the rest of it came from this input.
+                Ok(HeadEnd::Complete(n)) => return n.saturating_sub(before),
+                Ok(HeadEnd::Partial) => {
+                    self.req_head = head;
+                    self.req_scanned = self.req_head.len();
+                }
+                Err(refusal) => return self.refuse(refusal),
+            }
+        }
+        if self.req_head.len() > max {
+            return self.refuse(Refusal::TooLarge);
+        }
+        take
+    }
+
+    /// Refuses the request being received; returns the bytes consumed (none).
+    fn refuse(&mut self, refusal: Refusal) -> usize {
+        self.req = Req::Failed(refusal);
+        self.req_head = Vec::new();
+        0
+    }
+
+    /// Parses a request head at the start of `buf`; on success forwards it rewritten and
+    /// sets up the body.
+    fn parse_request(&mut self, buf: &[u8], out: &mut Vec<u8>) -> Result<HeadEnd, Refusal> {
+        let mut headers = [httparse::EMPTY_HEADER; MAX_HEADERS];
+        let mut req = httparse::Request::new(&mut headers);
+        let n = match req.parse(buf) {
+            Ok(httparse::Status::Complete(n)) => n,
+            Ok(httparse::Status::Partial) => return Ok(HeadEnd::Partial),
+            Err(httparse::Error::TooManyHeaders) => return Err(Refusal::TooLarge),
+            Err(_) => return Err(Refusal::BadRequest),
+        };
+        if n > self.params.header_max {
+            return Err(Refusal::TooLarge);
+        }
+        let (Some(method), Some(path), Some(version)) = (req.method, req.path, req.version) else {
+            return Err(Refusal::BadRequest);
+        };
+        let connect = method == "CONNECT";
+        let mut length: Option<u64> = None;
+        let mut chunked: Option<bool> = None;
+        let mut upgrade = false;
+        for h in req.headers.iter() {
+            let name = h.name.as_bytes();
+            if name.eq_ignore_ascii_case(b"content-length") {
+                let n = content_length(h.value).ok_or(Refusal::BadRequest)?;
+                if length.is_some_and(|l| l != n) {
+                    return Err(Refusal::BadRequest);
+                }
+                length = Some(n);
+            } else if name.eq_ignore_ascii_case(b"transfer-encoding") {
+                // The final coding decides; a later header continues the list.
+                if let Some(last) = list(h.value).last() {
+                    let coding = last.split(|&b| b == b';').next().unwrap_or_default();
+                    chunked = Some(coding.trim_ascii().eq_ignore_ascii_case(b"chunked"));
+                }
+            } else if name.eq_ignore_ascii_case(b"upgrade") {
+                upgrade = true;
+            }
+        }
+        let body = match (chunked, length) {
+            // Both framings at once is how requests are smuggled: refuse (RFC 9112 6.1).
+            (Some(_), Some(_)) => return Err(Refusal::BadRequest),
+            // A request body must end by its framing, not by a close.
+            (Some(false), None) => return Err(Refusal::BadRequest),
+            (Some(true), None) => Req::Chunked(CHUNK_START),
+            (None, Some(n)) if n > 0 => Req::Body(n),
+            (None, _) => Req::Head,
+        };
+        self.write_request_head(method, path, version, req.headers, out);
+        self.pending.push_back(Pending {
+            head: method == "HEAD",
+            connect,
+            switch: connect || upgrade,
+        });
+        self.req_forwarded = true;
+        if body == Req::Head {
+            self.request_done();
+        } else {
+            self.req = body;
+        }
+        Ok(HeadEnd::Complete(n))
+    }
+
+    /// Writes the request head as the server will see it: the client's request line and
+    /// fields, except `X-Forwarded-For` (merged into one, the client appended) and
+    /// `X-Forwarded-Proto` (replaced: a client cannot claim `https` over plain HTTP).
+    fn write_request_head(
+        &self,
+        method: &str,
+        path: &str,
+        version: u8,
+        headers: &[httparse::Header<'_>],
+        out: &mut Vec<u8>,
+    ) {
+        out.extend_from_slice(method.as_bytes());
+        out.push(b' ');
+        out.extend_from_slice(path.as_bytes());
+        out.extend_from_slice(if version == 0 {
+            b" HTTP/1.0\r\n"
+        } else {
+            b" HTTP/1.1\r\n"
+        });
+        let mut xff: Vec<&[u8]> = Vec::new();
+        for h in headers {
+            let name = h.name.as_bytes();
+            if name.eq_ignore_ascii_case(b"x-forwarded-for") {
+                let v = h.value.trim_ascii();
+                if !v.is_empty() {
+                    xff.push(v);
+                }
+                continue;
+            }
+            if name.eq_ignore_ascii_case(b"x-forwarded-proto") {
+                continue;
+            }
+            out.extend_from_slice(name);
+            out.extend_from_slice(b": ");
+            out.extend_from_slice(h.value);
+            out.extend_from_slice(b"\r\n");
+        }
+        out.extend_from_slice(b"X-Forwarded-For: ");
+        for v in xff {
+            out.extend_from_slice(v);
+            out.extend_from_slice(b", ");
+        }
+        out.extend_from_slice(self.client_text.as_bytes());
+        out.extend_from_slice(b"\r\nX-Forwarded-Proto: ");
+        out.extend_from_slice(self.params.scheme.as_bytes());
+        out.extend_from_slice(b"\r\n\r\n");
+    }
+
+    /// Feeds bytes from the server; what goes to the client is appended to `out` (or, with
+    /// `Verbatim`, is the input itself). Always consumes everything.
+    pub fn server_bytes(&mut self, input: &[u8], out: &mut Vec<u8>) -> Fed {
+        if matches!(self.resp, Resp::Raw | Resp::Tunnel) && self.resp_head.is_empty() {
+            return Fed::Verbatim;
+        }
+        let mut pos = 0;
+        while pos < input.len() {
+            let rest = &input[pos..];
+            pos += match self.resp {
+                Resp::Head => self.response_head(rest, out),
+                Resp::Body(left) => {
+                    let n = left.min(rest.len() as u64) as usize;
+                    out.extend_from_slice(&rest[..n]);
+                    self.resp = if left == n as u64 {
+                        self.response_done();
+                        Resp::Head
+                    } else {
+                        Resp::Body(left - n as u64)
+                    };
+                    n
+                }
+                Resp::Chunked(state) => {
+                    let (n, next) = chunked(state, rest, RESPONSE_HEAD_MAX);
+                    out.extend_from_slice(&rest[..n]);
+                    match next {
+                        Ok(Some(state)) => self.resp = Resp::Chunked(state),
+                        Ok(None) => {
+                            self.response_done();
+                            self.resp = Resp::Head;
+                        }
+                        Err(_) => self.give_up_responses(),
+                    }
+                    n
+                }
+                Resp::UntilClose | Resp::Tunnel | Resp::Raw => {
+                    out.extend_from_slice(rest);
+                    rest.len()
+                }
+            };
+        }
+        Fed::Consumed(pos)
+    }
+
+    /// Handles bytes while expecting a response head; returns how many were consumed.
+    fn response_head(&mut self, input: &[u8], out: &mut Vec<u8>) -> usize {
+        let before = self.resp_head.len();
+        if before == 0 {
+            if worth_parsing(input, 0, 0) {
+                match self.parse_response(input, out) {
+                    Some(HeadEnd::Complete(n)) => return n,
+                    Some(HeadEnd::Partial) => {}
+                    None => {
+                        out.extend_from_slice(input);
+                        return input.len();
+                    }
+                }
+            }
+            if input.len() > RESPONSE_HEAD_MAX {
+                self.give_up_responses();
+                out.extend_from_slice(input);
+                return input.len();
+            }
+            self.resp_head.extend_from_slice(input);
+            self.resp_scanned = input.len();
+            return input.len();
+        }
+        let take = input
+            .len()
+            .min((RESPONSE_HEAD_MAX + 1).saturating_sub(before));
+        self.resp_head.extend_from_slice(&input[..take]);
+        let scan_from = self.resp_scanned.saturating_sub(2);
+        self.resp_scanned = self.resp_head.len();
+        if worth_parsing(&self.resp_head, before, scan_from) {
+            let head = std::mem::take(&mut self.resp_head);
+            self.resp_scanned = 0;
+            match self.parse_response(&head, out) {
+                Some(HeadEnd::Complete(n)) => return n.saturating_sub(before),
+                Some(HeadEnd::Partial) => {
+                    self.resp_head = head;
+                    self.resp_scanned = self.resp_head.len();
+                }
+                None => {
+                    out.extend_from_slice(&head);
+                    return take;
+                }
+            }
+        }
+        if self.resp_head.len() > RESPONSE_HEAD_MAX {
+            let head = std::mem::take(&mut self.resp_head);
+            self.give_up_responses();
+            out.extend_from_slice(&head);
+        }
+        take
+    }
+
+    /// Parses a response head at the start of `buf` and forwards it. `None`: not a
+    /// response quill can frame; responses are passed raw from then on (the caller
+    /// forwards `buf`).
+    fn parse_response(&mut self, buf: &[u8], out: &mut Vec<u8>) -> Option<HeadEnd> {
+        let mut headers = [httparse::EMPTY_HEADER; MAX_HEADERS];
+        let mut resp = httparse::Response::new(&mut headers);
+        let parsed = httparse::ParserConfig::default()
+            .allow_obsolete_multiline_headers_in_responses(true)
+            .allow_spaces_after_header_name_in_responses(true)
+            .parse_response(&mut resp, buf);
+        let n = match parsed {
+            Ok(httparse::Status::Complete(n)) => n,
+            Ok(httparse::Status::Partial) => return Some(HeadEnd::Partial),
+            Err(_) => {
+                self.give_up_responses();
+                return None;
+            }
+        };
+        let code = resp.code.unwrap_or_default();
+        let mut length: Option<Option<u64>> = None;
+        let mut chunked: Option<bool> = None;
+        let mut has_hsts = false;
+        for h in resp.headers.iter() {
+            let name = h.name.as_bytes();
+            if name.eq_ignore_ascii_case(b"content-length") {
+                length = Some(content_length(h.value));
+            } else if name.eq_ignore_ascii_case(b"transfer-encoding") {
+                if let Some(last) = list(h.value).last() {
+                    let coding = last.split(|&b| b == b';').next().unwrap_or_default();
+                    chunked = Some(coding.trim_ascii().eq_ignore_ascii_case(b"chunked"));
+                }
+            } else if name.eq_ignore_ascii_case(b"strict-transport-security") {
+                has_hsts = true;
+            }
+        }
+        let head = &buf[..n];
+        let hsts = match self.params.hsts {
+            Some(h) if self.params.scheme == Scheme::Https && code >= 200 && !has_hsts => Some(h),
+            _ => None,
+        };
+        match hsts {
+            Some(h) => {
+                // Insert the field before the empty line, keeping the server's line ends.
+                let end = if head.ends_with(b"\r\n") { 2 } else { 1 };
+                let split = head.len().saturating_sub(end);
+                out.extend_from_slice(&head[..split]);
+                let _ = write!(out, "Strict-Transport-Security: {}\r\n", h.header_value());
+                out.extend_from_slice(&head[split..]);
+            }
+            None => out.extend_from_slice(head),
+        }
+        if code == 101 {
+            // Switching protocols: a tunnel from here on, both ways.
+            self.pending.pop_front();
+            self.enter_tunnel();
+            return Some(HeadEnd::Complete(n));
+        }
+        if (100..200).contains(&code) {
+            // Interim (100 Continue, 103 Early Hints): the final response follows.
+            self.resp_started = true;
+            return Some(HeadEnd::Complete(n));
+        }
+        let request = self.pending.front().copied().unwrap_or(Pending {
+            head: false,
+            connect: false,
+            switch: false,
+        });
+        if request.connect && (200..300).contains(&code) {
+            self.pending.pop_front();
+            self.enter_tunnel();
+            return Some(HeadEnd::Complete(n));
+        }
+        self.resp_started = true;
+        self.resp = if request.head || code == 204 || code == 304 {
+            self.response_done();
+            Resp::Head
+        } else {
+            match (chunked, length) {
+                (Some(true), _) => Resp::Chunked(CHUNK_START),
+                (Some(false), _) => Resp::UntilClose,
+                (None, Some(Some(0))) => {
+                    self.response_done();
+                    Resp::Head
+                }
+                (None, Some(Some(len))) => Resp::Body(len),
+                (None, Some(None)) => {
+                    // An unreadable length: the rest cannot be framed.
+                    self.give_up_responses();
+                    Resp::Raw
+                }
+                (None, None) => Resp::UntilClose,
+            }
+        };
+        Some(HeadEnd::Complete(n))
+    }
+
+    /// The server closed its side: a body delimited by the close is complete, and the
+    /// start of a response head still held back is appended to `out` (the client gets
+    /// every byte the server sent).
+    pub fn server_closed(&mut self, out: &mut Vec<u8>) {
+        if self.resp == Resp::UntilClose {
+            self.response_done();
+        }
+        out.append(&mut self.resp_head);
+        self.resp_head = Vec::new();
+    }
+
+    /// The end of a final response: its request is answered.
+    fn response_done(&mut self) {
+        self.resp_started = false;
+        let answered = self.pending.pop_front();
+        if answered.is_some_and(|p| p.switch) && self.req == Req::AwaitDecision {
+            // The server did not switch protocols: HTTP continues.
+            self.req = Req::Head;
+        }
+    }
+
+    fn enter_tunnel(&mut self) {
+        self.resp = Resp::Tunnel;
+        self.resp_started = false;
+        if !matches!(self.req, Req::Failed(_)) {
+            self.req = Req::Tunnel;
+        }
+        self.req_head = Vec::new();
+    }
+
+    /// Stops following responses (the server's bytes pass through untouched).
+    fn give_up_responses(&mut self) {
+        self.resp = Resp::Raw;
+        self.resp_head = Vec::new();
+        self.pending.clear();
+        self.resp_started = false;
+        if self.req == Req::AwaitDecision {
+            self.req = Req::Tunnel;
+        }
+    }
+
+    /// When the client's request was refused: the response to send now, once the answers
+    /// to its earlier requests have been forwarded. After it the connection closes and
+    /// nothing more from the server may be forwarded. `None` while earlier answers are
+    /// still due, and after it was handed out once.
+    pub fn take_refusal(&mut self) -> Option<&'static [u8]> {
+        let Req::Failed(refusal) = self.req else {
+            return None;
+        };
+        if self.refusal_sent {
+            return None;
+        }
+        let at_boundary = self.resp == Resp::Head && self.resp_head.is_empty();
+        let due = self.resp == Resp::Raw
+            || (at_boundary && self.pending.is_empty())
+            || (at_boundary && self.req_forwarded && self.pending.len() == 1 && !self.resp_started);
+        if !due {
+            return None;
+        }
+        self.refusal_sent = true;
+        Some(refusal.response())
+    }
+}
+
+/// Whether parsing the head buffered in `buf` (of which the first `before` bytes were
+/// there already) can tell more than last time: these are its first bytes, the head may
+/// be complete, its first line just ended (a line that is not HTTP is refused without
+/// waiting for the rest), or it is still short enough that a wrong start shows cheaply.
+/// Bounds the work on a head sent in small pieces to about linear.
+fn worth_parsing(buf: &[u8], before: usize, scan_from: usize) -> bool {
+    let (old, new) = buf.split_at(before.min(buf.len()));
+    before == 0
+        || buf.len() <= 16
+        || find_head_end(buf, scan_from).is_some()
+        || (new.contains(&b'\n') && !old.contains(&b'\n'))
+}
+
+/// Where the empty line ending a head could be: a complete head contains `\n\n` or
+/// `\n\r\n`. Searching only new bytes (from `from`) keeps a slowly sent head linear.
+fn find_head_end(buf: &[u8], from: usize) -> Option<usize> {
+    let tail = buf.get(from..)?;
+    tail.windows(2)
+        .position(|w| w == b"\n\n")
+        .or_else(|| tail.windows(3).position(|w| w == b"\n\r\n"))
+        .map(|p| from + p)
+}
+
+/// `Content-Length`: digits, or a list of the same number repeated (RFC 9110 8.6).
+fn content_length(v: &[u8]) -> Option<u64> {
+    let mut result: Option<u64> = None;
+    for part in v.split(|&b| b == b',') {
+        let p = part.trim_ascii();
+        if p.is_empty() || p.len() > 18 || !p.iter().all(u8::is_ascii_digit) {
+            return None;
+        }
+        let n = p
+            .iter()
+            .fold(0u64, |acc, &d| acc * 10 + u64::from(d - b'0'));
+        if result.is_some_and(|r| r != n) {
+            return None;
+        }
+        result = Some(n);
+    }
+    result
+}
+
+/// The non-empty elements of a comma-separated field value.
+fn list(v: &[u8]) -> impl Iterator<Item = &[u8]> {
+    v.split(|&b| b == b',')
+        .map(<[u8]>::trim_ascii)
+        .filter(|p| !p.is_empty())
+}
+
+/// Advances through a chunked body. Returns the bytes consumed (all part of the body, to
+/// be forwarded) and the next state: `Ok(None)` when the body (with its trailers) ended.
+fn chunked(
+    mut state: Chunk,
+    input: &[u8],
+    trailer_max: usize,
+) -> (usize, Result<Option<Chunk>, Refusal>) {
+    let mut pos = 0;
+    while pos < input.len() {
+        if let Chunk::Data(left) = state {
+            let n = left.min((input.len() - pos) as u64);
+            pos += n as usize;
+            state = if n == left {
+                Chunk::DataCr
+            } else {
+                Chunk::Data(left - n)
+            };
+            continue;
+        }
+        let b = input[pos];
+        pos += 1;
+        state = match state {
+            Chunk::Size {
+                size,
+                digits,
+                ext,
+                len,
+            } => {
+                if len + 1 > CHUNK_LINE_MAX {
+                    return (pos, Err(Refusal::BadRequest));
+                }
+                let len = len + 1;
+                match b {
+                    b'\r' if digits > 0 => Chunk::SizeLf { size },
+                    _ if ext => {
+                        if b == b'\n' || (b < 0x20 && b != b'\t') || b == 0x7f {
+                            return (pos, Err(Refusal::BadRequest));
+                        }
+                        Chunk::Size {
+                            size,
+                            digits,
+                            ext,
+                            len,
+                        }
+                    }
+                    _ if b.is_ascii_hexdigit() && digits < 15 && len == usize::from(digits) + 1 => {
+                        let d = (b as char).to_digit(16).unwrap_or(0);
+                        Chunk::Size {
+                            size: size * 16 + u64::from(d),
+                            digits: digits + 1,
+                            ext,
+                            len,
+                        }
+                    }
+                    b' ' | b'\t' | b';' if digits > 0 => Chunk::Size {
+                        size,
+                        digits,
+                        ext: b == b';',
+                        len,
+                    },
+                    _ => return (pos, Err(Refusal::BadRequest)),
+                }
+            }
+            Chunk::SizeLf { size } => match b {
+                b'\n' if size == 0 => Chunk::Trailer {
+                    line: 0,
+                    cr: false,
+                    total: 0,
+                },
+                b'\n' => Chunk::Data(size),
+                _ => return (pos, Err(Refusal::BadRequest)),
+            },
+            Chunk::DataCr => match b {
+                b'\r' => Chunk::DataLf,
+                _ => return (pos, Err(Refusal::BadRequest)),
+            },
+            Chunk::DataLf => match b {
+                b'\n' => CHUNK_START,
+                _ => return (pos, Err(Refusal::BadRequest)),
+            },
+            Chunk::Trailer { line, cr, total } => {
+                let total = total + 1;
+                if total > trailer_max {
+                    return (pos, Err(Refusal::TooLarge));
+                }
+                match (b, cr) {
+                    (b'\n', true) if line == 0 => return (pos, Ok(None)),
+                    (b'\n', true) => Chunk::Trailer {
+                        line: 0,
+                        cr: false,
+                        total,
+                    },
+                    (b'\r', false) => Chunk::Trailer {
+                        line,
+                        cr: true,
+                        total,
+                    },
+                    (b'\n' | b'\r', _) | (_, true) => return (pos, Err(Refusal::BadRequest)),
+                    (_, false) => Chunk::Trailer {
+                        line: line + 1,
+                        cr: false,
+                        total,
+                    },
+                }
+            }
+            Chunk::Data(_) => state,
+        };
+    }
+    (pos, Ok(Some(state)))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn params(scheme: Scheme, hsts: Option<Hsts>) -> HttpParams {
+        HttpParams {
+            client: "127.0.0.9".parse().unwrap(),
+            scheme,
+            header_max: 1024,
+            hsts,
+        }
+    }
+
+    fn exchange() -> Exchange {
+        Exchange::new(params(Scheme::Http, None))
+    }
+
+    /// Feeds `input` in pieces of `step` bytes, as the driver would (held bytes re-fed).
+    fn client(ex: &mut Exchange, input: &[u8], step: usize) -> Vec<u8> {
+        let mut out = Vec::new();
+        let mut held: Vec<u8> = Vec::new();
+        for piece in input.chunks(step.max(1)) {
+            held.extend_from_slice(piece);
+            let mut o = Vec::new();
+            match ex.client_bytes(&held, &mut o) {
+                Fed::Verbatim => {
+                    out.extend_from_slice(&held);
+                    held.clear();
+                }
+                Fed::Consumed(n) => {
+                    out.extend_from_slice(&o);
+                    held.drain(..n);
+                }
+            }
+        }
+        out
+    }
+
+    fn server(ex: &mut Exchange, input: &[u8]) -> Vec<u8> {
+        let mut o = Vec::new();
+        match ex.server_bytes(input, &mut o) {
+            Fed::Verbatim => input.to_vec(),
+            Fed::Consumed(n) => {
+                assert_eq!(n, input.len());
+                o
+            }
+        }
+    }
+
+    const XFF: &str = "X-Forwarded-For: 127.0.0.9\r\nX-Forwarded-Proto: http\r\n\r\n";
+
+    #[test]
+    fn every_request_of_a_keep_alive_connection_gets_the_headers() {
+        let input = b"GET /a HTTP/1.1\r\nHost: x\r\n\r\nPOST /b HTTP/1.1\r\nContent-Length: 5\r\n\r\nhelloGET /c HTTP/1.0\r\n\r\n";
+        let expected = format!(
+            "GET /a HTTP/1.1\r\nHost: x\r\n{XFF}POST /b HTTP/1.1\r\nContent-Length: 5\r\n{XFF}helloGET /c HTTP/1.0\r\n{XFF}"
+        );
+        for step in [1, 2, 3, 7, 16, 1000] {
+            let mut ex = exchange();
+            assert_eq!(
+                String::from_utf8_lossy(&client(&mut ex, input, step)),
+                expected,
+                "step {step}"
+            );
+            assert_eq!(ex.pending.len(), 3);
+        }
+    }
+
+    #[test]
+    fn existing_forwarded_headers_are_appended_to_or_replaced() {
+        let mut ex = exchange();
+        let out = client(
+            &mut ex,
+            b"GET / HTTP/1.1\r\nX-Forwarded-For: 10.0.0.1\r\nX-Forwarded-Proto: https\r\nx-forwarded-for: 10.0.0.2, 10.0.0.3\r\n\r\n",
+            1000,
+        );
+        assert_eq!(
+            String::from_utf8_lossy(&out),
+            "GET / HTTP/1.1\r\nX-Forwarded-For: 10.0.0.1, 10.0.0.2, 10.0.0.3, 127.0.0.9\r\nX-Forwarded-Proto: http\r\n\r\n"
+        );
+        let mut tls = Exchange::new(params(Scheme::Https, None));
+        let out = client(&mut tls, b"GET / HTTP/1.1\r\n\r\n", 1000);
+        assert!(String::from_utf8_lossy(&out).contains("X-Forwarded-Proto: https\r\n"));
+    }
+
+    #[test]
+    fn chunked_bodies_pass_verbatim_with_trailers() {
+        let body = b"5;ext=1\r\nhello\r\n10\r\n0123456789abcdef\r\n0\r\nTrailer: yes\r\n\r\n";
+        let mut input = b"POST / HTTP/1.1\r\nTransfer-Encoding: chunked\r\n\r\n".to_vec();
+        input.extend_from_slice(body);
+        input.extend_from_slice(b"GET /next HTTP/1.1\r\n\r\n");
+        for step in [1, 5, 1000] {
+            let mut ex = exchange();
+            let out = client(&mut ex, &input, step);
+            let expected = [
+                b"POST / HTTP/1.1\r\nTransfer-Encoding: chunked\r\n".as_slice(),
+                XFF.as_bytes(),
+                body,
+                b"GET /next HTTP/1.1\r\n",
+                XFF.as_bytes(),
+            ]
+            .concat();
+            assert_eq!(
+                String::from_utf8_lossy(&out),
+                String::from_utf8_lossy(&expected)
+            );
+        }
+    }
+
+    #[test]
+    fn malformed_requests_are_refused() {
+        for (input, refusal) in [
+            (&b"garbage garbage\r\n\r\n"[..], Refusal::BadRequest),
+            (b"GET / HTTP/2.0\r\n\r\n", Refusal::BadRequest),
+            (
+                b"POST / HTTP/1.1\r\nContent-Length: 3\r\nTransfer-Encoding: chunked\r\n\r\n",
+                Refusal::BadRequest,
+            ),
+            (
+                b"POST / HTTP/1.1\r\nContent-Length: 3\r\nContent-Length: 4\r\n\r\n",
+                Refusal::BadRequest,
+            ),
+            (
+                b"POST / HTTP/1.1\r\nContent-Length: -3\r\n\r\n",
+                Refusal::BadRequest,
+            ),
+            (
+                b"POST / HTTP/1.1\r\nTransfer-Encoding: gzip\r\n\r\n",
+                Refusal::BadRequest,
+            ),
+            (
+                b"POST / HTTP/1.1\r\nTransfer-Encoding: chunked\r\n\r\nzz\r\n",
+                Refusal::BadRequest,
+            ),
+            (
+                b"POST / HTTP/1.1\r\nTransfer-Encoding: chunked\r\n\r\n3\nabc",
+                Refusal::BadRequest,
+            ),
+        ] {
+            for step in [1, 1000] {
+                let mut ex = exchange();
+                client(&mut ex, input, step);
+                assert_eq!(
+                    ex.refusal(),
+                    Some(refusal),
+                    "{:?}",
+                    String::from_utf8_lossy(input)
+                );
+            }
+        }
+        let mut big = b"GET / HTTP/1.1\r\n".to_vec();
+        big.extend(std::iter::repeat_n(b"X-A: b\r\n", 200).flatten());
+        for step in [1, 100, 5000] {
+            let mut ex = exchange();
+            client(&mut ex, &big, step);
+            assert_eq!(ex.refusal(), Some(Refusal::TooLarge));
+        }
+        // Equal repeated lengths are one length.
+        let mut ex = exchange();
+        client(
+            &mut ex,
+            b"POST / HTTP/1.1\r\nContent-Length: 2, 2\r\n\r\nok",
+            1000,
+        );
+        assert_eq!(ex.refusal(), None);
+        assert_eq!(ex.req, Req::Head);
+    }
+
+    #[test]
+    fn a_refusal_waits_for_earlier_answers() {
+        let mut ex = exchange();
+        client(&mut ex, b"GET /1 HTTP/1.1\r\n\r\nBAD\r\n\r\n", 1000);
+        assert_eq!(ex.refusal(), Some(Refusal::BadRequest));
+        assert_eq!(ex.take_refusal(), None, "the answer to /1 is due first");
+        server(&mut ex, b"HTTP/1.1 200 OK\r\nContent-Length: 2\r\n\r\no");
+        assert_eq!(ex.take_refusal(), None);
+        server(&mut ex, b"k");
+        assert_eq!(ex.take_refusal(), Some(Refusal::BadRequest.response()));
+        assert_eq!(ex.take_refusal(), None, "handed out once");
+    }
+
+    #[test]
+    fn upgrade_waits_for_the_answer() {
+        let mut ex = exchange();
+        let req = b"GET /ws HTTP/1.1\r\nConnection: Upgrade\r\nUpgrade: websocket\r\n\r\n";
+        let mut input = req.to_vec();
+        input.extend_from_slice(b"\x81\x05hello");
+        let mut out = Vec::new();
+        let Fed::Consumed(n) = ex.client_bytes(&input, &mut out) else {
+            panic!("verbatim")
+        };
+        assert_eq!(n, req.len(), "frames after the upgrade wait");
+        assert!(!ex.accepts_client_bytes());
+        let answer = b"HTTP/1.1 101 Switching Protocols\r\nUpgrade: websocket\r\n\r\n\x81\x02hi";
+        assert_eq!(server(&mut ex, answer), answer);
+        assert!(ex.accepts_client_bytes());
+        assert_eq!(ex.client_bytes(b"\x81\x05hello", &mut out), Fed::Verbatim);
+        assert_eq!(
+            ex.server_bytes(b"GET / HTTP/1.1\r\n\r\n", &mut out),
+            Fed::Verbatim
+        );
+
+        // Declined: HTTP goes on, with the headers.
+        let mut ex = exchange();
+        client(&mut ex, req, 1000);
+        assert!(!ex.accepts_client_bytes());
+        server(
+            &mut ex,
+            b"HTTP/1.1 400 Bad Request\r\nContent-Length: 0\r\n\r\n",
+        );
+        assert!(ex.accepts_client_bytes());
+        let out = client(&mut ex, b"GET / HTTP/1.1\r\n\r\n", 1000);
+        assert!(String::from_utf8_lossy(&out).contains("X-Forwarded-For"));
+    }
+
+    #[test]
+    fn connect_tunnels_on_success_only() {
+        let mut ex = exchange();
+        client(&mut ex, b"CONNECT a:443 HTTP/1.1\r\n\r\n", 1000);
+        server(&mut ex, b"HTTP/1.1 200 OK\r\n\r\n");
+        assert_eq!(
+            ex.client_bytes(b"\x16\x03\x01", &mut Vec::new()),
+            Fed::Verbatim
+        );
+        let mut ex = exchange();
+        client(&mut ex, b"CONNECT a:443 HTTP/1.1\r\n\r\n", 1000);
+        server(
+            &mut ex,
+            b"HTTP/1.1 403 Forbidden\r\nContent-Length: 1\r\n\r\nx",
+        );
+        assert!(ex.accepts_client_bytes());
+        assert!(matches!(
+            ex.client_bytes(b"GET", &mut Vec::new()),
+            Fed::Consumed(3)
+        ));
+    }
+
+    #[test]
+    fn responses_are_framed_and_untouched() {
+        let mut ex = exchange();
+        client(
+            &mut ex,
+            b"HEAD / HTTP/1.1\r\n\r\nGET /a HTTP/1.1\r\nExpect: 100-continue\r\n\r\nGET /b HTTP/1.1\r\n\r\nGET /c HTTP/1.1\r\n\r\nGET /d HTTP/1.1\r\n\r\n",
+            1000,
+        );
+        assert_eq!(ex.pending.len(), 5);
+        let answers: &[&[u8]] = &[
+            b"HTTP/1.1 200 OK\r\nContent-Length: 100\r\n\r\n",
+            b"HTTP/1.1 100 Continue\r\n\r\n",
+            b"HTTP/1.1 200 OK\r\nTransfer-Encoding: chunked\r\n\r\n3\r\nabc\r\n0\r\n\r\n",
+            b"HTTP/1.1 204 No Content\r\n\r\n",
+            b"HTTP/1.1 304 Not Modified\r\nContent-Length: 10\r\n\r\n",
+            b"HTTP/1.0 200 OK\r\n\r\nuntil close",
+        ];
+        let all = answers.concat();
+        for step in [1, 3, 1000] {
+            let mut ex2 = exchange();
+            client(
+                &mut ex2,
+                b"HEAD / HTTP/1.1\r\n\r\nGET /a HTTP/1.1\r\n\r\nGET /b HTTP/1.1\r\n\r\nGET /c HTTP/1.1\r\n\r\nGET /d HTTP/1.1\r\n\r\n",
+                1000,
+            );
+            let mut out = Vec::new();
+            for piece in all.chunks(step) {
+                out.extend(server(&mut ex2, piece));
+            }
+            assert_eq!(out, all, "step {step}");
+            assert_eq!(
+                ex2.pending.len(),
+                1,
+                "the close-delimited answer is still open"
+            );
+            ex2.server_closed(&mut Vec::new());
+            assert!(ex2.pending.is_empty());
+        }
+    }
+
+    #[test]
+    fn hsts_only_on_tls_and_final_responses() {
+        let hsts = Hsts {
+            max_age: 63072000,
+            include_subdomains: true,
+            preload: false,
+        };
+        let resp = b"HTTP/1.1 100 Continue\r\n\r\nHTTP/1.1 200 OK\r\nContent-Length: 0\r\n\r\n";
+        let mut tls = Exchange::new(params(Scheme::Https, Some(hsts)));
+        client(&mut tls, b"GET / HTTP/1.1\r\n\r\n", 1000);
+        assert_eq!(
+            String::from_utf8_lossy(&server(&mut tls, resp)),
+            "HTTP/1.1 100 Continue\r\n\r\nHTTP/1.1 200 OK\r\nContent-Length: 0\r\nStrict-Transport-Security: max-age=63072000; includeSubDomains\r\n\r\n"
+        );
+        // The server's own policy wins.
+        client(&mut tls, b"GET / HTTP/1.1\r\n\r\n", 1000);
+        let own =
+            b"HTTP/1.1 200 OK\r\nStrict-Transport-Security: max-age=1\r\nContent-Length: 0\r\n\r\n";
+        assert_eq!(server(&mut tls, own), own);
+        let mut plain = Exchange::new(params(Scheme::Http, Some(hsts)));
+        client(&mut plain, b"GET / HTTP/1.1\r\n\r\n", 1000);
+        assert_eq!(server(&mut plain, resp), resp);
+    }
+
+    #[test]
+    fn non_http_servers_pass_raw() {
+        let mut ex = exchange();
+        client(&mut ex, b"GET / HTTP/1.1\r\n\r\n", 1000);
+        assert_eq!(server(&mut ex, b"hello\nworld"), b"hello\nworld");
+        assert_eq!(ex.server_bytes(b"more", &mut Vec::new()), Fed::Verbatim);
+        // Requests are still rewritten.
+        let out = client(&mut ex, b"GET /2 HTTP/1.1\r\n\r\n", 1000);
+        assert!(String::from_utf8_lossy(&out).contains("X-Forwarded-For"));
+        // And a refusal is due at once: answers cannot be followed.
+        client(&mut ex, b"\x00\x01\r\n\r\n", 1000);
+        assert!(ex.take_refusal().is_some());
+    }
+
+    #[test]
+    fn ipv6_and_mapped_clients() {
+        let mut p = params(Scheme::Http, None);
+        p.client = "::ffff:10.1.2.3".parse().unwrap();
+        let mut ex = Exchange::new(p.clone());
+        assert!(
+            String::from_utf8_lossy(&client(&mut ex, b"GET / HTTP/1.1\r\n\r\n", 99))
+                .contains("X-Forwarded-For: 10.1.2.3\r\n")
+        );
+        p.client = "2001:db8::7".parse().unwrap();
+        let mut ex = Exchange::new(p);
+        assert!(
+            String::from_utf8_lossy(&client(&mut ex, b"GET / HTTP/1.1\r\n\r\n", 99))
+                .contains("X-Forwarded-For: 2001:db8::7\r\n")
+        );
+    }
+}

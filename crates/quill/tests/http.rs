@@ -1,0 +1,319 @@
+//! `http` (-H): X-Forwarded-For / X-Forwarded-Proto on every request, HTTP/1.x framing
+//! (keep-alive, pipelining, chunked bodies, 100-continue, Upgrade), refusals (400, 431),
+//! against the real binary with an HTTP echo backend (support/http.rs) and curl.
+#![allow(clippy::unwrap_used, clippy::expect_used, clippy::panic)]
+
+mod support;
+
+use std::io::{Read, Write};
+use std::net::Shutdown;
+use std::process::Command;
+use std::time::Duration;
+
+use support::http_echo::{read_final_response, read_response, sha256_hex, EchoServer};
+use support::*;
+
+fn random_bytes(n: usize, seed: u64) -> Vec<u8> {
+    // xorshift: cheap, deterministic, not compressible.
+    let mut x = seed | 1;
+    (0..n)
+        .map(|_| {
+            x ^= x << 13;
+            x ^= x >> 7;
+            x ^= x << 17;
+            x as u8
+        })
+        .collect()
+}
+
+fn start(extra: &[&str], backend: &EchoServer) -> Quill {
+    let spec = backend.spec();
+    let mut args: Vec<&str> = vec!["-H"];
+    args.extend_from_slice(extra);
+    args.extend_from_slice(&["127.0.0.1:{port}", &spec]);
+    Quill::start(&args)
+}
+
+#[test]
+fn every_request_of_a_keep_alive_connection_names_the_client() {
+    let backend = EchoServer::start();
+    let q = start(&[], &backend);
+    let mut s = q.connect_from("127.0.0.5");
+    for i in 0..5 {
+        write!(s, "GET /r{i} HTTP/1.1\r\nHost: example\r\n\r\n").unwrap();
+        let resp = read_response(&mut s).expect("a response");
+        assert_eq!(resp.status, 200);
+        let seen = resp.seen();
+        assert_eq!(seen.request_line(), format!("GET /r{i} HTTP/1.1"));
+        assert_eq!(
+            seen.fields("x-forwarded-for"),
+            ["127.0.0.5"],
+            "{}",
+            seen.head
+        );
+        assert_eq!(seen.fields("x-forwarded-proto"), ["http"], "{}", seen.head);
+        assert_eq!(seen.fields("host"), ["example"]);
+    }
+    assert_eq!(
+        backend.connections(),
+        1,
+        "one keep-alive backend connection"
+    );
+}
+
+#[test]
+fn existing_x_forwarded_for_is_appended_to_and_proto_is_not_spoofable() {
+    let backend = EchoServer::start();
+    let q = start(&[], &backend);
+    let mut s = q.connect_from("127.0.0.6");
+    s.write_all(
+        b"GET / HTTP/1.1\r\nX-Forwarded-For: 203.0.113.7\r\nX-Forwarded-Proto: https\r\n\r\n",
+    )
+    .unwrap();
+    let seen = read_response(&mut s).unwrap().seen();
+    assert_eq!(seen.fields("x-forwarded-for"), ["203.0.113.7, 127.0.0.6"]);
+    assert_eq!(
+        seen.fields("x-forwarded-proto"),
+        ["http"],
+        "a plain-HTTP client must not be able to claim https"
+    );
+}
+
+#[test]
+fn pipelined_requests_with_bodies_arrive_in_order_and_byte_exact() {
+    let backend = EchoServer::start();
+    let q = start(&[], &backend);
+    let mut s = q.connect_from("127.0.0.7");
+    let small = random_bytes(1000, 1);
+    let chunks = [
+        random_bytes(3000, 2),
+        random_bytes(1, 3),
+        random_bytes(70_000, 4),
+    ];
+    let mut all = Vec::new();
+    all.extend_from_slice(b"GET /a HTTP/1.1\r\n\r\n");
+    all.extend_from_slice(
+        format!(
+            "POST /b HTTP/1.1\r\nContent-Length: {}\r\n\r\n",
+            small.len()
+        )
+        .as_bytes(),
+    );
+    all.extend_from_slice(&small);
+    all.extend_from_slice(b"POST /c HTTP/1.1\r\nTransfer-Encoding: chunked\r\n\r\n");
+    for c in &chunks {
+        all.extend_from_slice(format!("{:x};note=x\r\n", c.len()).as_bytes());
+        all.extend_from_slice(c);
+        all.extend_from_slice(b"\r\n");
+    }
+    all.extend_from_slice(b"0\r\nChecksum: none\r\n\r\n");
+    all.extend_from_slice(b"HEAD /d HTTP/1.1\r\n\r\nGET /e HTTP/1.1\r\nConnection: close\r\n\r\n");
+    // Everything in one write: the requests are pipelined.
+    s.write_all(&all).unwrap();
+    let chunked_body = chunks.concat();
+    let expected = [
+        ("GET /a HTTP/1.1", 0, sha256_hex(b"")),
+        ("POST /b HTTP/1.1", small.len(), sha256_hex(&small)),
+        (
+            "POST /c HTTP/1.1",
+            chunked_body.len(),
+            sha256_hex(&chunked_body),
+        ),
+    ];
+    for (line, len, sha) in &expected {
+        let seen = read_response(&mut s).expect("a response").seen();
+        assert_eq!(seen.request_line(), *line);
+        assert_eq!((seen.body_len, &seen.body_sha256), (*len, sha), "{line}");
+        assert_eq!(seen.fields("x-forwarded-for"), ["127.0.0.7"], "{line}");
+    }
+    // The answer to HEAD has a Content-Length but no body: quill must not wait for one.
+    let (rest, _) = expect_closed(&mut s, Duration::from_secs(10));
+    let rest = String::from_utf8_lossy(&rest);
+    let d = rest
+        .find("X-Request-Line: HEAD /d HTTP/1.1")
+        .expect("HEAD answered");
+    let e = rest.find("GET /e HTTP/1.1").expect("GET /e answered");
+    assert!(d < e, "answers out of order: {rest:?}");
+    assert!(rest.contains("X-Forwarded-For: 127.0.0.7"), "{rest:?}");
+}
+
+#[test]
+fn large_bodies_are_byte_exact() {
+    let backend = EchoServer::start();
+    let q = start(&[], &backend);
+    let mut s = q.connect();
+    let body = random_bytes(8 << 20, 7);
+    write!(
+        s,
+        "PUT /big HTTP/1.1\r\nContent-Length: {}\r\n\r\n",
+        body.len()
+    )
+    .unwrap();
+    s.write_all(&body).unwrap();
+    let seen = read_response(&mut s).unwrap().seen();
+    assert_eq!(
+        (seen.body_len, seen.body_sha256),
+        (body.len(), sha256_hex(&body))
+    );
+    // Chunked, with chunk sizes that do not line up with any buffer.
+    s.write_all(b"PUT /big2 HTTP/1.1\r\nTransfer-Encoding: chunked\r\n\r\n")
+        .unwrap();
+    let mut sent = 0;
+    let mut size = 1;
+    while sent < body.len() {
+        let n = size.min(body.len() - sent);
+        write!(s, "{n:x}\r\n").unwrap();
+        s.write_all(&body[sent..sent + n]).unwrap();
+        s.write_all(b"\r\n").unwrap();
+        sent += n;
+        size = size * 3 + 7;
+    }
+    s.write_all(b"0\r\n\r\n").unwrap();
+    let seen = read_response(&mut s).unwrap().seen();
+    assert_eq!(
+        (seen.body_len, seen.body_sha256),
+        (body.len(), sha256_hex(&body))
+    );
+}
+
+#[test]
+fn expect_100_continue() {
+    let backend = EchoServer::start();
+    let q = start(&[], &backend);
+    let mut s = q.connect();
+    s.write_all(b"POST /up HTTP/1.1\r\nContent-Length: 5\r\nExpect: 100-continue\r\n\r\n")
+        .unwrap();
+    // The client waits for the interim answer before sending the body.
+    let interim = read_response(&mut s).expect("100 Continue");
+    assert_eq!(interim.status, 100);
+    s.write_all(b"hello").unwrap();
+    let seen = read_response(&mut s).unwrap().seen();
+    assert_eq!(
+        (seen.body_len, seen.body_sha256.clone()),
+        (5, sha256_hex(b"hello"))
+    );
+    assert_eq!(seen.fields("x-forwarded-for"), ["127.0.0.1"]);
+}
+
+#[test]
+fn upgrade_switches_to_a_plain_relay() {
+    let backend = EchoServer::start();
+    let q = start(&[], &backend);
+    let mut s = q.connect_from("127.0.0.8");
+    s.write_all(
+        b"GET /chat HTTP/1.1\r\nHost: x\r\nConnection: Upgrade\r\nUpgrade: websocket\r\nSec-WebSocket-Version: 13\r\n\r\n",
+    )
+    .unwrap();
+    let resp = read_response(&mut s).unwrap();
+    assert_eq!(resp.status, 101);
+    // After the switch, bytes pass untouched, even ones that look like HTTP.
+    let frames: &[&[u8]] = &[
+        b"\x81\x85\x37\xfa\x21\x3d\x7f\x9f\x4d\x51\x58",
+        b"GET /not-http HTTP/1.1\r\n\r\n",
+        &random_bytes(100_000, 9),
+    ];
+    for frame in frames {
+        s.write_all(frame).unwrap();
+        let mut back = vec![0; frame.len()];
+        s.read_exact(&mut back).unwrap();
+        assert_eq!(&back, frame);
+    }
+    s.shutdown(Shutdown::Write).unwrap();
+    let (rest, _) = expect_closed(&mut s, Duration::from_secs(10));
+    assert!(rest.is_empty());
+}
+
+#[test]
+fn garbage_gets_400_and_a_close() {
+    let backend = EchoServer::start();
+    let q = start(&[], &backend);
+    for garbage in [
+        &b"HELLO THERE\r\n\r\n"[..],
+        b"GET / HTTP/1.1\r\nBad Header\r\n\r\n",
+        b"POST / HTTP/1.1\r\nContent-Length: 1\r\nTransfer-Encoding: chunked\r\n\r\n0\r\n\r\n",
+        b"\x16\x03\x01\x02\x00\x01\x00\x01\xfc\x03\x03\n\n",
+    ] {
+        let mut s = q.connect();
+        s.write_all(garbage).unwrap();
+        let (data, _) = expect_closed(&mut s, Duration::from_secs(10));
+        let text = String::from_utf8_lossy(&data);
+        assert!(
+            text.starts_with("HTTP/1.1 400 Bad Request\r\n"),
+            "{garbage:?} -> {text:?}"
+        );
+    }
+    assert_eq!(backend.requests(), 0, "nothing reached the server");
+    // A good request first is answered, then the bad one is refused.
+    let mut s = q.connect();
+    s.write_all(b"GET /ok HTTP/1.1\r\n\r\nNOT HTTP\r\n\r\n")
+        .unwrap();
+    assert_eq!(read_response(&mut s).unwrap().status, 200);
+    let (data, _) = expect_closed(&mut s, Duration::from_secs(10));
+    assert!(String::from_utf8_lossy(&data).starts_with("HTTP/1.1 400 "));
+}
+
+#[test]
+fn oversized_heads_get_431_and_the_limit_is_a_setting() {
+    let backend = EchoServer::start();
+    let q = start(&[], &backend);
+    let big = format!("GET / HTTP/1.1\r\nCookie: {}\r\n\r\n", "c".repeat(20_000));
+    let mut s = q.connect();
+    s.write_all(big.as_bytes()).unwrap();
+    let (data, _) = expect_closed(&mut s, Duration::from_secs(10));
+    assert!(
+        String::from_utf8_lossy(&data).starts_with("HTTP/1.1 431 "),
+        "{:?}",
+        String::from_utf8_lossy(&data)
+    );
+    drop(q);
+    let q = start(&["-O", "http_header_max 65536"], &backend);
+    let mut s = q.connect();
+    s.write_all(big.as_bytes()).unwrap();
+    let resp = read_response(&mut s).unwrap();
+    assert_eq!(resp.status, 200);
+    assert_eq!(resp.seen().fields("cookie")[0].len(), 20_000);
+}
+
+#[test]
+fn hsts_is_never_added_to_plain_http() {
+    // HSTS on plain HTTP is ignored by browsers and wrong (RFC 6797 7.2): with TLS it is
+    // covered by the TLS tests; here the policy must not leak into plain responses.
+    let backend = EchoServer::start();
+    let q = start(&["-O", "hsts 31536000"], &backend);
+    let mut s = q.connect();
+    s.write_all(b"GET / HTTP/1.1\r\n\r\n").unwrap();
+    let resp = read_final_response(&mut s).unwrap();
+    assert_eq!(resp.field("strict-transport-security"), None);
+}
+
+#[test]
+fn curl_through_quill() {
+    let backend = EchoServer::start();
+    let q = start(&[], &backend);
+    let url = format!("http://127.0.0.1:{}/x", q.port);
+    let out = Command::new("curl")
+        .args([
+            "-sS",
+            "--interface",
+            "127.0.0.9",
+            "-H",
+            "X-Forwarded-For: 10.9.8.7",
+        ])
+        .args(["--data-binary", "@-", &url, &url])
+        .stdin(std::process::Stdio::null())
+        .output()
+        .expect("run curl");
+    assert!(
+        out.status.success(),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    let text = String::from_utf8_lossy(&out.stdout);
+    // Two requests on one keep-alive connection, both with the header.
+    assert_eq!(
+        text.matches("X-Forwarded-For: 10.9.8.7, 127.0.0.9\r\n")
+            .count(),
+        2,
+        "{text}"
+    );
+}

@@ -1,0 +1,21 @@
+//! The PROXY protocol v1/v2 parser (`accept_proxy`): never panics; a header found lies within
+//! the input and the size bound; every shorter prefix of it asks for more bytes; and the
+//! addresses it names encode back (v1 and v2) to headers that parse to the same addresses.
+#![no_main]
+
+use libfuzzer_sys::fuzz_target;
+use quill::command::ProxyVersion;
+use quill::proxy::proxy_protocol::{encode, parse, MAX_HEADER};
+
+fuzz_target!(|data: &[u8]| {
+    let Ok(Some((header, len))) = parse(data) else { return };
+    assert!(len <= data.len() && len <= MAX_HEADER);
+    for cut in 0..len {
+        assert_eq!(parse(&data[..cut]), Ok(None), "prefix of {cut} bytes");
+    }
+    for version in [ProxyVersion::V1, ProxyVersion::V2] {
+        let again = encode(version, header.addrs);
+        let parsed = parse(&again).ok().flatten().map(|(h, n)| (h.addrs, n));
+        assert_eq!(parsed, Some((header.addrs, again.len())));
+    }
+});
