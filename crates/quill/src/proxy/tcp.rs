@@ -326,9 +326,16 @@ async fn handle<C: ClientStream>(
         }
         return;
     }
+    // The listener's address costs a system call: asked for only when a PROXY header may
+    // be sent.
+    let sends_proxy = settings.proxy_protocol.is_some()
+        || settings
+            .servers
+            .iter()
+            .any(|s| matches!(s.proxy_protocol, ServerProxy::On(_)));
     let preamble = Preamble {
         peer,
-        destination: destination.or_else(|| client.local()),
+        destination: destination.or_else(|| sends_proxy.then(|| client.local()).flatten()),
     };
     // The handshake comes after the cheap refusals, so a denied client costs no crypto.
     // Boxed like every phase plain connections skip: rustls's state is over a kilobyte.
