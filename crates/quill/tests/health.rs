@@ -313,3 +313,36 @@ fn drain_lets_a_long_transfer_finish_while_new_connections_go_elsewhere() {
     let e = ctl_err(&ctl, "server 9 drain");
     assert!(e.contains("server 9"), "{e}");
 }
+
+#[test]
+fn passive_blacklisting_keeps_working_beside_health_checks() {
+    if skip_on_pen("active health checks are a quill extension") {
+        return;
+    }
+    let a = IdentityBackend::start("a");
+    let b = IdentityBackend::start("b");
+    // Checks so rare that only the first one runs during the test.
+    let (q, ctl) = start(&[
+        "-r",
+        "-b",
+        "60",
+        "-O",
+        "check tcp",
+        "-O",
+        "check_interval 3600",
+        "127.0.0.1:{port}",
+        &a.spec(),
+        &b.spec(),
+    ]);
+    wait_health(&ctl, 0, "up");
+    a.stop();
+    // Clients find out first: the failed connect blacklists server 0, the client is sent
+    // on to server 1, and the health verdict (not yet re-checked) stays up.
+    let got = names(&q, 4);
+    assert!(got.iter().all(|n| n == "b"), "{got:?}");
+    let s0 = server_json(&ctl, 0);
+    assert_eq!(s0["failures"], 1, "{s0}");
+    assert_eq!(s0["blacklisted"], true, "{s0}");
+    assert_eq!(s0["health"], "up", "{s0}");
+    assert_eq!(s0["state"], "blacklisted", "{s0}");
+}

@@ -317,3 +317,45 @@ fn curl_through_quill() {
         "{text}"
     );
 }
+
+#[test]
+fn half_close_idle_timeout_and_the_connection_log_work_with_http() {
+    let backend = EchoServer::start();
+    let spec = backend.spec();
+    let q = Quill::start(&[
+        "-H",
+        "-O",
+        "idle_timeout 1",
+        "-l",
+        "{dir}/conn.log",
+        "127.0.0.1:{port}",
+        &spec,
+    ]);
+    // Half-close: the request, then EOF; the answer still arrives, then the close.
+    let mut s = q.connect_from("127.0.0.4");
+    s.write_all(b"GET /half HTTP/1.1\r\n\r\n").unwrap();
+    s.shutdown(Shutdown::Write).unwrap();
+    let seen = read_response(&mut s)
+        .expect("the answer after a half-close")
+        .seen();
+    assert_eq!(seen.request_line(), "GET /half HTTP/1.1");
+    let (rest, _) = expect_closed(&mut s, Duration::from_secs(10));
+    assert!(rest.is_empty());
+    // Idle: a keep-alive connection that goes quiet is closed.
+    let mut s = q.connect();
+    s.write_all(b"GET /idle HTTP/1.1\r\n\r\n").unwrap();
+    assert_eq!(read_response(&mut s).unwrap().status, 200);
+    let (rest, _) = expect_closed(&mut s, Duration::from_secs(10));
+    assert!(rest.is_empty());
+    // The log names the client and the first request line, as without -H.
+    let log = q.dir().join("conn.log");
+    wait_until(Duration::from_secs(10), "two log lines", || {
+        std::fs::read_to_string(&log).is_ok_and(|t| t.lines().count() >= 2)
+    });
+    let text = std::fs::read_to_string(&log).unwrap();
+    let first = text.lines().next().unwrap_or_default();
+    assert!(
+        first.starts_with("127.0.0.4 ") && first.ends_with(" GET /half HTTP/1.1"),
+        "{text}"
+    );
+}

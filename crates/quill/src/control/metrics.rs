@@ -84,7 +84,8 @@ pub static FAMILIES: &[Family] = &[
     Family {
         name: "connections_refused",
         help: "Client connections (UDP: flows) refused, by reason: the client ACL, conn_max, \
-               or no server (nor emergency server) reachable.",
+               no server (nor emergency server) reachable, or a missing or malformed PROXY \
+               protocol header (accept_proxy).",
         unit: None,
         kind: Kind::Counter,
         source: Source::ByLabel {
@@ -93,6 +94,7 @@ pub static FAMILIES: &[Family] = &[
                 ("acl", |s| load(&s.counters.refused_acl)),
                 ("conn_max", |s| load(&s.counters.refused_conn_max)),
                 ("no_server", |s| load(&s.counters.no_server)),
+                ("proxy_header", |s| load(&s.counters.bad_proxy_header)),
             ],
         },
     },
@@ -117,6 +119,14 @@ pub static FAMILIES: &[Family] = &[
         unit: None,
         kind: Kind::Counter,
         source: Source::Global(|s| load(&s.counters.upstream_tls_failures)),
+    },
+    Family {
+        name: "http_requests_refused",
+        help: "HTTP requests (http, -H) answered by quill with 400 or 431, their connection \
+               then closed.",
+        unit: None,
+        kind: Kind::Counter,
+        source: Source::Global(|s| load(&s.counters.http_refused)),
     },
     Family {
         name: "connections_open",
@@ -390,6 +400,8 @@ mod tests {
         state.counters.tls_handshakes.store(5, Relaxed);
         state.counters.tls_failures.store(3, Relaxed);
         state.counters.upstream_tls_failures.store(1, Relaxed);
+        state.counters.bad_proxy_header.store(3, Relaxed);
+        state.counters.http_refused.store(4, Relaxed);
         if let Some(s) = state.servers.get(1) {
             s.bytes_to.store(1234, Relaxed);
             s.blacklist(clock::now_ms(), 60);
@@ -403,6 +415,8 @@ mod tests {
             "quill_tls_handshakes_total{result=\"ok\"} 5",
             "quill_tls_handshakes_total{result=\"failed\"} 3",
             "quill_upstream_tls_handshake_failures_total 1",
+            "quill_connections_refused_total{reason=\"proxy_header\"} 3",
+            "quill_http_requests_refused_total 4",
             "quill_server_sent_bytes_total{server=\"1\",address=\"[::1]:9002\"} 1234",
             "quill_server_state{server=\"1\",address=\"[::1]:9002\",state=\"blacklisted\"} 1",
             "quill_server_state{server=\"0\",address=\"127.0.0.1:9001\",state=\"up\"} 1",

@@ -362,11 +362,15 @@ impl Exchange {
                 }
                 length = Some(n);
             } else if name.eq_ignore_ascii_case(b"transfer-encoding") {
-                // The final coding decides; a later header continues the list.
-                if let Some(last) = list(h.value).last() {
-                    let coding = last.split(|&b| b == b';').next().unwrap_or_default();
-                    chunked = Some(coding.trim_ascii().eq_ignore_ascii_case(b"chunked"));
+                // The final coding decides; a later header continues the list. An empty
+                // one, or one in an HTTP/1.0 request (whose servers may ignore it and read
+                // the body as the next request: RFC 9112 6.1), is refused.
+                let last = list(h.value).last().ok_or(Refusal::BadRequest)?;
+                if version == 0 {
+                    return Err(Refusal::BadRequest);
                 }
+                let coding = last.split(|&b| b == b';').next().unwrap_or_default();
+                chunked = Some(coding.trim_ascii().eq_ignore_ascii_case(b"chunked"));
             } else if name.eq_ignore_ascii_case(b"upgrade") {
                 upgrade = true;
             }
@@ -987,6 +991,14 @@ mod tests {
             ),
             (
                 b"POST / HTTP/1.1\r\nTransfer-Encoding: gzip\r\n\r\n",
+                Refusal::BadRequest,
+            ),
+            (
+                b"POST / HTTP/1.0\r\nTransfer-Encoding: chunked\r\n\r\n0\r\n\r\n",
+                Refusal::BadRequest,
+            ),
+            (
+                b"POST / HTTP/1.1\r\nTransfer-Encoding: chunked\r\nTransfer-Encoding: \r\n\r\n",
                 Refusal::BadRequest,
             ),
             (
