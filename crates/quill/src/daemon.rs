@@ -327,7 +327,7 @@ pub fn run(inv: Invocation) -> Result<(), StartError> {
     let metrics_listener = match settings.metrics_listen {
         None => None,
         Some(addr) => {
-            warn_if_control_open(&settings, addr);
+            control::web::warn_if_control_open(&settings, addr);
             if inv.takeover {
                 None
             } else {
@@ -570,20 +570,6 @@ async fn rebind_metrics_after_upgrade(ctx: Arc<Context>, addr: std::net::SocketA
                 return;
             }
         }
-    }
-}
-
-/// The dashboard's control buttons answer whoever `control_acl` permits; with an empty
-/// list (Pen's "permit all") on a non-loopback address, say so once.
-fn warn_if_control_open(settings: &Settings, addr: std::net::SocketAddr) {
-    let acl = &settings.acls[settings.control_acl.index()];
-    if !addr.ip().is_loopback() && acl.rules().is_empty() {
-        tracing::warn!(
-            "metrics_listen {addr}: control_acl {} is empty, so any address that reaches \
-             it may blacklist servers from the dashboard; set 'control_acl N' to a list \
-             that permits only operators",
-            settings.control_acl
-        );
     }
 }
 

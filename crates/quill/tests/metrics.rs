@@ -716,3 +716,37 @@ fn after_a_binary_upgrade_the_new_process_serves_the_metrics() {
     assert_eq!(status(m)["pid"], new.pid());
     assert!(!new.stderr().contains("ERROR"), "{}", new.stderr());
 }
+
+#[test]
+fn an_exposed_listener_without_a_control_acl_is_warned_about() {
+    let a = IdentityBackend::start("alpha");
+    let (q, m) = start_with_metrics(&[
+        "-O",
+        "metrics_listen 0.0.0.0:{metrics}",
+        "{port}",
+        &a.spec(),
+    ]);
+    assert_eq!(get(m, "/status.json").status, 200);
+    wait_until(DEADLINE, "quill warns about the open control", || {
+        q.stderr().contains("control_acl 0 is empty")
+    });
+
+    let (q, m) = start_with_metrics(&[
+        "-O",
+        "acl 3 permit 10.0.0.0 255.0.0.0",
+        "-O",
+        "control_acl 3",
+        "-O",
+        "metrics_listen 0.0.0.0:{metrics}",
+        "{port}",
+        &a.spec(),
+    ]);
+    assert_eq!(get(m, "/status.json").status, 200);
+    assert!(!q.stderr().contains("is empty"), "{}", q.stderr());
+    // 127.0.0.1 is not in list 3: read-only.
+    assert_eq!(get(m, "/control").json()["permitted"], false);
+    assert_eq!(
+        post_control("127.0.0.1", m, "server 0 blacklist 5").status,
+        403
+    );
+}

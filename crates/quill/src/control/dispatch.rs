@@ -121,6 +121,9 @@ pub fn execute(ctx: &Context, cmd: &Command) -> Result<String, String> {
             }
             let listener = ctx.bind_metrics(addr).map_err(|e| e.to_string())?;
             let (_, actions) = state.execute(cmd).map_err(|e| e.to_string())?;
+            if let Some(addr) = addr {
+                super::web::warn_if_control_open(&state.settings(), addr);
+            }
             ctx.hand_over_metrics(listener);
             let rest = actions
                 .into_iter()

@@ -28,6 +28,7 @@ use tokio::sync::{mpsc, Semaphore};
 
 use super::{dispatch, metrics, report, Context};
 use crate::command::{Command, ServerField};
+use crate::settings::Settings;
 
 /// HTTP connections served at once; more are closed as soon as they are accepted.
 const MAX_CONNECTIONS: usize = 64;
@@ -75,6 +76,21 @@ pub fn bind(addr: SocketAddr) -> Result<std::net::TcpListener, BindError> {
     let l = std::net::TcpListener::bind(addr).map_err(err)?;
     l.set_nonblocking(true).map_err(err)?;
     Ok(l)
+}
+
+/// The dashboard's control buttons answer whoever `control_acl` permits; with an empty
+/// list (Pen's "permit all") on a non-loopback address, say so (at start-up and whenever
+/// the listener moves).
+pub fn warn_if_control_open(settings: &Settings, addr: SocketAddr) {
+    let acl = &settings.acls[settings.control_acl.index()];
+    if !addr.ip().is_loopback() && acl.rules().is_empty() {
+        tracing::warn!(
+            "metrics_listen {addr}: control_acl {} is empty, so any address that reaches \
+             it may blacklist or drain servers from the dashboard; set 'control_acl N' to a list \
+             that permits only operators",
+            settings.control_acl
+        );
+    }
 }
 
 /// The commands `POST /control` accepts: per-server operations an operator takes from a

@@ -33,9 +33,11 @@ const TICK: Duration = Duration::from_millis(100);
 /// Largest frame taken: a 64 KiB GSO super-frame plus headers.
 const RX_BUF: usize = VNET_HDR_LEN + 65_536 + 64;
 /// The TPACKET_V2 ring (the default): slots larger than any frame (GSO super-frames are up
-/// to 64 KiB), 256 of them; only the pages a frame reaches are ever touched.
+/// to 64 KiB), 1024 of them to absorb bursts while the thread waits for a core (68 MiB of
+/// address space; only the pages a frame reaches are ever touched, 4 KiB a slot for small
+/// frames).
 const SLOT_SIZE: usize = 68 << 10;
-const SLOTS: usize = 256;
+const SLOTS: usize = 1024;
 /// Frames handled per wake-up at most, so that ticks are not starved under load.
 const BATCH: usize = 256;
 /// The TPACKET_V3 ring: blocks larger than any frame, 8 MiB in all; a block is handed over

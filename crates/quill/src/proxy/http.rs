@@ -169,6 +169,8 @@ pub struct Exchange {
     req_scanned: usize,
     /// Whether the head of the request being received has been forwarded.
     req_forwarded: bool,
+    /// The request being received asked to switch protocols (`Upgrade`, `CONNECT`).
+    req_switch: bool,
     /// Forwarded requests without a final response yet, oldest first.
     pending: VecDeque<Pending>,
     resp: Resp,
@@ -198,6 +200,7 @@ impl Exchange {
             req_head: Vec::new(),
             req_scanned: 0,
             req_forwarded: false,
+            req_switch: false,
             pending: VecDeque::new(),
             resp: Resp::Head,
             resp_head: Vec::new(),
@@ -270,14 +273,22 @@ impl Exchange {
     /// The end of a request message.
     fn request_done(&mut self) {
         self.req_forwarded = false;
-        let switch = self.pending.back().is_some_and(|p| p.switch);
-        self.req = if !switch {
-            Req::Head
-        } else if self.resp == Resp::Raw {
+        if self.resp == Resp::Raw {
             // Responses cannot be followed: assume the server switched.
-            Req::Tunnel
-        } else {
+            self.req = if self.req_switch {
+                Req::Tunnel
+            } else {
+                Req::Head
+            };
+            return;
+        }
+        // The request is the newest pending one, unless its answer came already (then it
+        // is gone, and so is any reason to wait).
+        let switch = self.pending.back().is_some_and(|p| p.switch);
+        self.req = if switch {
             Req::AwaitDecision
+        } else {
+            Req::Head
         };
     }
 
@@ -385,11 +396,15 @@ impl Exchange {
             (None, _) => Req::Head,
         };
         self.write_request_head(method, path, version, req.headers, out);
-        self.pending.push_back(Pending {
-            head: method == "HEAD",
-            connect,
-            switch: connect || upgrade,
-        });
+        self.req_switch = connect || upgrade;
+        if self.resp != Resp::Raw {
+            // Raw answers are never paired with requests: nothing to remember.
+            self.pending.push_back(Pending {
+                head: method == "HEAD",
+                connect,
+                switch: self.req_switch,
+            });
+        }
         self.req_forwarded = true;
         if body == Req::Head {
             self.request_done();
@@ -1181,6 +1196,13 @@ mod tests {
         // Requests are still rewritten.
         let out = client(&mut ex, b"GET /2 HTTP/1.1\r\n\r\n", 1000);
         assert!(String::from_utf8_lossy(&out).contains("X-Forwarded-For"));
+        for _ in 0..1000 {
+            client(&mut ex, b"GET /n HTTP/1.1\r\n\r\n", 1000);
+        }
+        assert!(
+            ex.pending.is_empty(),
+            "nothing is remembered for raw answers"
+        );
         // And a refusal is due at once: answers cannot be followed.
         client(&mut ex, b"\x00\x01\r\n\r\n", 1000);
         assert!(ex.take_refusal().is_some());
