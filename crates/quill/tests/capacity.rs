@@ -140,7 +140,7 @@ fn ten_thousand_connections_leak_no_descriptors() {
     let a = IdentityBackend::start("a");
     let b = IdentityBackend::start("b");
     let q = Quill::start(&["-r", "127.0.0.1:{port}", &a.spec(), &b.spec()]);
-    let Some(baseline) = q.fd_count() else {
+    let Some(baseline) = q.started_fd_count() else {
         eprintln!("SKIPPED: /proc/PID/fd is not available");
         return;
     };
@@ -225,7 +225,7 @@ fn reset_and_failed_over_connections_leak_no_descriptors() {
     let b = IdentityBackend::start("b");
     let q = Quill::start(&["-r", "-b", "0", "127.0.0.1:{port}", &a.spec(), &b.spec()]);
     a.stop();
-    let Some(baseline) = q.fd_count() else {
+    let Some(baseline) = q.started_fd_count() else {
         eprintln!("SKIPPED: /proc/PID/fd is not available");
         return;
     };

@@ -38,6 +38,13 @@ pub const MAX_LINE: usize = 64 * 1024;
 /// How long a control client may take to send its line.
 const READ_TIMEOUT: Duration = Duration::from_secs(10);
 
+/// After a refused line, how much more input is read and dropped before closing (so the
+/// client can read the error instead of meeting a reset), for how long at most, and how
+/// long a pause in the client's sending ends it sooner.
+const DRAIN_MAX: usize = 4 * 1024 * 1024;
+const DRAIN_TIMEOUT: Duration = Duration::from_secs(2);
+const DRAIN_IDLE: Duration = Duration::from_millis(300);
+
 /// What the control plane needs of the process.
 pub struct Context {
     pub state: Arc<State>,
@@ -373,10 +380,7 @@ pub async fn serve(ctx: Arc<Context>, listener: ControlListener) -> io::Result<(
                     drop(settings);
                     if !permitted {
                         tracing::warn!(%peer, "control connection refused by control_acl");
-                        let mut sock = sock;
-                        let _ = sock
-                            .write_all(b"error: access denied by control_acl\n")
-                            .await;
+                        refuse(sock, "error: access denied by control_acl\n").await;
                         return;
                     }
                     answer(&ctx, sock).await;
@@ -401,8 +405,9 @@ pub async fn serve(ctx: Arc<Context>, listener: ControlListener) -> io::Result<(
     }
 }
 
-/// Reads one command line, executes it, writes the reply and closes.
-async fn answer<S: tokio::io::AsyncRead + tokio::io::AsyncWrite + Unpin>(
+/// Reads one command line, executes it, writes the reply and closes. Public so that the
+/// fuzz target drives exactly this path (framing and dispatch) over an in-memory stream.
+pub async fn answer<S: tokio::io::AsyncRead + tokio::io::AsyncWrite + Unpin>(
     ctx: &Context,
     mut sock: S,
 ) {
@@ -420,7 +425,8 @@ async fn answer_unix(ctx: &Context, mut sock: tokio::net::UnixStream) {
     reply(ctx, sock, line).await;
 }
 
-async fn reply<S: tokio::io::AsyncWrite + Unpin>(
+/// Writes the reply to a framed line (or the error of one that could not be framed).
+async fn reply<S: tokio::io::AsyncRead + tokio::io::AsyncWrite + Unpin>(
     ctx: &Context,
     mut sock: S,
     line: Result<Result<String, String>, tokio::time::error::Elapsed>,
@@ -428,12 +434,38 @@ async fn reply<S: tokio::io::AsyncWrite + Unpin>(
     let reply = match line {
         Err(_) => "error: no command received in time\n".to_string(),
         Ok(Err(reason)) => format!("error: {reason}\n"),
-        Ok(Ok(line)) => dispatch::execute_line(ctx, &line),
+        Ok(Ok(line)) => {
+            let reply = dispatch::execute_line(ctx, &line);
+            let _ = sock.write_all(reply.as_bytes()).await;
+            let _ = sock.shutdown().await;
+            return;
+        }
     };
-    let _ = sock.write_all(reply.as_bytes()).await;
-    let _ = sock.shutdown().await;
+    refuse(sock, &reply).await;
 }
 
+/// Sends an error and closes, with the client possibly still sending. Closing with unread
+/// input makes the kernel send a reset, which can destroy the reply before the client has
+/// read it: what the client still sends is read and dropped first, a bounded amount for a
+/// bounded time, so that it sees the error rather than a reset.
+async fn refuse<S: tokio::io::AsyncRead + tokio::io::AsyncWrite + Unpin>(mut sock: S, reply: &str) {
+    let _ = sock.write_all(reply.as_bytes()).await;
+    let _ = sock.shutdown().await;
+    let drain = async {
+        let mut chunk = [0u8; 4096];
+        let mut left = DRAIN_MAX;
+        while left > 0 {
+            match tokio::time::timeout(DRAIN_IDLE, sock.read(&mut chunk)).await {
+                Ok(Ok(0) | Err(_)) | Err(_) => break,
+                Ok(Ok(n)) => left = left.saturating_sub(n),
+            }
+        }
+    };
+    let _ = tokio::time::timeout(DRAIN_TIMEOUT, drain).await;
+}
+
+/// Reads up to the first newline (excluded, as is a trailing CR). Refuses more than
+/// [`MAX_LINE`] bytes without a newline, and bytes that are not UTF-8.
 async fn read_line<S: tokio::io::AsyncRead + Unpin>(sock: &mut S) -> Result<String, String> {
     let mut buf = Vec::new();
     let mut chunk = [0u8; 4096];
@@ -442,11 +474,12 @@ async fn read_line<S: tokio::io::AsyncRead + Unpin>(sock: &mut S) -> Result<Stri
         if n == 0 {
             break;
         }
-        buf.extend_from_slice(&chunk[..n]);
-        if let Some(end) = buf.iter().position(|&b| b == b'\n') {
-            buf.truncate(end);
+        // Only the new bytes can hold the first newline: no rescan of what came before.
+        if let Some(end) = chunk[..n].iter().position(|&b| b == b'\n') {
+            buf.extend_from_slice(&chunk[..end]);
             break;
         }
+        buf.extend_from_slice(&chunk[..n]);
         if buf.len() > MAX_LINE {
             return Err(format!("command longer than {MAX_LINE} bytes"));
         }

@@ -101,3 +101,19 @@ pub async fn connect(
     }
     Ok(stream)
 }
+
+/// Whether a connect failed for a reason of this host, not of the server: out of file
+/// descriptors, memory, buffers or local ports. Such a failure says nothing about the
+/// server, so it must not be blacklisted for it (nor would another server fare better).
+pub fn is_local_failure(e: &io::Error) -> bool {
+    use rustix::io::Errno;
+    [
+        Errno::MFILE,
+        Errno::NFILE,
+        Errno::NOBUFS,
+        Errno::NOMEM,
+        Errno::ADDRNOTAVAIL,
+    ]
+    .iter()
+    .any(|errno| e.raw_os_error() == Some(errno.raw_os_error()))
+}

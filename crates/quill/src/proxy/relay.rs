@@ -153,10 +153,23 @@ pub enum End {
     FastClose,
     /// Nothing moved for `idle_timeout`.
     Idle,
-    /// A socket error (reset, broken pipe...).
+    /// A socket error (reset, broken pipe...) that says nothing against the server: on
+    /// the client's side, or on the server's after it had closed its side cleanly.
     Error(io::Error),
+    /// The server's socket failed before the server closed its side (it reset the
+    /// connection, or died mid-transfer): the caller blacklists the server, as for a
+    /// failed connect.
+    ServerError(io::Error),
     /// An HTTP request was refused (400 or 431) and the connection closed (`http`).
     Refused,
+}
+
+/// Which socket of a pipe an error came from.
+enum Failed {
+    /// Reading from the source.
+    Source(io::Error),
+    /// Writing to the destination.
+    Destination(io::Error),
 }
 
 /// Totals of one relay.
@@ -218,18 +231,18 @@ impl Pipe {
         dst: &D,
         other_done: bool,
         active: &mut bool,
-    ) -> Poll<io::Result<()>> {
+    ) -> Poll<Result<(), Failed>> {
         let mut budget = BUDGET;
         loop {
             while self.written < self.pending.len() {
-                ready!(dst.poll_write_ready(cx))?;
+                ready!(dst.poll_write_ready(cx)).map_err(Failed::Destination)?;
                 match dst.try_write(&self.pending[self.written..]) {
                     Ok(n) => {
                         self.written += n;
                         *active = true;
                     }
                     Err(e) if e.kind() == ErrorKind::WouldBlock => continue,
-                    Err(e) => return Poll::Ready(Err(e)),
+                    Err(e) => return Poll::Ready(Err(Failed::Destination(e))),
                 }
             }
             if !self.pending.is_empty() {
@@ -241,15 +254,17 @@ impl Pipe {
                 let Some(pipe) = self.bulk.as_ref() else {
                     break;
                 };
-                ready!(dst.poll_write_ready(cx))?;
+                ready!(dst.poll_write_ready(cx)).map_err(Failed::Destination)?;
                 match dst.try_splice_in(pipe, self.in_bulk) {
-                    Ok(0) => return Poll::Ready(Err(ErrorKind::WriteZero.into())),
+                    Ok(0) => {
+                        return Poll::Ready(Err(Failed::Destination(ErrorKind::WriteZero.into())))
+                    }
                     Ok(n) => {
                         self.in_bulk -= n;
                         *active = true;
                     }
                     Err(e) if e.kind() == ErrorKind::WouldBlock => continue,
-                    Err(e) => return Poll::Ready(Err(e)),
+                    Err(e) => return Poll::Ready(Err(Failed::Destination(e))),
                 }
             }
             if self.eof {
@@ -260,7 +275,7 @@ impl Pipe {
                         Ok(()) => {}
                         // The peer is already gone; the other direction will notice.
                         Err(e) if e.kind() == ErrorKind::NotConnected => {}
-                        Err(e) => return Poll::Ready(Err(e)),
+                        Err(e) => return Poll::Ready(Err(Failed::Destination(e))),
                     }
                 }
                 self.done = true;
@@ -276,7 +291,7 @@ impl Pipe {
                 self.go_bulk = self.bulk.is_some();
             }
             if let Some(pipe) = self.bulk.as_ref() {
-                ready!(src.poll_read_ready(cx))?;
+                ready!(src.poll_read_ready(cx)).map_err(Failed::Source)?;
                 // The pipe is empty here, so WouldBlock can only mean that the source is.
                 match src.try_splice_out(pipe, PIPE_SIZE) {
                     Ok(0) => self.eof = true,
@@ -290,7 +305,7 @@ impl Pipe {
                         let unsupported =
                             matches!(e.kind(), ErrorKind::InvalidInput | ErrorKind::Unsupported);
                         if !dry && !unsupported {
-                            return Poll::Ready(Err(e));
+                            return Poll::Ready(Err(Failed::Source(e)));
                         }
                         // Bulk transfer over (or impossible): back to plain reads, and the
                         // empty pipe back to the pool.
@@ -309,7 +324,7 @@ impl Pipe {
             if speculate {
                 self.speculated = true;
             } else {
-                ready!(src.poll_read_ready(cx))?;
+                ready!(src.poll_read_ready(cx)).map_err(Failed::Source)?;
             }
             let step = SCRATCH.with(|scratch| {
                 let mut buf = scratch.borrow_mut();
@@ -324,7 +339,7 @@ impl Pipe {
                         return Ok(());
                     }
                     Ok(n) => n,
-                    Err(e) => return Err(e),
+                    Err(e) => return Err(Failed::Source(e)),
                 };
                 self.bytes += n as u64;
                 *active = true;
@@ -335,7 +350,7 @@ impl Pipe {
                 let written = match dst.try_write(&buf[..n]) {
                     Ok(w) => w,
                     Err(e) if e.kind() == ErrorKind::WouldBlock => 0,
-                    Err(e) => return Err(e),
+                    Err(e) => return Err(Failed::Destination(e)),
                 };
                 if written < n {
                     self.pending = buf[written..n].to_vec();
@@ -344,7 +359,7 @@ impl Pipe {
             });
             match step {
                 Ok(()) => {}
-                Err(e) if e.kind() == ErrorKind::WouldBlock => {}
+                Err(Failed::Source(e)) if e.kind() == ErrorKind::WouldBlock => {}
                 Err(e) => return Poll::Ready(Err(e)),
             }
         }
@@ -369,13 +384,25 @@ pub async fn relay<C: Stream + ?Sized, S: Stream + ?Sized>(
         .map(|d| (d, Box::pin(tokio::time::sleep(d))));
     let end = poll_fn(|cx| {
         if !up.done {
-            if let Poll::Ready(Err(e)) = up.poll(cx, client, server, down.done, &mut active) {
-                return Poll::Ready(End::Error(e));
+            match up.poll(cx, client, server, down.done, &mut active) {
+                Poll::Ready(Err(Failed::Source(e))) => return Poll::Ready(End::Error(e)),
+                // A server that closed cleanly first and then resets what the client
+                // still sends (an HTTP keep-alive timeout racing a new request) has not
+                // failed: only one that resets without having closed is.
+                Poll::Ready(Err(Failed::Destination(e))) if down.eof => {
+                    return Poll::Ready(End::Error(e))
+                }
+                Poll::Ready(Err(Failed::Destination(e))) => {
+                    return Poll::Ready(End::ServerError(e))
+                }
+                _ => {}
             }
         }
         if !down.done {
-            if let Poll::Ready(Err(e)) = down.poll(cx, server, client, up.done, &mut active) {
-                return Poll::Ready(End::Error(e));
+            match down.poll(cx, server, client, up.done, &mut active) {
+                Poll::Ready(Err(Failed::Source(e))) => return Poll::Ready(End::ServerError(e)),
+                Poll::Ready(Err(Failed::Destination(e))) => return Poll::Ready(End::Error(e)),
+                _ => {}
             }
         }
         let fast = match opts.fastclose {

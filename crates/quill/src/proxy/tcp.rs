@@ -27,7 +27,7 @@ use super::stream;
 use crate::balance::{clock, Choice, Selector, ServerState};
 use crate::command::{Host, ProxyVersion, ServerProxy};
 use crate::connlog::unix_now;
-use crate::net::connect::{apply_options, connect, source_for, SocketOptions};
+use crate::net::connect::{apply_options, connect, is_local_failure, source_for, SocketOptions};
 use crate::net::Listener;
 use crate::settings::Settings;
 use crate::state::State;
@@ -435,8 +435,23 @@ async fn handle<C: ClientStream>(
     if let Some(log) = &log {
         log.record(ip, started_unix, server_ip, &outcome.first);
     }
-    if let relay::End::Error(e) = &outcome.end {
-        tracing::debug!(%peer, server = ?lease.index, "connection ended: {e}");
+    match &outcome.end {
+        relay::End::Error(e) => {
+            tracing::debug!(%peer, server = ?lease.index, "connection ended: {e}");
+        }
+        relay::End::ServerError(e) => match lease.index {
+            // A server that resets a connection mid-transfer is treated like one that
+            // refuses: new clients go elsewhere for the blacklist time.
+            Some(index) => {
+                let blacklist = state.settings().blacklist;
+                tracing::info!(
+                    "server {index} failed mid-connection: {e}; blacklisted for {blacklist} s"
+                );
+                state.server_failed(index, blacklist);
+            }
+            None => tracing::debug!(%peer, "emergency or abuse server failed: {e}"),
+        },
+        _ => {}
     }
 }
 
@@ -626,6 +641,11 @@ async fn choose_and_connect<'s>(
                 }
                 tracing::debug!(%peer, "server {index} ({addr})");
                 return Some((stream, lease));
+            }
+            Err(e) if is_local_failure(&e) => {
+                tracing::warn!(%peer, "cannot connect to server {index} ({addr}): {e}");
+                state.counters.no_server.fetch_add(1, Relaxed);
+                return None;
             }
             Err(e) => {
                 drop(lease);
