@@ -7,10 +7,12 @@
 //! MAX_LINE (huge lines, which libFuzzer's input size would not reach); the other bits = the
 //! size of the writes (1..=127 bytes, so lines are split anywhere).
 //! Commands whose effects leave the process (files, sockets, name resolution, exit) are
-//! not executed: the model refuses those inputs before they reach dispatch.
+//! not executed (`metrics_listen ADDR` included): the model refuses those inputs before
+//! they reach dispatch.
 #![no_main]
 
-use std::sync::{Arc, OnceLock};
+use std::sync::atomic::AtomicBool;
+use std::sync::{Arc, Mutex, OnceLock};
 
 use libfuzzer_sys::fuzz_target;
 use quill::command::{Command, ServerField};
@@ -29,6 +31,11 @@ fn context() -> &'static Context {
         base_commands: Vec::new(),
         relisten: Vec::new(),
         exit: Arc::new(tokio::sync::Notify::new()),
+        listener_fds: Mutex::new(Vec::new()),
+        control_fd: Mutex::new(None),
+        upgraded: AtomicBool::new(false),
+        // No metrics listener runs here: what is handed to it is dropped.
+        metrics: tokio::sync::mpsc::unbounded_channel().0,
     })
 }
 
@@ -45,7 +52,8 @@ fn leaves_the_process(cmd: &Command) -> bool {
         | Command::Include(_)
         | Command::Write(_)
         | Command::Log(Some(_))
-        | Command::WebStats(Some(_)) => true,
+        | Command::WebStats(Some(_))
+        | Command::MetricsListen(Some(_)) => true,
         _ => false,
     }
 }
