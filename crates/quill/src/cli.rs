@@ -106,6 +106,11 @@ Process:
   -f            stay in the foreground              -d    more debug output (repeatable)
   -m N          accept up to N connections at once  -q N  listen backlog
   -o/-O cmd     any command of the command language (see docs/COMPATIBILITY.md)
+TLS (rustls; TLS 1.3 and 1.2 only):
+  -E certfile   terminate TLS with this PEM chain   -K keyfile  its key (else in certfile)
+  -G cafile     CA for client certificates          -A cadir    directory of CA certificates
+  -R            require a client certificate        -L ssl23|tls1.2|tls1.3  versions offered
+  -Z            accepted (OpenSSL workarounds; rustls needs none)
   -P -Q -D -n -a -S N   accepted for compatibility with Pen, no effect
   --takeover    binary upgrade: take the listening sockets over from the quill on the
                 same Unix control socket (-C), which then finishes its connections
@@ -115,15 +120,6 @@ Server fields: host (name, IPv4, or [IPv6]), port (default: the listening port),
 
 Example: quill -f -r 8080 127.0.0.1:9001 127.0.0.1:9002
 ";
-
-/// Pen options that belong to features this build does not have yet. Accepting them
-/// silently would mislead (TLS that is not there), so they are refused by name.
-fn not_yet(opt: char) -> Option<&'static str> {
-    Some(match opt {
-        'E' | 'K' | 'G' | 'A' | 'R' | 'L' | 'Z' => "TLS",
-        _ => return None,
-    })
-}
 
 fn takes_value(opt: char) -> bool {
     "BCFOSTbceijlmopqtuwxEKGAL".contains(opt)
@@ -276,21 +272,28 @@ pub fn parse<I: IntoIterator<Item = OsString>>(args: I) -> Result<Parsed, CliErr
                         continue;
                     }
                     'o' | 'O' => v.parse::<Command>().map_err(|e| err(&arg, e))?,
+                    'E' | 'K' | 'G' | 'A' => {
+                        let file =
+                            Word::new(v).ok_or_else(|| err(&arg, "not a usable file name"))?;
+                        match c {
+                            'E' => Command::SslCert(Some(file)),
+                            'K' => Command::SslKey(Some(file)),
+                            'G' => Command::SslCa(Some(file)),
+                            _ => Command::SslCaDir(Some(file)),
+                        }
+                    }
+                    'R' => Command::SslVerifyClient(true),
+                    'L' => format!("ssl_protocol {v}")
+                        .parse::<Command>()
+                        .map_err(|e| err(&arg, e))?,
+                    'Z' => Command::Compat(CompatWord::SslCompat, true),
                     'i' => {
                         return Err(err(
                             &arg,
                             "installing a Windows service does not apply here",
                         ))
                     }
-                    _ => match not_yet(c) {
-                        Some(feature) => {
-                            return Err(err(
-                                &arg,
-                                format!("{feature} is not supported by this build of quill yet"),
-                            ))
-                        }
-                        None => return Err(err(&flag, "unknown option (see quill --help)")),
-                    },
+                    _ => return Err(err(&flag, "unknown option (see quill --help)")),
                 };
                 commands.push((arg, cmd));
             }
@@ -492,6 +495,29 @@ mod tests {
     }
 
     #[test]
+    fn tls_flags_become_commands() {
+        let inv = run(&[
+            "-E", "c.pem", "-K", "k.pem", "-G", "ca.pem", "-A", "/etc/ca", "-R", "-L", "tls1.3",
+            "-Z", "443", "h",
+        ])
+        .unwrap();
+        assert_eq!(
+            lines(&inv),
+            [
+                "listen 443",
+                "ssl_cert c.pem",
+                "ssl_key k.pem",
+                "ssl_ca ca.pem",
+                "ssl_ca_dir /etc/ca",
+                "ssl_verify_client",
+                "ssl_protocol tls1.3",
+                "ssl_compat",
+                "server 0 address h port 443"
+            ]
+        );
+    }
+
+    #[test]
     fn server_specs() {
         let f = parse_server_spec("web2:80:100:200", None).unwrap();
         assert_eq!(f.len(), 4);
@@ -516,10 +542,10 @@ mod tests {
             "127.0.0.1:80:abc"
         );
         assert_eq!(run(&["-x", "many", "80"]).unwrap_err().arg, "-x many");
-        assert!(run(&["-E", "cert.pem", "443", "h"])
+        assert!(run(&["-L", "tls1", "443", "h"])
             .unwrap_err()
             .reason
-            .contains("TLS"));
+            .contains("below 1.2"));
         assert!(run(&[]).is_err());
     }
 

@@ -138,6 +138,43 @@ pub enum Command {
     Exit,
     /// `geoip_db FILE`: the MaxMind DB that `acl N ... country CC` rules use.
     GeoipDb(Word),
+    /// `ssl_cert FILE` / `no ssl_cert` (Pen's `-E`): terminate TLS with this PEM
+    /// certificate chain (leaf first); `no ssl_cert` turns termination off.
+    SslCert(Option<Word>),
+    /// `ssl_key FILE` / `no ssl_key` (Pen's `-K`): the private key (RSA, ECDSA or Ed25519,
+    /// PEM); without it the key is looked for in the certificate file.
+    SslKey(Option<Word>),
+    /// `ssl_ca FILE` / `no ssl_ca` (Pen's `-G`): CA certificates client certificates are
+    /// verified against.
+    SslCa(Option<Word>),
+    /// `ssl_ca_dir DIR` / `no ssl_ca_dir` (Pen's `-A`): a directory of CA certificates.
+    SslCaDir(Option<Word>),
+    /// `ssl_verify_client` / `no ssl_verify_client` (Pen's `-R`): require a client
+    /// certificate signed by `ssl_ca` / `ssl_ca_dir`.
+    SslVerifyClient(bool),
+    /// `ssl_protocol ssl23|tls1.2|tls1.3` (Pen's `-L`): the protocol versions offered.
+    SslProtocol(SslProtocol),
+    /// `ssl_option OPTION` / `no ssl_option OPTION` (Pen's): protocol options.
+    SslOption(SslOption, bool),
+    /// `ssl_ciphers LIST` / `no ssl_ciphers` (Pen's): OpenSSL-style cipher list.
+    SslCiphers(Option<Word>),
+    /// `ssl_sni_path DIR` / `no ssl_sni_path` (Pen's): per-name `DIR/NAME.crt|.key|.ca`.
+    SslSniPath(Option<Word>),
+    /// `ssl_ocsp_response FILE` / `no ssl_ocsp_response` (Pen's): a DER OCSP response to
+    /// staple; repeating the command re-reads the file.
+    SslOcspResponse(Option<Word>),
+    /// `ssl_client_renegotiation_interval N` (Pen's): accepted; quill never allows
+    /// renegotiation (rustls does not implement it), which is stricter than any interval.
+    SslClientRenegotiationInterval(u64),
+    /// `upstream_tls` / `no upstream_tls` (extension): speak TLS to every upstream server,
+    /// verifying its certificate.
+    UpstreamTls(bool),
+    /// `upstream_ca FILE` / `no upstream_ca` (extension): trust these CA certificates for
+    /// upstream servers instead of the built-in Mozilla root set.
+    UpstreamCa(Option<Word>),
+    /// `upstream_sni NAME` / `no upstream_sni` (extension): the name sent to upstream
+    /// servers and checked in their certificates (default: the server's host as written).
+    UpstreamSni(Option<Host>),
     /// `dsr_if IF`: Direct Server Return on interface IF (read at start-up).
     DsrIf(Word),
     /// `tarpit_acl [N]`: in DSR mode, answer ARP and TCP SYNs for the addresses a permit
@@ -340,7 +377,89 @@ pub enum StatusFormat {
     Json,
 }
 
+/// `ssl_protocol` values (Pen's `-L`). Pen's `ssl3`, `tls1` and `tls1.1` are refused:
+/// quill never offers a protocol below TLS 1.2.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+pub enum SslProtocol {
+    /// `ssl23`: the best version both sides have (TLS 1.3 or 1.2).
+    #[default]
+    Any,
+    /// `tls1.2`: TLS 1.2 only.
+    Tls12,
+    /// `tls1.3`: TLS 1.3 only.
+    Tls13,
+}
+
+impl SslProtocol {
+    pub fn word(self) -> &'static str {
+        match self {
+            SslProtocol::Any => "ssl23",
+            SslProtocol::Tls12 => "tls1.2",
+            SslProtocol::Tls13 => "tls1.3",
+        }
+    }
+}
+
+/// `ssl_option` words (Pen's). Versions below TLS 1.2 are never offered, so their `no_`
+/// options are always in force.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+pub enum SslOption {
+    NoSslv2,
+    NoSslv3,
+    NoTlsv1,
+    NoTlsv11,
+    NoTlsv12,
+    CipherServerPreference,
+}
+
+impl SslOption {
+    pub fn word(self) -> &'static str {
+        match self {
+            SslOption::NoSslv2 => "no_sslv2",
+            SslOption::NoSslv3 => "no_sslv3",
+            SslOption::NoTlsv1 => "no_tlsv1",
+            SslOption::NoTlsv11 => "no_tlsv1.1",
+            SslOption::NoTlsv12 => "no_tlsv1.2",
+            SslOption::CipherServerPreference => "cipher_server_preference",
+        }
+    }
+
+    fn parse(w: &str) -> Option<SslOption> {
+        [
+            SslOption::NoSslv2,
+            SslOption::NoSslv3,
+            SslOption::NoTlsv1,
+            SslOption::NoTlsv11,
+            SslOption::NoTlsv12,
+            SslOption::CipherServerPreference,
+        ]
+        .into_iter()
+        .find(|o| o.word() == w)
+    }
+}
+
 impl Command {
+    /// Whether the command changes the TLS configuration, which is then rebuilt (and its
+    /// files re-read) before the change is published.
+    pub fn is_tls(&self) -> bool {
+        matches!(
+            self,
+            Command::SslCert(_)
+                | Command::SslKey(_)
+                | Command::SslCa(_)
+                | Command::SslCaDir(_)
+                | Command::SslVerifyClient(_)
+                | Command::SslProtocol(_)
+                | Command::SslOption(..)
+                | Command::SslCiphers(_)
+                | Command::SslSniPath(_)
+                | Command::SslOcspResponse(_)
+                | Command::UpstreamTls(_)
+                | Command::UpstreamCa(_)
+                | Command::UpstreamSni(_)
+        )
+    }
+
     /// Whether the command changes (or asks for) configuration, as opposed to an operation
     /// on the running process (`servers`, `close N`, `write`, ...). Only configuration
     /// commands may appear in configuration files.
@@ -563,6 +682,8 @@ pub enum CompatWord {
     Block,
     DelayedForward,
     Ascii,
+    /// `ssl_compat` (Pen's `-Z`, OpenSSL's bug workarounds): rustls needs none.
+    SslCompat,
 }
 
 impl CompatWord {
@@ -571,6 +692,7 @@ impl CompatWord {
             CompatWord::Block => "block",
             CompatWord::DelayedForward => "delayed_forward",
             CompatWord::Ascii => "ascii",
+            CompatWord::SslCompat => "ssl_compat",
         }
     }
 }
@@ -787,6 +909,21 @@ fn command_name(word: &str) -> Option<&'static str> {
         "write",
         "exit",
         "geoip_db",
+        "ssl_cert",
+        "ssl_key",
+        "ssl_ca",
+        "ssl_ca_dir",
+        "ssl_verify_client",
+        "ssl_protocol",
+        "ssl_option",
+        "ssl_ciphers",
+        "ssl_sni_path",
+        "ssl_ocsp_response",
+        "ssl_client_renegotiation_interval",
+        "ssl_compat",
+        "upstream_tls",
+        "upstream_ca",
+        "upstream_sni",
         "check",
         "check_interval",
         "check_timeout",
@@ -857,6 +994,19 @@ fn parse_negated(command: &'static str, w: &mut Words<'_>) -> Result<Command, Pa
         "web_stats" => Command::NoWebStats,
         "metrics_listen" => Command::NoMetricsListen,
         "abort_on_error" => Command::AbortOnError(false),
+        "ssl_cert" => Command::SslCert(None),
+        "ssl_key" => Command::SslKey(None),
+        "ssl_ca" => Command::SslCa(None),
+        "ssl_ca_dir" => Command::SslCaDir(None),
+        "ssl_verify_client" => Command::SslVerifyClient(false),
+        "ssl_option" => Command::SslOption(ssl_option(w)?, false),
+        "ssl_ciphers" => Command::SslCiphers(None),
+        "ssl_sni_path" => Command::SslSniPath(None),
+        "ssl_ocsp_response" => Command::SslOcspResponse(None),
+        "ssl_compat" => Command::Compat(CompatWord::SslCompat, false),
+        "upstream_tls" => Command::UpstreamTls(false),
+        "upstream_ca" => Command::UpstreamCa(None),
+        "upstream_sni" => Command::UpstreamSni(None),
         "check" => Command::Check(None),
         "tarpit_acl" => Command::NoTarpitAcl,
         "transparent" => Command::Transparent(false),
@@ -992,6 +1142,35 @@ fn parse_positive(command: &'static str, w: &mut Words<'_>) -> Result<Command, P
         "write" => Command::Write(w.optional_word("a file name")?),
         "exit" => Command::Exit,
         "geoip_db" => Command::GeoipDb(w.word("a file name")?),
+        "ssl_cert" => Command::SslCert(Some(w.word("a certificate file")?)),
+        "ssl_key" => Command::SslKey(Some(w.word("a key file")?)),
+        "ssl_ca" => Command::SslCa(Some(w.word("a CA certificate file")?)),
+        "ssl_ca_dir" => Command::SslCaDir(Some(w.word("a directory")?)),
+        "ssl_verify_client" => Command::SslVerifyClient(true),
+        "ssl_protocol" => Command::SslProtocol(match w.next("ssl23, tls1.2 or tls1.3")? {
+            "ssl23" => SslProtocol::Any,
+            "tls1.2" => SslProtocol::Tls12,
+            "tls1.3" => SslProtocol::Tls13,
+            other => {
+                return Err(ParseError::Invalid {
+                    command,
+                    what: "protocol (ssl23, tls1.2 or tls1.3; quill never offers SSL 3 or \
+                           TLS below 1.2)",
+                    value: other.into(),
+                })
+            }
+        }),
+        "ssl_option" => Command::SslOption(ssl_option(w)?, true),
+        "ssl_ciphers" => Command::SslCiphers(Some(w.word("a cipher list")?)),
+        "ssl_sni_path" => Command::SslSniPath(Some(w.word("a directory")?)),
+        "ssl_ocsp_response" => Command::SslOcspResponse(Some(w.word("a file name")?)),
+        "ssl_client_renegotiation_interval" => {
+            Command::SslClientRenegotiationInterval(w.number("number of seconds")?)
+        }
+        "ssl_compat" => Command::Compat(CompatWord::SslCompat, true),
+        "upstream_tls" => Command::UpstreamTls(true),
+        "upstream_ca" => Command::UpstreamCa(Some(w.word("a CA certificate file")?)),
+        "upstream_sni" => Command::UpstreamSni(Some(Host::new(w.next("a server name")?)?)),
         "check" => {
             let kind = w.next("tcp or http PATH [STATUS]")?;
             Command::Check(Some(parse_probe(w, kind)?))
@@ -1056,6 +1235,16 @@ fn parse_positive(command: &'static str, w: &mut Words<'_>) -> Result<Command, P
         "proxy_protocol" => Command::ProxyProtocol(Some(proxy_version(w.next("v1 or v2")?)?)),
         "accept_proxy" => Command::AcceptProxy(true),
         _ => return Err(ParseError::Unknown(command.to_string())),
+    })
+}
+
+fn ssl_option(w: &mut Words<'_>) -> Result<SslOption, ParseError> {
+    let word = w.next("an option")?;
+    SslOption::parse(word).ok_or_else(|| ParseError::Invalid {
+        command: "ssl_option",
+        what: "option (no_sslv2, no_sslv3, no_tlsv1, no_tlsv1.1, no_tlsv1.2, \
+               cipher_server_preference)",
+        value: word.to_string(),
     })
 }
 
@@ -1249,6 +1438,18 @@ fn with_optional<T: fmt::Display>(
     }
 }
 
+/// `word VALUE` when set, `no word` when not.
+fn optional_or_no<T: fmt::Display>(
+    f: &mut fmt::Formatter<'_>,
+    word: &str,
+    v: &Option<T>,
+) -> fmt::Result {
+    match v {
+        Some(v) => write!(f, "{word} {v}"),
+        None => write!(f, "no {word}"),
+    }
+}
+
 impl fmt::Display for ServerField {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
         match self {
@@ -1337,6 +1538,23 @@ impl fmt::Display for Command {
             Command::Write(file) => with_optional(f, "write", file),
             Command::Exit => f.write_str("exit"),
             Command::GeoipDb(file) => write!(f, "geoip_db {file}"),
+            Command::SslCert(v) => optional_or_no(f, "ssl_cert", v),
+            Command::SslKey(v) => optional_or_no(f, "ssl_key", v),
+            Command::SslCa(v) => optional_or_no(f, "ssl_ca", v),
+            Command::SslCaDir(v) => optional_or_no(f, "ssl_ca_dir", v),
+            Command::SslVerifyClient(on) => on_off(f, *on, "ssl_verify_client"),
+            Command::SslProtocol(p) => write!(f, "ssl_protocol {}", p.word()),
+            Command::SslOption(o, true) => write!(f, "ssl_option {}", o.word()),
+            Command::SslOption(o, false) => write!(f, "no ssl_option {}", o.word()),
+            Command::SslCiphers(v) => optional_or_no(f, "ssl_ciphers", v),
+            Command::SslSniPath(v) => optional_or_no(f, "ssl_sni_path", v),
+            Command::SslOcspResponse(v) => optional_or_no(f, "ssl_ocsp_response", v),
+            Command::SslClientRenegotiationInterval(n) => {
+                write!(f, "ssl_client_renegotiation_interval {n}")
+            }
+            Command::UpstreamTls(on) => on_off(f, *on, "upstream_tls"),
+            Command::UpstreamCa(v) => optional_or_no(f, "upstream_ca", v),
+            Command::UpstreamSni(v) => optional_or_no(f, "upstream_sni", v),
             Command::Check(Some(p)) => write!(f, "check {p}"),
             Command::Check(None) => f.write_str("no check"),
             Command::CheckInterval(d) => write!(f, "check_interval {d}"),
@@ -1582,7 +1800,8 @@ mod roundtrip {
                 prop_oneof![
                     Just(CompatWord::Block),
                     Just(CompatWord::DelayedForward),
-                    Just(CompatWord::Ascii)
+                    Just(CompatWord::Ascii),
+                    Just(CompatWord::SslCompat)
                 ],
                 any::<bool>()
             )
@@ -1639,6 +1858,39 @@ mod roundtrip {
             proptest::option::of(prop_oneof![Just(ProxyVersion::V1), Just(ProxyVersion::V2)])
                 .prop_map(Command::ProxyProtocol),
             any::<bool>().prop_map(Command::AcceptProxy),
+            tls_command(),
+        ]
+    }
+
+    fn tls_command() -> impl Strategy<Value = Command> {
+        let option = prop_oneof![
+            Just(SslOption::NoSslv2),
+            Just(SslOption::NoSslv3),
+            Just(SslOption::NoTlsv1),
+            Just(SslOption::NoTlsv11),
+            Just(SslOption::NoTlsv12),
+            Just(SslOption::CipherServerPreference),
+        ];
+        prop_oneof![
+            proptest::option::of(word()).prop_map(Command::SslCert),
+            proptest::option::of(word()).prop_map(Command::SslKey),
+            proptest::option::of(word()).prop_map(Command::SslCa),
+            proptest::option::of(word()).prop_map(Command::SslCaDir),
+            any::<bool>().prop_map(Command::SslVerifyClient),
+            prop_oneof![
+                Just(SslProtocol::Any),
+                Just(SslProtocol::Tls12),
+                Just(SslProtocol::Tls13)
+            ]
+            .prop_map(Command::SslProtocol),
+            (option, any::<bool>()).prop_map(|(o, on)| Command::SslOption(o, on)),
+            proptest::option::of(word()).prop_map(Command::SslCiphers),
+            proptest::option::of(word()).prop_map(Command::SslSniPath),
+            proptest::option::of(word()).prop_map(Command::SslOcspResponse),
+            any::<u64>().prop_map(Command::SslClientRenegotiationInterval),
+            any::<bool>().prop_map(Command::UpstreamTls),
+            proptest::option::of(word()).prop_map(Command::UpstreamCa),
+            proptest::option::of(host()).prop_map(Command::UpstreamSni),
         ]
     }
 

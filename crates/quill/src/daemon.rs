@@ -63,6 +63,8 @@ pub enum StartError {
     #[error("{0}")]
     Privileges(String),
     #[error("{0}")]
+    Tls(#[from] crate::tls::TlsError),
+    #[error("{0}")]
     Metrics(String),
     #[error(transparent)]
     Dsr(#[from] crate::dsr::DsrError),
@@ -87,6 +89,7 @@ impl StartError {
             | StartError::NoListen
             | StartError::ControlAsRoot
             | StartError::Privileges(_)
+            | StartError::Tls(_)
             | StartError::Unsupported(_)
             | StartError::Upgrade(UpgradeError::NeedsUnixControl | UpgradeError::Udp)
             | StartError::Dsr(crate::dsr::DsrError::Listen { .. })
@@ -110,6 +113,7 @@ pub fn build_settings(inv: &Invocation) -> Result<(Settings, Vec<Action>), Start
     if let Some(file) = &inv.config {
         config::load(file, &mut settings, &mut actions)?;
     }
+    settings.build_tls(None)?;
     Ok((settings, actions))
 }
 

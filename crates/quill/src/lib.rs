@@ -24,3 +24,4 @@ pub mod settings;
 pub mod state;
 pub mod syslog;
 pub mod systemd;
+pub mod tls;

@@ -17,6 +17,7 @@ use crate::command::{
 };
 use crate::geoip::GeoIp;
 use crate::net::ListenAddr;
+use crate::tls::{self, TlsConf, TlsError};
 
 /// One backend server slot. A slot without an address is unused and never selected.
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -184,6 +185,11 @@ pub struct Settings {
     pub abort_on_error: bool,
     /// The GeoIP database (`geoip_db FILE`) and the name it was given as.
     pub geoip: Option<(Word, GeoRef)>,
+    /// TLS settings as given (`ssl_*`, `upstream_*`).
+    pub tls: TlsConf,
+    /// The rustls configurations built from `tls` by [`Settings::build_tls`]; published
+    /// with the rest of the snapshot, so a connection uses one consistent pair.
+    pub tls_built: tls::Built,
     /// `http` (`-H`): HTTP/1.x framing with `X-Forwarded-For` / `X-Forwarded-Proto`.
     pub http: bool,
     /// Largest request head with `http` (`http_header_max`).
@@ -260,6 +266,8 @@ impl Default for Settings {
             web_stats: None,
             abort_on_error: false,
             geoip: None,
+            tls: TlsConf::default(),
+            tls_built: tls::Built::default(),
             http: false,
             http_header_max: crate::proxy::http::DEFAULT_HEADER_MAX,
             hsts: None,
@@ -350,6 +358,8 @@ pub enum ApplyError {
     Listen(String),
     #[error("'{0}' is not a configuration command")]
     NotASetting(String),
+    #[error("{0}")]
+    Tls(String),
 }
 
 /// The address of `metrics_listen [ADDR:]PORT`: a bare port means 127.0.0.1, because the
@@ -529,6 +539,8 @@ impl Settings {
             Command::WebStats(Some(file)) => set(&mut self.web_stats, Some(file.clone())),
             Command::NoWebStats => set(&mut self.web_stats, None),
             Command::AbortOnError(on) => set(&mut self.abort_on_error, *on),
+            Command::SslClientRenegotiationInterval(_) => self.apply_tls(cmd)?,
+            other if other.is_tls() => self.apply_tls(cmd)?,
             Command::Http(on) => set(&mut self.http, *on),
             Command::HttpHeaderMax(v) => query_or_set(&mut self.http_header_max, *v),
             Command::Hsts(h) => set(&mut self.hsts, *h),
@@ -552,6 +564,21 @@ impl Settings {
             Command::Transparent(on) => set(&mut self.transparent, *on),
             other => return Err(ApplyError::NotASetting(other.to_string())),
         })
+    }
+
+    fn apply_tls(&mut self, cmd: &Command) -> Result<Applied, ApplyError> {
+        self.tls
+            .apply(cmd)
+            .map_err(|e| ApplyError::Tls(e.to_string()))?;
+        Ok(Applied::done())
+    }
+
+    /// Reads the files the TLS settings name and builds the rustls configurations, keeping
+    /// the session state of `previous`. On error nothing changes. Called once the settings
+    /// are complete: at start-up, on reload and `include`, and after a TLS command.
+    pub fn build_tls(&mut self, previous: Option<&tls::Built>) -> Result<(), TlsError> {
+        self.tls_built = tls::build(&self.tls, previous)?;
+        Ok(())
     }
 
     fn apply_server(
@@ -693,6 +720,7 @@ impl Settings {
         if self.abort_on_error {
             out.push(Command::AbortOnError(true));
         }
+        out.extend(self.tls.to_commands());
         if self.http {
             out.push(Command::Http(true));
         }

@@ -28,6 +28,12 @@ pub struct Counters {
     pub refused_acl: AtomicU64,
     /// Client connections closed because no server (nor emergency server) was reachable.
     pub no_server: AtomicU64,
+    /// TLS handshakes completed with clients.
+    pub tls_handshakes: AtomicU64,
+    /// TLS handshakes with clients that failed (protocol, certificate, timeout, reset).
+    pub tls_failures: AtomicU64,
+    /// TLS handshakes with upstream servers that failed (certificate, protocol, timeout).
+    pub upstream_tls_failures: AtomicU64,
     /// Client connections closed for a missing or malformed PROXY protocol header
     /// (`accept_proxy`).
     pub bad_proxy_header: AtomicU64,
@@ -102,8 +108,15 @@ impl State {
     /// process (reopening sockets or files) are returned for the caller to carry out.
     pub fn execute(&self, cmd: &Command) -> Result<(Reply, Vec<Action>), ApplyError> {
         let _guard = self.writer.lock().unwrap_or_else(|p| p.into_inner());
-        let mut next = Settings::clone(&self.settings.load());
+        let current = self.settings.load();
+        let mut next = Settings::clone(&current);
         let applied = next.apply(cmd)?;
+        if cmd.is_tls() {
+            // Re-read the files even when nothing changed: repeating `ssl_ocsp_response`
+            // (or `ssl_cert`) is how a renewed file is picked up.
+            next.build_tls(Some(&current.tls_built))
+                .map_err(|e| ApplyError::Tls(e.to_string()))?;
+        }
         self.settings.store(Arc::new(next));
         self.generation.send_modify(|g| *g = g.wrapping_add(1));
         let rest = applied

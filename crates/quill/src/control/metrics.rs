@@ -99,6 +99,28 @@ pub static FAMILIES: &[Family] = &[
         },
     },
     Family {
+        name: "tls_handshakes",
+        help: "TLS handshakes with clients (when quill terminates TLS), by result: completed, \
+               or failed (protocol or certificate refused, timeout, reset).",
+        unit: None,
+        kind: Kind::Counter,
+        source: Source::ByLabel {
+            label: "result",
+            values: &[
+                ("ok", |s| load(&s.counters.tls_handshakes)),
+                ("failed", |s| load(&s.counters.tls_failures)),
+            ],
+        },
+    },
+    Family {
+        name: "upstream_tls_handshake_failures",
+        help: "TLS handshakes with servers (upstream_tls) that failed: certificate not \
+               verified, wrong name, protocol, timeout. Each also counts as a failed connect.",
+        unit: None,
+        kind: Kind::Counter,
+        source: Source::Global(|s| load(&s.counters.upstream_tls_failures)),
+    },
+    Family {
         name: "http_requests_refused",
         help: "HTTP requests (http, -H) answered by quill with 400 or 431, their connection \
                then closed.",
@@ -375,6 +397,9 @@ mod tests {
         }
         state.counters.accepted.store(7, Relaxed);
         state.counters.refused_acl.store(2, Relaxed);
+        state.counters.tls_handshakes.store(5, Relaxed);
+        state.counters.tls_failures.store(3, Relaxed);
+        state.counters.upstream_tls_failures.store(1, Relaxed);
         state.counters.bad_proxy_header.store(3, Relaxed);
         state.counters.http_refused.store(4, Relaxed);
         if let Some(s) = state.servers.get(1) {
@@ -387,6 +412,9 @@ mod tests {
         for line in [
             "quill_connections_accepted_total 7",
             "quill_connections_refused_total{reason=\"acl\"} 2",
+            "quill_tls_handshakes_total{result=\"ok\"} 5",
+            "quill_tls_handshakes_total{result=\"failed\"} 3",
+            "quill_upstream_tls_handshake_failures_total 1",
             "quill_connections_refused_total{reason=\"proxy_header\"} 3",
             "quill_http_requests_refused_total 4",
             "quill_server_sent_bytes_total{server=\"1\",address=\"[::1]:9002\"} 1234",

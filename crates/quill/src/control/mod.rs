@@ -86,7 +86,23 @@ impl Context {
         if let Some(file) = &self.config_file {
             config::load(file, &mut settings, &mut actions)?;
         }
+        // Certificates are re-read on every reload (that is how renewed ones are picked
+        // up); a broken one fails the reload and the running configuration stays.
+        settings
+            .build_tls(Some(&self.state.settings().tls_built))
+            .map_err(|e| self.tls_error(e))?;
         Ok((settings, actions))
+    }
+
+    fn tls_error(&self, e: crate::tls::TlsError) -> ConfigError {
+        ConfigError {
+            file: self
+                .config_file
+                .clone()
+                .unwrap_or_else(|| PathBuf::from("(command line)")),
+            line: 0,
+            reason: e.to_string(),
+        }
     }
 
     /// Reload (SIGHUP): rebuild everything from the command line and the file; on any
@@ -202,6 +218,14 @@ impl Context {
         let mut settings = Settings::clone(&self.state.settings());
         let mut actions = Vec::new();
         config::load(file, &mut settings, &mut actions)?;
+        let previous = self.state.settings().tls_built.clone();
+        settings
+            .build_tls(Some(&previous))
+            .map_err(|e| ConfigError {
+                file: file.to_path_buf(),
+                line: 0,
+                reason: e.to_string(),
+            })?;
         let rest = self.state.replace(settings, actions);
         self.carry_out(rest);
         Ok(())

@@ -8,5 +8,6 @@ pub mod pump;
 pub mod registry;
 pub mod relay;
 pub mod splice;
+pub mod stream;
 pub mod tcp;
 pub mod udp;

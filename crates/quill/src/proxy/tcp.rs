@@ -1,6 +1,7 @@
 //! The TCP data plane: accept -> conn_max -> PROXY header (`accept_proxy`) -> client ACL
-//! -> select -> connect (timeout, failover) -> PROXY header (`proxy_protocol`) -> relay
-//! (raw, or HTTP with `http`) -> close.
+//! -> TLS handshake (`ssl_cert`) -> select -> connect (timeout, failover) -> PROXY header
+//! (`proxy_protocol`) -> TLS handshake (`upstream_tls`) -> relay (raw sockets: the fast
+//! path; TLS on a side: the stream relay; `http`: the HTTP pump) -> close.
 //!
 //! One instance of [`serve`] runs per event loop, each on its own listener. A connection
 //! task holds only the two sockets and a few words of state while it relays; the selection
@@ -21,14 +22,16 @@ use tokio::sync::{mpsc, watch};
 use super::http::{Exchange, HttpParams, Scheme};
 use super::proxy_protocol;
 use super::registry::{Registered, Registry, Upstream};
-use super::relay::{self, relay, RelayOptions, Stream};
+use super::relay::{self, relay, Outcome, RelayOptions, Stream};
+use super::stream;
 use crate::balance::{clock, Choice, Selector, ServerState};
-use crate::command::{ProxyVersion, ServerProxy};
+use crate::command::{Host, ProxyVersion, ServerProxy};
 use crate::connlog::unix_now;
 use crate::net::connect::{apply_options, connect, is_local_failure, source_for, SocketOptions};
 use crate::net::Listener;
 use crate::settings::Settings;
 use crate::state::State;
+use crate::tls::{ClientTlsStream, ServerTls, ServerTlsStream};
 
 /// The address Unix-domain clients are treated as having, for ACLs and tracking.
 const UNIX_CLIENT: SocketAddr = SocketAddr::new(IpAddr::V4(Ipv4Addr::LOCALHOST), 0);
@@ -248,7 +251,7 @@ impl Drop for Lease<'_> {
 
 async fn handle<C: ClientStream>(
     state: Arc<State>,
-    mut client: C,
+    client: C,
     mut peer: SocketAddr,
     local_port: u16,
     registered: Option<Registered>,
@@ -293,48 +296,82 @@ async fn handle<C: ClientStream>(
             }
         }
     }
-    if settings.dummy {
-        Box::pin(super::dummy::serve(client, local_port)).await;
-        return;
-    }
     let opts = SocketOptions {
         nodelay: settings.tcp_nodelay,
         keepalive: settings.keepalive,
         transparent: settings.transparent,
     };
+    if settings.dummy {
+        match &settings.tls_built.server {
+            None => Box::pin(super::dummy::serve(client, local_port)).await,
+            Some(tls) => {
+                client.set_options(opts);
+                let shake = handshake(&state, tls, client, peer, timeout(&settings));
+                if let Some(c) = Box::pin(shake).await {
+                    Box::pin(super::dummy::serve(c, local_port)).await;
+                }
+            }
+        }
+        return;
+    }
     client.set_options(opts);
 
     let ip = peer.ip().to_canonical();
     let permitted = settings.acls[settings.client_acl.index()].permits(ip);
+    if !permitted && settings.abuse.is_none() {
+        state.counters.refused_acl.fetch_add(1, Relaxed);
+        tracing::debug!(%peer, "denied by client_acl {}", settings.client_acl);
+        if let Some(log) = &log {
+            log.record(ip, started_unix, None, b"");
+        }
+        return;
+    }
+    // The listener's address costs a system call: asked for only when a PROXY header may
+    // be sent.
+    let sends_proxy = settings.proxy_protocol.is_some()
+        || settings
+            .servers
+            .iter()
+            .any(|s| matches!(s.proxy_protocol, ServerProxy::On(_)));
+    let preamble = Preamble {
+        peer,
+        destination: destination.or_else(|| sends_proxy.then(|| client.local()).flatten()),
+    };
+    // The handshake comes after the cheap refusals, so a denied client costs no crypto.
+    // Boxed like every phase plain connections skip: rustls's state is over a kilobyte.
+    let client = match &settings.tls_built.server {
+        None => Client::Plain(client),
+        Some(tls) => match Box::pin(handshake(&state, tls, client, peer, timeout(&settings))).await
+        {
+            Some(c) => Client::Tls(Box::new(c)),
+            None => return,
+        },
+    };
     let upstream = if permitted {
-        Box::pin(choose_and_connect(&state, &settings, peer, opts)).await
-    } else {
-        match &settings.abuse {
-            Some(abuse) => {
-                tracing::debug!(%peer, "denied by client_acl {}: sent to the abuse server", settings.client_acl);
-                let lease = Lease::take(&state.abuse, None);
-                let to_abuse = connect(
-                    abuse.addr,
-                    source_for(&settings, peer),
-                    timeout(&settings),
-                    opts,
-                );
-                match Box::pin(to_abuse).await {
-                    Ok(s) => Some((s, lease)),
-                    Err(e) => {
-                        tracing::warn!(%peer, "abuse server {}: {e}", abuse.name);
-                        None
-                    }
-                }
-            }
-            None => {
-                state.counters.refused_acl.fetch_add(1, Relaxed);
-                tracing::debug!(%peer, "denied by client_acl {}", settings.client_acl);
+        Box::pin(choose_and_connect(&state, &settings, preamble, opts)).await
+    } else if let Some(abuse) = &settings.abuse {
+        tracing::debug!(%peer, "denied by client_acl {}: sent to the abuse server", settings.client_acl);
+        let lease = Lease::take(&state.abuse, None);
+        let open = open_upstream(
+            &state,
+            &settings,
+            abuse.addr,
+            None,
+            Some(&abuse.name.host),
+            preamble,
+            opts,
+        );
+        match Box::pin(open).await {
+            Ok(s) => Some((s, lease)),
+            Err(e) => {
+                tracing::warn!(%peer, "abuse server {}: {e}", abuse.name);
                 None
             }
         }
+    } else {
+        None
     };
-    let Some((mut server, lease)) = upstream else {
+    let Some((server, lease)) = upstream else {
         if let Some(log) = &log {
             log.record(ip, started_unix, None, b"");
         }
@@ -358,41 +395,35 @@ async fn handle<C: ClientStream>(
         .as_ref()
         .and_then(|_| server.peer_addr().ok())
         .map(|a| a.ip());
-    let proxy_version = match lease.index.and_then(|i| settings.servers.get(i)) {
-        Some(conf) => match conf.proxy_protocol {
-            ServerProxy::Global => settings.proxy_protocol,
-            ServerProxy::Off => None,
-            ServerProxy::On(v) => Some(v),
-        },
-        None => settings.proxy_protocol,
-    };
-    if let Some(version) = proxy_version {
-        let destination = destination.or_else(|| client.local());
-        let send = Box::pin(send_proxy_header(&mut server, version, peer, destination));
-        if let Err(e) = send.await {
-            tracing::debug!(%peer, server = ?lease.index, "PROXY protocol header: {e}");
-            return;
-        }
-    }
     let exchange = settings.http.then(|| {
         Box::new(Exchange::new(HttpParams {
             client: ip,
-            scheme: Scheme::Http,
+            scheme: match client {
+                Client::Plain(_) => Scheme::Http,
+                Client::Tls(_) => Scheme::Https,
+            },
             header_max: settings.http_header_max,
             hsts: settings.hsts,
         }))
     });
     // The relay may last for hours: do not pin the settings snapshot that long.
     drop(settings);
-    let outcome = match exchange {
-        None => relay(&client, &server, relay_opts).await,
-        Some(exchange) => {
-            let pump = super::pump::relay(&mut client, &mut server, Some(*exchange), relay_opts);
-            let outcome = Box::pin(pump).await;
-            if matches!(outcome.end, relay::End::Refused) {
-                state.counters.http_refused.fetch_add(1, Relaxed);
-            }
-            outcome
+    // Raw sockets on both sides without `http` take the fast path.
+    let outcome = match (client, server) {
+        (Client::Plain(c), Server::Plain(s)) if exchange.is_none() => {
+            relay(&c, &s, relay_opts).await
+        }
+        (Client::Plain(mut c), Server::Plain(mut s)) => {
+            pump_streams(&state, &mut c, &mut s, exchange, relay_opts).await
+        }
+        (Client::Plain(mut c), Server::Tls(mut s)) => {
+            pump_streams(&state, &mut c, &mut *s, exchange, relay_opts).await
+        }
+        (Client::Tls(mut c), Server::Plain(mut s)) => {
+            pump_streams(&state, &mut *c, &mut s, exchange, relay_opts).await
+        }
+        (Client::Tls(mut c), Server::Tls(mut s)) => {
+            pump_streams(&state, &mut *c, &mut *s, exchange, relay_opts).await
         }
     };
     lease.server.bytes_to.fetch_add(outcome.up, Relaxed);
@@ -424,6 +455,133 @@ async fn handle<C: ClientStream>(
     }
 }
 
+/// Relays between two streams of which at least one is not a raw socket, or through the
+/// HTTP exchange with `http`. Boxed: plain connections never need this state.
+async fn pump_streams<C, S>(
+    state: &State,
+    client: &mut C,
+    server: &mut S,
+    exchange: Option<Box<Exchange>>,
+    opts: RelayOptions,
+) -> Outcome
+where
+    C: tokio::io::AsyncRead + tokio::io::AsyncWrite + Unpin + ?Sized,
+    S: tokio::io::AsyncRead + tokio::io::AsyncWrite + Unpin + ?Sized,
+{
+    match exchange {
+        None => Box::pin(stream::relay(client, server, opts)).await,
+        Some(exchange) => {
+            let outcome = Box::pin(super::pump::relay(client, server, Some(*exchange), opts)).await;
+            if matches!(outcome.end, relay::End::Refused) {
+                state.counters.http_refused.fetch_add(1, Relaxed);
+            }
+            outcome
+        }
+    }
+}
+
+/// The client side of a connection: the socket itself, or TLS terminated on it.
+enum Client<C> {
+    Plain(C),
+    Tls(Box<ServerTlsStream<C>>),
+}
+
+/// The upstream side of a connection: a socket, or TLS originated on it.
+enum Server {
+    Plain(TcpStream),
+    Tls(Box<ClientTlsStream<TcpStream>>),
+}
+
+impl Server {
+    fn peer_addr(&self) -> io::Result<SocketAddr> {
+        match self {
+            Server::Plain(s) => s.peer_addr(),
+            Server::Tls(s) => s.get_ref().0.peer_addr(),
+        }
+    }
+}
+
+/// Who the client is and where it connected to, for the PROXY header sent to a server.
+#[derive(Debug, Clone, Copy)]
+struct Preamble {
+    peer: SocketAddr,
+    /// `None` for a Unix-socket client (the header's LOCAL / UNKNOWN form).
+    destination: Option<SocketAddr>,
+}
+
+/// Terminates TLS on a client connection; `None` (counted and logged) when it fails.
+async fn handshake<C: ClientStream>(
+    state: &State,
+    tls: &ServerTls,
+    client: C,
+    peer: SocketAddr,
+    limit: Duration,
+) -> Option<ServerTlsStream<C>> {
+    match tls.accept(client, limit).await {
+        Ok(s) => {
+            state.counters.tls_handshakes.fetch_add(1, Relaxed);
+            Some(s)
+        }
+        Err(e) => {
+            state.counters.tls_failures.fetch_add(1, Relaxed);
+            tracing::info!(%peer, "{e}");
+            None
+        }
+    }
+}
+
+/// The PROXY protocol version for server `index` (`None`: emergency or abuse server).
+fn proxy_version(settings: &Settings, index: Option<usize>) -> Option<ProxyVersion> {
+    match index.and_then(|i| settings.servers.get(i)) {
+        Some(conf) => match conf.proxy_protocol {
+            ServerProxy::Global => settings.proxy_protocol,
+            ServerProxy::Off => None,
+            ServerProxy::On(v) => Some(v),
+        },
+        None => settings.proxy_protocol,
+    }
+}
+
+/// Connects to an upstream, sends the PROXY header if one is configured, and with
+/// `upstream_tls` runs the TLS handshake (verifying the server's certificate). The PROXY
+/// header goes first, in clear, as PROXY-aware TLS servers expect. Any failure is the
+/// server's: the caller blacklists it and fails over.
+async fn open_upstream(
+    state: &State,
+    settings: &Settings,
+    addr: SocketAddr,
+    index: Option<usize>,
+    host: Option<&Host>,
+    preamble: Preamble,
+    opts: SocketOptions,
+) -> io::Result<Server> {
+    let mut stream = connect(
+        addr,
+        source_for(settings, preamble.peer),
+        timeout(settings),
+        opts,
+    )
+    .await?;
+    if let Some(version) = proxy_version(settings, index) {
+        send_proxy_header(&mut stream, version, preamble.peer, preamble.destination)
+            .await
+            .map_err(|e| io::Error::new(e.kind(), format!("PROXY protocol header: {e}")))?;
+    }
+    match &settings.tls_built.upstream {
+        None => Ok(Server::Plain(stream)),
+        Some(tls) => match tls
+            .connect(stream, host, addr.ip(), timeout(settings))
+            .await
+        {
+            Ok(s) => Ok(Server::Tls(Box::new(s))),
+            Err(e) => {
+                state.counters.upstream_tls_failures.fetch_add(1, Relaxed);
+                Err(io::Error::new(e.kind(), format!("TLS: {e}")))
+            }
+        },
+    }
+}
+
 /// Writes the PROXY protocol header announcing `client` -> `destination` (`None`, a Unix
 /// socket client: the LOCAL / UNKNOWN form) as the first bytes to the server.
 async fn send_proxy_header(
@@ -447,9 +605,10 @@ fn timeout(settings: &Settings) -> Duration {
 async fn choose_and_connect<'s>(
     state: &'s State,
     settings: &Settings,
-    peer: SocketAddr,
+    preamble: Preamble,
     opts: SocketOptions,
-) -> Option<(TcpStream, Lease<'s>)> {
+) -> Option<(Server, Lease<'s>)> {
+    let peer = preamble.peer;
     // The accept loop keeps this near `pending_max`; a burst accepted before the limit
     // was seen may pass it briefly, which is better than closing those clients.
     let _pending = Connecting::start(state);
@@ -471,7 +630,8 @@ async fn choose_and_connect<'s>(
             continue;
         };
         let lease = Lease::take(server, Some(index));
-        match connect(addr, source_for(settings, peer), timeout(settings), opts).await {
+        let host = settings.servers.get(index).and_then(|s| s.host.as_ref());
+        match open_upstream(state, settings, addr, Some(index), host, preamble, opts).await {
             Ok(stream) => {
                 server.total.fetch_add(1, Relaxed);
                 if selector.tracks() {
@@ -500,7 +660,8 @@ async fn choose_and_connect<'s>(
     }
     if let Some(em) = &settings.emergency {
         let lease = Lease::take(&state.emergency, None);
-        match connect(em.addr, source_for(settings, peer), timeout(settings), opts).await {
+        let host = Some(&em.name.host);
+        match open_upstream(state, settings, em.addr, None, host, preamble, opts).await {
             Ok(stream) => {
                 tracing::debug!(%peer, "emergency server {}", em.name);
                 state.emergency.total.fetch_add(1, Relaxed);

@@ -1,0 +1,575 @@
+//! TLS on rustls (aws-lc-rs): the declarative settings ([`TlsConf`], part of `Settings`)
+//! and the rustls configurations built from them ([`Built`]).
+//!
+//! Invariants: building reads every file it needs (certificates, keys, CAs, the SNI
+//! directory, the OCSP response) and either succeeds as a whole or returns a [`TlsError`]
+//! naming the file and the problem, so a reload with a broken certificate keeps the running
+//! one. Session state (the resumption cache and the ticket keys) is carried over from the
+//! previous build, so a reload does not cost clients a full handshake. Nothing here is on the
+//! per-connection path except [`ServerTls::accept`] and [`UpstreamTls::connect`].
+
+pub mod ciphers;
+mod files;
+
+use std::collections::HashMap;
+use std::fmt;
+use std::io;
+use std::net::IpAddr;
+use std::path::PathBuf;
+use std::sync::Arc;
+use std::time::Duration;
+
+use rustls::crypto::CryptoProvider;
+use rustls::server::danger::ClientCertVerifier;
+use rustls::server::{ProducesTickets, ServerSessionMemoryCache, StoresServerSessions};
+use rustls::server::{ResolvesServerCert, WebPkiClientVerifier};
+use rustls::sign::CertifiedKey;
+use rustls::{ClientConfig, RootCertStore, ServerConfig, SupportedProtocolVersion};
+use rustls_pki_types::ServerName;
+use tokio::io::{AsyncRead, AsyncWrite};
+
+use crate::command::{Command, Host, SslOption, SslProtocol, Word};
+
+pub use tokio_rustls::client::TlsStream as ClientTlsStream;
+pub use tokio_rustls::server::TlsStream as ServerTlsStream;
+
+/// TLS sessions remembered for resumption by session id (TLS 1.2 clients without tickets).
+const SESSION_CACHE: usize = 20_480;
+
+/// ALPN protocol offered by default: quill relays HTTP/1.1 (or any non-ALPN protocol).
+const ALPN_HTTP11: &[u8] = b"http/1.1";
+
+/// Why a TLS configuration could not be built. Each names the file and the problem.
+#[derive(Debug, thiserror::Error)]
+#[non_exhaustive]
+pub enum TlsError {
+    #[error("{file}: cannot read: {source}")]
+    Read { file: PathBuf, source: io::Error },
+    #[error("{file}: no PEM certificate in it{detail}")]
+    NoCertificate { file: PathBuf, detail: String },
+    #[error("{file}: no private key in it (PEM: PRIVATE KEY, RSA PRIVATE KEY or EC PRIVATE KEY){detail}")]
+    NoKey { file: PathBuf, detail: String },
+    #[error("{key}: the private key does not match the certificate in {cert}")]
+    KeyMismatch { cert: PathBuf, key: PathBuf },
+    #[error("{file}: unusable private key: {reason}")]
+    BadKey { file: PathBuf, reason: String },
+    #[error("{file}: unusable CA certificate: {reason}")]
+    BadCa { file: PathBuf, reason: String },
+    #[error("ssl_verify_client (-R) needs CA certificates: give ssl_ca (-G) or ssl_ca_dir (-A)")]
+    NoClientCa,
+    #[error("{0} needs ssl_cert (-E): nothing is served over TLS without a certificate")]
+    NeedsCert(&'static str),
+    #[error(
+        "ssl_ciphers '{list}': '{item}' is not a cipher quill can offer; it offers {supported}"
+    )]
+    Cipher {
+        list: String,
+        item: String,
+        supported: String,
+    },
+    #[error("ssl_ciphers '{list}' leaves no suite for {what}")]
+    NoSuites { list: String, what: String },
+    #[error("no protocol version left: ssl_protocol tls1.2 with ssl_option no_tlsv1.2")]
+    NoVersion,
+    #[error("{file}: {reason}")]
+    Sni { file: PathBuf, reason: String },
+    #[error("{file}: empty OCSP response")]
+    EmptyOcsp { file: PathBuf },
+    #[error("TLS configuration: {0}")]
+    Rustls(rustls::Error),
+}
+
+/// The TLS settings as the commands left them (no files read yet).
+#[derive(Debug, Clone, PartialEq, Eq, Default)]
+pub struct TlsConf {
+    pub cert: Option<Word>,
+    pub key: Option<Word>,
+    pub ca: Option<Word>,
+    pub ca_dir: Option<Word>,
+    pub verify_client: bool,
+    pub protocol: SslProtocol,
+    /// `ssl_option`s given, in order, without repeats.
+    pub options: Vec<SslOption>,
+    /// `no ssl_option cipher_server_preference`: follow the client's order.
+    pub client_order: bool,
+    pub ciphers: Option<Word>,
+    pub sni_path: Option<Word>,
+    pub ocsp: Option<Word>,
+    pub renegotiation_interval: Option<u64>,
+    pub upstream: bool,
+    pub upstream_ca: Option<Word>,
+    pub upstream_sni: Option<Host>,
+}
+
+impl TlsConf {
+    /// Applies one TLS command; returns false for any other command. Cipher lists are
+    /// checked here so that a bad one is refused where it is given.
+    pub fn apply(&mut self, cmd: &Command) -> Result<bool, TlsError> {
+        match cmd {
+            Command::SslCert(v) => self.cert = v.clone(),
+            Command::SslKey(v) => self.key = v.clone(),
+            Command::SslCa(v) => self.ca = v.clone(),
+            Command::SslCaDir(v) => self.ca_dir = v.clone(),
+            Command::SslVerifyClient(on) => self.verify_client = *on,
+            Command::SslProtocol(p) => self.protocol = *p,
+            Command::SslOption(o, on) => {
+                self.options.retain(|x| x != o);
+                if *on {
+                    self.options.push(*o);
+                }
+                if *o == SslOption::CipherServerPreference {
+                    self.client_order = !*on;
+                }
+            }
+            Command::SslCiphers(v) => {
+                if let Some(list) = v {
+                    ciphers::parse(list.as_str())?;
+                }
+                self.ciphers = v.clone();
+            }
+            Command::SslSniPath(v) => self.sni_path = v.clone(),
+            Command::SslOcspResponse(v) => self.ocsp = v.clone(),
+            Command::SslClientRenegotiationInterval(n) => self.renegotiation_interval = Some(*n),
+            Command::UpstreamTls(on) => self.upstream = *on,
+            Command::UpstreamCa(v) => self.upstream_ca = v.clone(),
+            Command::UpstreamSni(v) => self.upstream_sni = v.clone(),
+            _ => return Ok(false),
+        }
+        Ok(true)
+    }
+
+    /// The commands that rebuild these settings from the defaults.
+    pub fn to_commands(&self) -> Vec<Command> {
+        let mut out = Vec::new();
+        let mut file = |v: &Option<Word>, make: fn(Option<Word>) -> Command| {
+            if v.is_some() {
+                out.push(make(v.clone()));
+            }
+        };
+        file(&self.cert, Command::SslCert);
+        file(&self.key, Command::SslKey);
+        file(&self.ca, Command::SslCa);
+        file(&self.ca_dir, Command::SslCaDir);
+        file(&self.ciphers, Command::SslCiphers);
+        file(&self.sni_path, Command::SslSniPath);
+        file(&self.ocsp, Command::SslOcspResponse);
+        file(&self.upstream_ca, Command::UpstreamCa);
+        if self.verify_client {
+            out.push(Command::SslVerifyClient(true));
+        }
+        if self.protocol != SslProtocol::default() {
+            out.push(Command::SslProtocol(self.protocol));
+        }
+        out.extend(self.options.iter().map(|o| Command::SslOption(*o, true)));
+        if self.client_order {
+            out.push(Command::SslOption(SslOption::CipherServerPreference, false));
+        }
+        if let Some(n) = self.renegotiation_interval {
+            out.push(Command::SslClientRenegotiationInterval(n));
+        }
+        if self.upstream {
+            out.push(Command::UpstreamTls(true));
+        }
+        if let Some(h) = &self.upstream_sni {
+            out.push(Command::UpstreamSni(Some(h.clone())));
+        }
+        out
+    }
+}
+
+/// The rustls configurations built from a [`TlsConf`]; cheap to clone (shared).
+#[derive(Clone, Default)]
+pub struct Built {
+    /// TLS termination, when a certificate is configured.
+    pub server: Option<Arc<ServerTls>>,
+    /// TLS to the upstream servers, when `upstream_tls` is on.
+    pub upstream: Option<Arc<UpstreamTls>>,
+}
+
+impl PartialEq for Built {
+    /// Two builds are the same only if they are the same objects: a rebuild from the same
+    /// settings may have read renewed files.
+    fn eq(&self, other: &Built) -> bool {
+        fn same<T>(a: &Option<Arc<T>>, b: &Option<Arc<T>>) -> bool {
+            match (a, b) {
+                (None, None) => true,
+                (Some(a), Some(b)) => Arc::ptr_eq(a, b),
+                _ => false,
+            }
+        }
+        same(&self.server, &other.server) && same(&self.upstream, &other.upstream)
+    }
+}
+
+impl Eq for Built {}
+
+impl fmt::Debug for Built {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.debug_struct("Built")
+            .field("server", &self.server.is_some())
+            .field("upstream", &self.upstream.is_some())
+            .finish()
+    }
+}
+
+/// TLS termination: the default configuration and one per `ssl_sni_path` name.
+pub struct ServerTls {
+    default: Arc<ServerConfig>,
+    by_name: HashMap<String, Arc<ServerConfig>>,
+    sessions: Arc<dyn StoresServerSessions>,
+    ticketer: Arc<dyn ProducesTickets>,
+}
+
+/// Why a client handshake failed (for the log; the client only sees an alert or a close).
+#[derive(Debug, thiserror::Error)]
+pub enum HandshakeError {
+    #[error("TLS handshake timed out")]
+    Timeout,
+    #[error("TLS handshake: {0}")]
+    Io(#[from] io::Error),
+}
+
+impl ServerTls {
+    /// The configuration for the name the client asked for (SNI), or the default one.
+    fn config_for(&self, name: Option<&str>) -> Arc<ServerConfig> {
+        if !self.by_name.is_empty() {
+            if let Some(name) = name {
+                let key = name.trim_end_matches('.').to_ascii_lowercase();
+                if let Some(c) = self.by_name.get(&key) {
+                    return Arc::clone(c);
+                }
+            }
+        }
+        Arc::clone(&self.default)
+    }
+
+    /// Runs the server side of the handshake on `io`, within `limit`.
+    pub async fn accept<IO: AsyncRead + AsyncWrite + Unpin>(
+        &self,
+        io: IO,
+        limit: Duration,
+    ) -> Result<ServerTlsStream<IO>, HandshakeError> {
+        let handshake = async {
+            let start =
+                tokio_rustls::LazyConfigAcceptor::new(rustls::server::Acceptor::default(), io)
+                    .await?;
+            let config = self.config_for(start.client_hello().server_name());
+            start.into_stream(config).await
+        };
+        match tokio::time::timeout(limit, handshake).await {
+            Err(_) => Err(HandshakeError::Timeout),
+            Ok(r) => Ok(r?),
+        }
+    }
+}
+
+/// TLS to upstream servers.
+pub struct UpstreamTls {
+    connector: tokio_rustls::TlsConnector,
+    /// `upstream_sni`: overrides the name taken from the server's address.
+    sni: Option<ServerName<'static>>,
+}
+
+impl UpstreamTls {
+    /// The name to send and verify for an upstream written as `host`, at `ip`.
+    fn name_for(&self, host: Option<&Host>, ip: IpAddr) -> ServerName<'static> {
+        if let Some(n) = &self.sni {
+            return n.clone();
+        }
+        host.filter(|h| h.ip().is_none())
+            .and_then(|h| ServerName::try_from(h.as_str().to_string()).ok())
+            .unwrap_or(ServerName::IpAddress(ip.into()))
+    }
+
+    /// Runs the client side of the handshake over an established connection, verifying
+    /// the server's certificate, within `limit`.
+    pub async fn connect<IO: AsyncRead + AsyncWrite + Unpin>(
+        &self,
+        io: IO,
+        host: Option<&Host>,
+        ip: IpAddr,
+        limit: Duration,
+    ) -> io::Result<ClientTlsStream<IO>> {
+        let name = self.name_for(host, ip);
+        match tokio::time::timeout(limit, self.connector.connect(name, io)).await {
+            Err(_) => Err(io::Error::new(
+                io::ErrorKind::TimedOut,
+                "TLS handshake timed out",
+            )),
+            Ok(r) => r,
+        }
+    }
+}
+
+/// Builds the rustls configurations for `conf`, reading every file it names. Session
+/// state is taken over from `previous` when there is one.
+pub fn build(conf: &TlsConf, previous: Option<&Built>) -> Result<Built, TlsError> {
+    let server = match &conf.cert {
+        Some(cert) => Some(Arc::new(build_server(
+            conf,
+            cert,
+            previous.and_then(|b| b.server.as_deref()),
+        )?)),
+        None => {
+            for (set, what) in [
+                (conf.key.is_some(), "ssl_key (-K)"),
+                (conf.verify_client, "ssl_verify_client (-R)"),
+                (conf.sni_path.is_some(), "ssl_sni_path"),
+                (conf.ocsp.is_some(), "ssl_ocsp_response"),
+            ] {
+                if set {
+                    return Err(TlsError::NeedsCert(what));
+                }
+            }
+            None
+        }
+    };
+    let upstream = if conf.upstream {
+        Some(Arc::new(build_upstream(conf)?))
+    } else {
+        None
+    };
+    Ok(Built { server, upstream })
+}
+
+/// The crypto provider with the suites of `ssl_ciphers` and the protocol versions.
+fn provider_and_versions(
+    conf: &TlsConf,
+) -> Result<(Arc<CryptoProvider>, Vec<&'static SupportedProtocolVersion>), TlsError> {
+    let no12 = conf.options.contains(&SslOption::NoTlsv12);
+    let (v13, v12) = match conf.protocol {
+        SslProtocol::Any => (true, !no12),
+        SslProtocol::Tls12 => (false, !no12),
+        SslProtocol::Tls13 => (true, false),
+    };
+    if !v13 && !v12 {
+        return Err(TlsError::NoVersion);
+    }
+    let mut provider = rustls::crypto::aws_lc_rs::default_provider();
+    let defaults = ciphers::defaults();
+    let (mut tls13, mut tls12): (Vec<_>, Vec<_>) = defaults
+        .iter()
+        .partition(|s| matches!(s, rustls::SupportedCipherSuite::Tls13(_)));
+    if let Some(list) = &conf.ciphers {
+        let sel = ciphers::parse(list.as_str())?;
+        let none = |what: &str| TlsError::NoSuites {
+            list: list.to_string(),
+            what: what.to_string(),
+        };
+        if v12 && sel.tls12.is_empty() {
+            return Err(none("TLS 1.2 (name some, or give ssl_option no_tlsv1.2)"));
+        }
+        tls12 = sel.tls12;
+        if let Some(t) = sel.tls13 {
+            if v13 && t.is_empty() {
+                return Err(none("TLS 1.3"));
+            }
+            tls13 = t;
+        }
+    }
+    let mut suites = Vec::new();
+    if v13 {
+        suites.extend(tls13);
+    }
+    if v12 {
+        suites.extend(tls12);
+    }
+    provider.cipher_suites = suites;
+    let mut versions: Vec<&'static SupportedProtocolVersion> = Vec::new();
+    if v13 {
+        versions.push(&rustls::version::TLS13);
+    }
+    if v12 {
+        versions.push(&rustls::version::TLS12);
+    }
+    Ok((Arc::new(provider), versions))
+}
+
+fn build_server(
+    conf: &TlsConf,
+    cert: &Word,
+    previous: Option<&ServerTls>,
+) -> Result<ServerTls, TlsError> {
+    let (provider, versions) = provider_and_versions(conf)?;
+    let cert_path = PathBuf::from(cert.as_str());
+    let key_path = conf
+        .key
+        .as_ref()
+        .map_or_else(|| cert_path.clone(), |k| PathBuf::from(k.as_str()));
+    let mut key = files::certified_key(&cert_path, &key_path, &provider)?;
+    if let Some(ocsp) = &conf.ocsp {
+        let path = PathBuf::from(ocsp.as_str());
+        let der = files::read(&path)?;
+        if der.is_empty() {
+            return Err(TlsError::EmptyOcsp { file: path });
+        }
+        key.ocsp = Some(der);
+    }
+    check_suites_fit_key(conf, &provider, &key, &cert_path)?;
+    // The client CAs: from -G and -A, required with -R.
+    let mut roots = RootCertStore::empty();
+    if let Some(ca) = &conf.ca {
+        files::add_roots(&mut roots, &PathBuf::from(ca.as_str()))?;
+    }
+    if let Some(dir) = &conf.ca_dir {
+        files::add_roots_dir(&mut roots, &PathBuf::from(dir.as_str()))?;
+    }
+    if conf.verify_client && roots.is_empty() {
+        return Err(TlsError::NoClientCa);
+    }
+    let (sessions, ticketer) = match previous {
+        Some(p) => (Arc::clone(&p.sessions), Arc::clone(&p.ticketer)),
+        None => (
+            ServerSessionMemoryCache::new(SESSION_CACHE) as Arc<dyn StoresServerSessions>,
+            rustls::crypto::aws_lc_rs::Ticketer::new().map_err(TlsError::Rustls)?,
+        ),
+    };
+    let shared = Shared {
+        provider: &provider,
+        versions: &versions,
+        sessions: &sessions,
+        ticketer: &ticketer,
+        client_order: conf.client_order,
+    };
+    let default_verifier = client_verifier(conf.verify_client, roots, &provider, None)?;
+    let default = shared.config(Arc::clone(&default_verifier), Arc::new(key))?;
+    let mut by_name = HashMap::new();
+    if let Some(dir) = &conf.sni_path {
+        for site in files::sni_sites(&PathBuf::from(dir.as_str()))? {
+            let key = files::certified_key(&site.cert, &site.key, &provider)?;
+            check_suites_fit_key(conf, &provider, &key, &site.cert)?;
+            let verifier = match &site.ca {
+                Some(ca) if conf.verify_client => {
+                    let mut roots = RootCertStore::empty();
+                    files::add_roots(&mut roots, ca)?;
+                    client_verifier(true, roots, &provider, Some(ca))?
+                }
+                _ => Arc::clone(&default_verifier),
+            };
+            by_name.insert(site.name, shared.config(verifier, Arc::new(key))?);
+        }
+    }
+    Ok(ServerTls {
+        default,
+        by_name,
+        sessions,
+        ticketer,
+    })
+}
+
+/// A TLS 1.2-only configuration whose suites cannot sign with the certificate's key
+/// would fail every handshake: refuse it at build time.
+fn check_suites_fit_key(
+    conf: &TlsConf,
+    provider: &CryptoProvider,
+    key: &CertifiedKey,
+    file: &std::path::Path,
+) -> Result<(), TlsError> {
+    let alg = key.key.algorithm();
+    let tls12: Vec<_> = provider
+        .cipher_suites
+        .iter()
+        .filter(|s| matches!(s, rustls::SupportedCipherSuite::Tls12(_)))
+        .collect();
+    let has13 = provider
+        .cipher_suites
+        .iter()
+        .any(|s| matches!(s, rustls::SupportedCipherSuite::Tls13(_)));
+    if !tls12.is_empty() && !tls12.iter().any(|s| s.usable_for_signature_algorithm(alg)) {
+        let list = conf
+            .ciphers
+            .as_ref()
+            .map(Word::to_string)
+            .unwrap_or_default();
+        let what = format!("TLS 1.2 with the {alg:?} key of {}", file.display());
+        if !has13 {
+            return Err(TlsError::NoSuites { list, what });
+        }
+        tracing::warn!("ssl_ciphers '{list}' leaves no suite for {what}: only TLS 1.3 will work");
+    }
+    Ok(())
+}
+
+/// What every server configuration of one build shares.
+struct Shared<'a> {
+    provider: &'a Arc<CryptoProvider>,
+    versions: &'a [&'static SupportedProtocolVersion],
+    sessions: &'a Arc<dyn StoresServerSessions>,
+    ticketer: &'a Arc<dyn ProducesTickets>,
+    client_order: bool,
+}
+
+impl Shared<'_> {
+    fn config(
+        &self,
+        verifier: Arc<dyn ClientCertVerifier>,
+        key: Arc<CertifiedKey>,
+    ) -> Result<Arc<ServerConfig>, TlsError> {
+        let mut config = ServerConfig::builder_with_provider(Arc::clone(self.provider))
+            .with_protocol_versions(self.versions)
+            .map_err(TlsError::Rustls)?
+            .with_client_cert_verifier(verifier)
+            .with_cert_resolver(Arc::new(OneCert(key)));
+        config.session_storage = Arc::clone(self.sessions);
+        config.ticketer = Arc::clone(self.ticketer);
+        config.alpn_protocols = vec![ALPN_HTTP11.to_vec()];
+        config.ignore_client_order = !self.client_order;
+        Ok(Arc::new(config))
+    }
+}
+
+/// The one certificate of a configuration (the SNI choice is made before, per config).
+#[derive(Debug)]
+struct OneCert(Arc<CertifiedKey>);
+
+impl ResolvesServerCert for OneCert {
+    fn resolve(&self, _: rustls::server::ClientHello<'_>) -> Option<Arc<CertifiedKey>> {
+        Some(Arc::clone(&self.0))
+    }
+}
+
+fn client_verifier(
+    required: bool,
+    roots: RootCertStore,
+    provider: &Arc<CryptoProvider>,
+    file: Option<&std::path::Path>,
+) -> Result<Arc<dyn ClientCertVerifier>, TlsError> {
+    if !required {
+        return Ok(WebPkiClientVerifier::no_client_auth());
+    }
+    WebPkiClientVerifier::builder_with_provider(Arc::new(roots), Arc::clone(provider))
+        .build()
+        .map_err(|e| TlsError::BadCa {
+            file: file
+                .map(PathBuf::from)
+                .unwrap_or_else(|| PathBuf::from("ssl_ca")),
+            reason: e.to_string(),
+        })
+}
+
+fn build_upstream(conf: &TlsConf) -> Result<UpstreamTls, TlsError> {
+    let provider = Arc::new(rustls::crypto::aws_lc_rs::default_provider());
+    let mut roots = RootCertStore::empty();
+    match &conf.upstream_ca {
+        Some(ca) => files::add_roots(&mut roots, &PathBuf::from(ca.as_str()))?,
+        None => roots.extend(webpki_roots::TLS_SERVER_ROOTS.iter().cloned()),
+    }
+    let config = ClientConfig::builder_with_provider(provider)
+        .with_protocol_versions(&[&rustls::version::TLS13, &rustls::version::TLS12])
+        .map_err(TlsError::Rustls)?
+        .with_root_certificates(roots)
+        .with_no_client_auth();
+    let sni = match &conf.upstream_sni {
+        None => None,
+        Some(h) => Some(match h.ip() {
+            Some(ip) => ServerName::IpAddress(ip.into()),
+            None => ServerName::try_from(h.as_str().to_string()).map_err(|e| {
+                TlsError::Rustls(rustls::Error::General(format!("upstream_sni {h}: {e}")))
+            })?,
+        }),
+    };
+    Ok(UpstreamTls {
+        connector: tokio_rustls::TlsConnector::from(Arc::new(config)),
+        sni,
+    })
+}
