@@ -273,8 +273,14 @@ async fn handle<C: ClientStream>(
     if settings.accept_proxy {
         // Boxed, as every phase that plain connections skip: the task's size is that of
         // its largest phase, and it is allocated for the whole life of the connection.
-        let read = proxy_protocol::read_header(&client);
-        match Box::pin(tokio::time::timeout(timeout(&settings), read)).await {
+        // Built inside `Box::pin(...)`: a future first bound to a local would keep its
+        // storage in this task even after being moved into the box.
+        match Box::pin(tokio::time::timeout(
+            timeout(&settings),
+            proxy_protocol::read_header(&client),
+        ))
+        .await
+        {
             Ok(Ok(header)) => {
                 if let Some((source, dest)) = header.addrs {
                     peer = source;
@@ -306,8 +312,9 @@ async fn handle<C: ClientStream>(
             None => Box::pin(super::dummy::serve(client, local_port)).await,
             Some(tls) => {
                 client.set_options(opts);
-                let shake = handshake(&state, tls, client, peer, timeout(&settings));
-                if let Some(c) = Box::pin(shake).await {
+                if let Some(c) =
+                    Box::pin(handshake(&state, tls, client, peer, timeout(&settings))).await
+                {
                     Box::pin(super::dummy::serve(c, local_port)).await;
                 }
             }
@@ -352,7 +359,7 @@ async fn handle<C: ClientStream>(
     } else if let Some(abuse) = &settings.abuse {
         tracing::debug!(%peer, "denied by client_acl {}: sent to the abuse server", settings.client_acl);
         let lease = Lease::take(&state.abuse, None);
-        let open = open_upstream(
+        match Box::pin(open_upstream(
             &state,
             &settings,
             abuse.addr,
@@ -360,8 +367,9 @@ async fn handle<C: ClientStream>(
             Some(&abuse.name.host),
             preamble,
             opts,
-        );
-        match Box::pin(open).await {
+        ))
+        .await
+        {
             Ok(s) => Some((s, lease)),
             Err(e) => {
                 tracing::warn!(%peer, "abuse server {}: {e}", abuse.name);
