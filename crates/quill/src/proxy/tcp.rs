@@ -312,11 +312,15 @@ async fn handle<C: ClientStream>(
             None => Box::pin(super::dummy::serve(client, local_port)).await,
             Some(tls) => {
                 client.set_options(opts);
-                if let Some(c) =
-                    Box::pin(handshake(&state, tls, client, peer, timeout(&settings))).await
-                {
-                    Box::pin(super::dummy::serve(c, local_port)).await;
-                }
+                // One boxed task for both steps: the TLS stream (rustls's state, over a
+                // kilobyte) must not live in this task, not even moved-from.
+                let limit = timeout(&settings);
+                Box::pin(async {
+                    if let Some(c) = handshake(&state, tls, client, peer, limit).await {
+                        super::dummy::serve(c, local_port).await;
+                    }
+                })
+                .await;
             }
         }
         return;
