@@ -102,19 +102,25 @@ Limits and timers:
   -t sec        connect timeout [5]                 -b sec blacklist time [30]
   -T sec        client tracking time (0 = forever) [0]
   -e host:port  emergency server                    -B host:port  abuse server
-Process:
+Process and operation:
   -f            stay in the foreground              -d    more debug output (repeatable)
-  -m N          accept up to N connections at once  -q N  listen backlog
-  -o/-O cmd     any command of the command language (see docs/COMPATIBILITY.md)
+  -U            balance UDP datagrams (per client flow) instead of TCP connections
+  -C [addr:]port|/path  control socket (quillctl, penctl)   -X  allow the exit command
+  -F file       configuration file of commands, read again on SIGHUP
+  -l file       connection log                      -w file  HTML status on SIGUSR1
+  -p file       pid file                            -u user  run as user after binding
+  -j dir        chroot to dir after binding
+  -m N          accept up to N connections at once  -q N  listen backlog [4096]
+  -o/-O cmd     any command of the command language (see quill(1), docs/COMPATIBILITY.md)
+  --takeover    binary upgrade: take the listening sockets over from the quill on the
+                same Unix control socket (-C), which then finishes its connections
+  -P -Q -D -n -a -S N   accepted for compatibility with Pen, no effect
+  --help, --version
 TLS (rustls; TLS 1.3 and 1.2 only):
   -E certfile   terminate TLS with this PEM chain   -K keyfile  its key (else in certfile)
   -G cafile     CA for client certificates          -A cadir    directory of CA certificates
   -R            require a client certificate        -L ssl23|tls1.2|tls1.3  versions offered
   -Z            accepted (OpenSSL workarounds; rustls needs none)
-  -P -Q -D -n -a -S N   accepted for compatibility with Pen, no effect
-  --takeover    binary upgrade: take the listening sockets over from the quill on the
-                same Unix control socket (-C), which then finishes its connections
-  --help, --version
 Server fields: host (name, IPv4, or [IPv6]), port (default: the listening port),
   maxc soft limit, hard limit for returning clients (0 = unlimited), weight, prio.
 
