@@ -906,3 +906,50 @@ fn http_after_tls_gets_forwarded_proto_https_and_hsts() {
         "one backend connection for the keep-alive client"
     );
 }
+
+#[test]
+fn http_health_checks_speak_tls_to_tls_servers() {
+    let (dir, ca, leaf) = tls_fixture();
+    let backend = Quill::start(&[
+        "-E",
+        s(&leaf.cert),
+        "-K",
+        s(&leaf.key),
+        "-O",
+        "dummy",
+        "{port}",
+        "127.0.0.1:9",
+    ]);
+    let upstream = format!("127.0.0.1:{}", backend.port);
+    // The health the check settles on with `upstream_ca` = `ca_file`.
+    let settled = |ca_file: &Path, want: &str| {
+        let mut args = vec!["-C", "127.0.0.1:{ctl}"];
+        args.extend(run_as_args());
+        let ca_cmd = format!("upstream_ca {}", s(ca_file));
+        args.extend([
+            "-O",
+            "upstream_tls",
+            "-O",
+            &ca_cmd,
+            "-O",
+            "check http /",
+            "-O",
+            "check_interval 200ms",
+            "{port}",
+            &upstream,
+        ]);
+        let (_front, ctl) = start_with_control(&args);
+        let mut last = String::new();
+        let reached = poll_until(Duration::from_secs(20), || {
+            last = ctl_ok(&ctl, "status json");
+            let doc: serde_json::Value = serde_json::from_str(&last).unwrap();
+            doc["servers"][0]["health"] == want
+        });
+        assert!(reached, "the check never made the server {want}: {last}");
+    };
+    // Verified against the CA that signed the server's certificate: up.
+    settled(&ca.cert, "up");
+    // A CA that did not sign it: the check's handshake fails, as clients' would.
+    let other = Ca::new(dir.path(), "other");
+    settled(&other.cert, "down");
+}

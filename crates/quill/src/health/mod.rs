@@ -42,6 +42,7 @@ pub fn plans(settings: &Settings) -> HashMap<usize, Plan> {
         .filter_map(|(index, conf)| {
             let addr = conf.addr()?;
             let probe = settings.probe_of(index)?.clone();
+            let conf_host = conf.host.clone();
             let name = conf.host.as_ref().map_or_else(
                 || addr.ip().to_string(),
                 |h| match h.ip() {
@@ -62,6 +63,14 @@ pub fn plans(settings: &Settings) -> HashMap<usize, Plan> {
                         host,
                         source: settings.source,
                         probe,
+                        tls: settings
+                            .tls_built
+                            .upstream
+                            .as_ref()
+                            .map(|conf| probe::ProbeTls {
+                                conf: Arc::clone(conf),
+                                host: conf_host.clone(),
+                            }),
                     },
                     interval: c.interval.duration(),
                     timeout: c.timeout.duration(),

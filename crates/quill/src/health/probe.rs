@@ -6,12 +6,14 @@
 
 use std::io;
 use std::net::{IpAddr, SocketAddr};
+use std::sync::Arc;
 use std::time::Duration;
 
-use tokio::io::{AsyncReadExt, AsyncWriteExt};
+use tokio::io::{AsyncRead, AsyncReadExt, AsyncWrite, AsyncWriteExt};
 
-use crate::command::Probe;
+use crate::command::{Host, Probe};
 use crate::net::connect::{connect, SocketOptions};
+use crate::tls::UpstreamTls;
 
 /// Most bytes of an answer read to find its status line.
 pub const MAX_HEAD: usize = 8192;
@@ -22,6 +24,8 @@ pub const MAX_HEAD: usize = 8192;
 pub enum ProbeError {
     #[error("connect: {0}")]
     Connect(io::Error),
+    #[error("TLS: {0}")]
+    Tls(io::Error),
     #[error("no answer within {0:?}")]
     Timeout(Duration),
     #[error("sending the request: {0}")]
@@ -44,6 +48,39 @@ pub struct Target {
     pub host: String,
     pub source: Option<IpAddr>,
     pub probe: Probe,
+    /// `upstream_tls`: an HTTP check speaks TLS to the server, as clients' traffic does.
+    pub tls: Option<ProbeTls>,
+}
+
+/// The TLS an HTTP check uses: the upstream configuration and the server's name as written.
+/// Compared by identity: a rebuilt configuration (a reload) restarts the checks.
+#[derive(Clone)]
+pub struct ProbeTls {
+    pub conf: Arc<UpstreamTls>,
+    pub host: Option<Host>,
+}
+
+impl PartialEq for ProbeTls {
+    fn eq(&self, other: &Self) -> bool {
+        Arc::ptr_eq(&self.conf, &other.conf) && self.host == other.host
+    }
+}
+
+impl Eq for ProbeTls {}
+
+impl std::hash::Hash for ProbeTls {
+    fn hash<H: std::hash::Hasher>(&self, state: &mut H) {
+        Arc::as_ptr(&self.conf).hash(state);
+        self.host.hash(state);
+    }
+}
+
+impl std::fmt::Debug for ProbeTls {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("ProbeTls")
+            .field("host", &self.host)
+            .finish()
+    }
 }
 
 /// Runs one check within `timeout` (connect, request and answer together).
@@ -61,13 +98,34 @@ async fn run(target: &Target, timeout: Duration) -> Result<(), ProbeError> {
         // Checks come from quill's own address (or `source`), never a client's.
         transparent: false,
     };
-    let mut stream = connect(target.addr, target.source, timeout, opts)
+    let stream = connect(target.addr, target.source, timeout, opts)
         .await
         .map_err(ProbeError::Connect)?;
     let (path, expected) = match &target.probe {
         Probe::Tcp => return Ok(()),
         Probe::Http { path, status } => (path, *status),
     };
+    match &target.tls {
+        None => http_get(stream, target, path, expected).await,
+        Some(tls) => {
+            let ip = target.addr.ip();
+            let stream = tls
+                .conf
+                .connect(stream, tls.host.as_ref(), ip, timeout)
+                .await
+                .map_err(ProbeError::Tls)?;
+            http_get(stream, target, path, expected).await
+        }
+    }
+}
+
+/// Sends the check's request and matches the status line of the answer.
+async fn http_get<S: AsyncRead + AsyncWrite + Unpin>(
+    mut stream: S,
+    target: &Target,
+    path: &crate::command::Word,
+    expected: Option<u16>,
+) -> Result<(), ProbeError> {
     let request = format!(
         "GET {path} HTTP/1.1\r\nHost: {}\r\nUser-Agent: quill-health-check\r\nAccept: */*\r\nConnection: close\r\n\r\n",
         target.host
