@@ -4,8 +4,9 @@
 //! (CI). The duration comes from `SOAK_SECS`.
 //!
 //! Traffic: keep-alive connections (many echoes each), short connections (one echo each),
-//! large transfers (4 MiB each way, SHA-256 compared) and UDP datagrams of every size up to
-//! 1,400 bytes (compared byte for byte). Checks at the end: every response byte-exact; the
+//! large transfers (4 MiB each way, SHA-256 compared), keep-alive connections over TLS
+//! (through a second quill that terminates TLS in front of the same backends) and UDP
+//! datagrams of every size up to 1,400 bytes (compared byte for byte). Checks at the end: every response byte-exact; the
 //! only TCP errors are on connections whose backend was restarted under them; UDP loses
 //! (almost) nothing; quill's descriptors come back to where they were; its RSS after
 //! warm-up stays flat; no panic in its log.
@@ -30,6 +31,9 @@ const BACKENDS: usize = 3;
 /// What the traffic threads share.
 struct World {
     addr: SocketAddr,
+    /// The TLS-terminating quill, and the client configuration that trusts its certificate.
+    tls_addr: SocketAddr,
+    tls_client: Arc<rustls::ClientConfig>,
     stop: AtomicBool,
     /// Counts up when a backend restart begins and again when it is over (odd: one is in
     /// progress). A connection that fails after a restart began since it was opened, or
@@ -38,6 +42,8 @@ struct World {
     expected_errors: AtomicUsize,
     unexpected: Mutex<Vec<String>>,
     exchanges: AtomicU64,
+    /// Of `exchanges`, those over TLS.
+    tls_exchanges: AtomicU64,
     bytes: AtomicU64,
 }
 
@@ -97,6 +103,98 @@ fn echo(s: &mut TcpStream, msg: &[u8]) -> Result<(), String> {
         return Err(format!("echo of {} bytes differs", msg.len()));
     }
     Ok(())
+}
+
+/// Keep-alive echoes over TLS: the same checks as [`keep_alive`], through the TLS quill.
+fn tls_keep_alive(world: &World, id: usize) {
+    let mut rng = Rng::new(id as u64 + 77);
+    while world.running() {
+        let epoch = world.restart_seq.load(Ordering::SeqCst);
+        let sock = match client_from(&format!("127.0.8.{}", 1 + id), world.tls_addr) {
+            Ok(s) => s,
+            Err(e) => {
+                world
+                    .unexpected
+                    .lock()
+                    .unwrap()
+                    .push(format!("TLS connect: {e}"));
+                return;
+            }
+        };
+        let name = rustls::pki_types::ServerName::try_from("localhost").unwrap();
+        let conn = rustls::ClientConnection::new(Arc::clone(&world.tls_client), name).unwrap();
+        let mut s = rustls::StreamOwned::new(conn, sock);
+        // The backend's greeting is its name and a newline.
+        let mut greeting = Vec::new();
+        let mut b = [0u8; 1];
+        let greeted = loop {
+            match s.read(&mut b) {
+                Ok(1) if b[0] == b'\n' => break true,
+                Ok(1) => greeting.push(b[0]),
+                _ => break false,
+            }
+        };
+        if !greeted {
+            world.failed("?", epoch, format!("TLS {id}: no greeting"));
+            continue;
+        }
+        let name = String::from_utf8_lossy(&greeting).into_owned();
+        let mut n = 0;
+        while world.running() && n < 500 {
+            let mut msg = vec![0u8; 1 + (rng.next_u64() % 16_384) as usize];
+            rng.fill(&mut msg);
+            let mut back = vec![0u8; msg.len()];
+            let result = s
+                .write_all(&msg)
+                .and_then(|()| s.flush())
+                .and_then(|()| s.read_exact(&mut back));
+            match result {
+                Ok(()) if back == msg => {
+                    world.exchanges.fetch_add(1, Ordering::Relaxed);
+                    world.tls_exchanges.fetch_add(1, Ordering::Relaxed);
+                    world.bytes.fetch_add(msg.len() as u64, Ordering::Relaxed);
+                }
+                Ok(()) => {
+                    world.unexpected.lock().unwrap().push(format!(
+                        "TLS {id} on {name}: echo of {} bytes differs",
+                        msg.len()
+                    ));
+                    break;
+                }
+                Err(e) => {
+                    world.failed(
+                        &name,
+                        epoch,
+                        format!("TLS {id} on {name}, exchange {n}: {e}"),
+                    );
+                    break;
+                }
+            }
+            n += 1;
+        }
+    }
+}
+
+/// A self-signed certificate for "localhost" in `dir`, and a client configuration that
+/// trusts it.
+fn tls_identity(dir: &std::path::Path) -> (String, String, Arc<rustls::ClientConfig>) {
+    let made = rcgen::generate_simple_self_signed(vec!["localhost".to_string()]).unwrap();
+    let (cert, key) = (dir.join("cert.pem"), dir.join("key.pem"));
+    fs::write(&cert, made.cert.pem()).unwrap();
+    fs::write(&key, made.signing_key.serialize_pem()).unwrap();
+    let mut roots = rustls::RootCertStore::empty();
+    roots.add(made.cert.der().clone()).unwrap();
+    let provider = Arc::new(rustls::crypto::aws_lc_rs::default_provider());
+    let config = rustls::ClientConfig::builder_with_provider(provider)
+        .with_safe_default_protocol_versions()
+        .unwrap()
+        .with_root_certificates(roots)
+        .with_no_client_auth();
+    (
+        cert.to_string_lossy().into_owned(),
+        key.to_string_lossy().into_owned(),
+        Arc::new(config),
+    )
 }
 
 fn keep_alive(world: &World, id: usize) {
@@ -258,16 +356,29 @@ fn soak() {
     // Pipes are left out: the relay keeps a per-thread pool of kernel pipes for splice(2)
     // once large transfers have used them; sockets and files must all come back.
     let baseline_fds = fds_but_pipes(q.pid());
+    let (cert, key, tls_client) = tls_identity(dir.path());
+    let mut tq = Quill::start(&[
+        "-E",
+        &cert,
+        "-K",
+        &key,
+        "-F",
+        cfg.to_str().unwrap(),
+        "127.0.0.1:{port}",
+    ]);
     let udp_backend = DnsBackend::start(1);
     let uq = UdpQuill::start(&["-r", "{port}", &udp_backend.spec()]);
 
     let world = Arc::new(World {
         addr: q.addr(),
+        tls_addr: tq.addr(),
+        tls_client,
         stop: AtomicBool::new(false),
         restart_seq: AtomicU64::new(0),
         expected_errors: AtomicUsize::new(0),
         unexpected: Mutex::new(Vec::new()),
         exchanges: AtomicU64::new(0),
+        tls_exchanges: AtomicU64::new(0),
         bytes: AtomicU64::new(0),
     });
     let start = Instant::now();
@@ -283,6 +394,10 @@ fn soak() {
     {
         let w = Arc::clone(&world);
         workers.push(thread::spawn(move || large(&w, 0)));
+    }
+    for id in 0..2 {
+        let w = Arc::clone(&world);
+        workers.push(thread::spawn(move || tls_keep_alive(&w, id)));
     }
     let udp_worker = {
         let w = Arc::clone(&world);
@@ -306,6 +421,7 @@ fn soak() {
         thread::sleep(Duration::from_millis(100));
         if Instant::now() >= next_reload {
             q.signal("HUP");
+            tq.signal("HUP");
             reloads += 1;
             next_reload += Duration::from_secs(2);
         }
@@ -323,6 +439,7 @@ fn soak() {
             warm_rss = q.rss_kib();
         }
         q.assert_running();
+        tq.assert_running();
     }
     world.stop.store(true, Ordering::SeqCst);
     for w in workers {
@@ -334,11 +451,12 @@ fn soak() {
 
     let unexpected = world.unexpected.lock().unwrap().clone();
     eprintln!(
-        "soak {:?}: {} TCP exchanges ({} MiB echoed), {} errors on restarted backends, {} unexpected; \
+        "soak {:?}: {} TCP exchanges ({} over TLS; {} MiB echoed), {} errors on restarted backends, {} unexpected; \
          UDP {udp_answered}/{udp_sent} answered; {reloads} reloads, {restarts} backend restarts; \
          RSS {warm_rss} KiB after warm-up, {end_rss} KiB at the end",
         start.elapsed(),
         world.exchanges.load(Ordering::Relaxed),
+        world.tls_exchanges.load(Ordering::Relaxed),
         world.bytes.load(Ordering::Relaxed) >> 20,
         world.expected_errors.load(Ordering::Relaxed),
         unexpected.len()
@@ -349,6 +467,10 @@ fn soak() {
         unexpected.join("\n")
     );
     assert!(world.exchanges.load(Ordering::Relaxed) > 0);
+    assert!(
+        world.tls_exchanges.load(Ordering::Relaxed) > 0,
+        "no exchange over TLS"
+    );
     // Loopback drops a datagram only when a socket buffer overflows; a few may be lost
     // while the answer-timeout of a flow runs, nothing like a steady loss.
     assert!(
@@ -374,7 +496,11 @@ fn soak() {
         end_rss <= warm_rss + (warm_rss / 4).max(4096),
         "RSS grew from {warm_rss} KiB after warm-up to {end_rss} KiB"
     );
-    for (what, log) in [("quill", q.stderr()), ("quill -U", uq.stderr())] {
+    for (what, log) in [
+        ("quill", q.stderr()),
+        ("quill (TLS)", tq.stderr()),
+        ("quill -U", uq.stderr()),
+    ] {
         assert!(!log.contains("panicked"), "{what} panicked:\n{log}");
     }
 }
