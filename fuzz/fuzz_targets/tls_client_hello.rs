@@ -21,8 +21,14 @@ fn server() -> &'static Arc<ServerTls> {
         let files: [(&str, &str); 4] = [
             ("default.crt", include_str!("../tls/default.crt")),
             ("default.key", include_str!("../tls/default.key")),
-            ("sni/example.test.crt", include_str!("../tls/example.test.crt")),
-            ("sni/example.test.key", include_str!("../tls/example.test.key")),
+            (
+                "sni/example.test.crt",
+                include_str!("../tls/example.test.crt"),
+            ),
+            (
+                "sni/example.test.key",
+                include_str!("../tls/example.test.key"),
+            ),
         ];
         for (name, text) in files {
             std::fs::write(dir.join(name), text).unwrap();
