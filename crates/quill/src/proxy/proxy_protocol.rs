@@ -114,6 +114,11 @@ fn parse_v1(buf: &[u8]) -> Result<Option<(Header, usize)>, ProxyError> {
         }
         return Ok(None);
     };
+    // An LF before the CR fails the line whether or not the CR has arrived yet, so that a
+    // header and every prefix of it get the same verdict.
+    if window[..cr].contains(&b'\n') {
+        return Err(ProxyError::V1("line ends without CR"));
+    }
     match buf.get(cr + 1) {
         None => return Ok(None),
         Some(b'\n') => {}
@@ -392,5 +397,18 @@ mod tests {
         let mut udp = encode(ProxyVersion::V2, Some((sa("1.2.3.4:1"), sa("5.6.7.8:2"))));
         udp[13] = 0x12;
         assert_eq!(parse(&udp).unwrap().unwrap().0.addrs, None);
+    }
+
+    #[test]
+    fn an_lf_inside_a_v1_line_fails_it_with_or_without_its_cr() {
+        // Found by the fuzzer: the whole header was accepted, its prefixes refused.
+        let input = b"PROXY UNKNOWN 20:88::1Y T15\x01!!!!!!\n\r\n";
+        assert!(parse(input).is_err());
+        for cut in 7..input.len() {
+            assert!(
+                !matches!(parse(&input[..cut]), Ok(Some(_))),
+                "prefix of {cut}"
+            );
+        }
     }
 }
