@@ -17,11 +17,10 @@ use std::task::{ready, Context, Poll};
 use std::time::Duration;
 
 use tokio::io::{AsyncRead, AsyncWrite, ReadBuf};
-use tokio::time::{Instant, Sleep};
+use tokio::time::Sleep;
 
 use super::http::{Exchange, Fed};
-use super::relay::{End, Outcome, RelayOptions, BUDGET, SCRATCH_SIZE};
-use crate::command::FastClose;
+use super::relay::{fast_close, End, IdleTimer, Outcome, RelayOptions, BUDGET, SCRATCH_SIZE};
 
 /// After a refusal (400/431), how long the client's remaining bytes are read and dropped
 /// so that closing does not reset the connection before the client has read the answer.
@@ -266,11 +265,7 @@ where
     let mut down = Flow::default();
     let mut active = false;
     let mut refusing = false;
-    // As in relay.rs: re-armed when it fires after activity, so silence is detected between
-    // one and two timeouts after the last byte.
-    let mut idle: Option<(Duration, Pin<Box<Sleep>>)> = opts
-        .idle_timeout
-        .map(|d| (d, Box::pin(tokio::time::sleep(d))));
+    let mut idle = IdleTimer::new(opts.idle_timeout);
     let mut linger: Option<(Pin<Box<Sleep>>, usize)> = None;
     let end = poll_fn(|cx| {
         if let Some((timer, drained)) = linger.as_mut() {
@@ -319,26 +314,15 @@ where
             // The server went away with answers due: the refusal can never be sent.
             return Poll::Ready(End::Refused);
         }
-        let fast = match opts.fastclose {
-            FastClose::Off => false,
-            FastClose::Up => down.eof,
-            FastClose::Down => up.eof,
-            FastClose::Both => up.eof || down.eof,
-        };
+        let fast = fast_close(opts.fastclose, up.eof, down.eof);
         if fast && !refusing {
             return Poll::Ready(End::FastClose);
         }
         if up.done && down.done {
             return Poll::Ready(End::Closed);
         }
-        if let Some((period, sleep)) = idle.as_mut() {
-            while sleep.as_mut().poll(cx).is_ready() {
-                if !active {
-                    return Poll::Ready(End::Idle);
-                }
-                active = false;
-                sleep.as_mut().reset(Instant::now() + *period);
-            }
+        if idle.as_mut().is_some_and(|t| t.expired(cx, &mut active)) {
+            return Poll::Ready(End::Idle);
         }
         Poll::Pending
     })

@@ -366,6 +366,48 @@ impl Pipe {
     }
 }
 
+/// Whether `tcp_fastclose` ends the connection, given which directions reached EOF
+/// (`up`: the client's, `down`: the server's). Shared by every relay.
+pub(crate) fn fast_close(mode: FastClose, up_eof: bool, down_eof: bool) -> bool {
+    match mode {
+        FastClose::Off => false,
+        FastClose::Up => down_eof,
+        FastClose::Down => up_eof,
+        FastClose::Both => up_eof || down_eof,
+    }
+}
+
+/// `idle_timeout` for one connection, shared by every relay. The timer exists only when a
+/// timeout is configured, and it is not reset on every read: when it fires after activity
+/// it is re-armed, so silence is detected between one and two timeouts after the last
+/// byte, at the cost of one timer wake-up per period.
+pub(crate) struct IdleTimer {
+    period: Duration,
+    sleep: Pin<Box<Sleep>>,
+}
+
+impl IdleTimer {
+    pub(crate) fn new(period: Option<Duration>) -> Option<IdleTimer> {
+        period.map(|period| IdleTimer {
+            period,
+            sleep: Box::pin(tokio::time::sleep(period)),
+        })
+    }
+
+    /// True when a whole period passed with `active` still false; each period that had
+    /// activity clears `active` and re-arms the timer.
+    pub(crate) fn expired(&mut self, cx: &mut Context<'_>, active: &mut bool) -> bool {
+        while self.sleep.as_mut().poll(cx).is_ready() {
+            if !*active {
+                return true;
+            }
+            *active = false;
+            self.sleep.as_mut().reset(Instant::now() + self.period);
+        }
+        false
+    }
+}
+
 /// Relays between `client` and `server` until the connection ends.
 pub async fn relay<C: Stream + ?Sized, S: Stream + ?Sized>(
     client: &C,
@@ -376,12 +418,7 @@ pub async fn relay<C: Stream + ?Sized, S: Stream + ?Sized>(
     up.first = opts.capture.then(Vec::new);
     let mut down = Pipe::default();
     let mut active = false;
-    // The timer is allocated only when an idle timeout is configured. It is not reset on
-    // every read: when it fires after activity it is re-armed, so silence is detected
-    // between one and two timeouts after the last byte, at the cost of one timer per period.
-    let mut idle: Option<(Duration, Pin<Box<Sleep>>)> = opts
-        .idle_timeout
-        .map(|d| (d, Box::pin(tokio::time::sleep(d))));
+    let mut idle = IdleTimer::new(opts.idle_timeout);
     let end = poll_fn(|cx| {
         if !up.done {
             match up.poll(cx, client, server, down.done, &mut active) {
@@ -405,26 +442,15 @@ pub async fn relay<C: Stream + ?Sized, S: Stream + ?Sized>(
                 _ => {}
             }
         }
-        let fast = match opts.fastclose {
-            FastClose::Off => false,
-            FastClose::Up => down.eof,
-            FastClose::Down => up.eof,
-            FastClose::Both => up.eof || down.eof,
-        };
+        let fast = fast_close(opts.fastclose, up.eof, down.eof);
         if fast {
             return Poll::Ready(End::FastClose);
         }
         if up.done && down.done {
             return Poll::Ready(End::Closed);
         }
-        if let Some((period, sleep)) = idle.as_mut() {
-            while sleep.as_mut().poll(cx).is_ready() {
-                if !active {
-                    return Poll::Ready(End::Idle);
-                }
-                active = false;
-                sleep.as_mut().reset(Instant::now() + *period);
-            }
+        if idle.as_mut().is_some_and(|t| t.expired(cx, &mut active)) {
+            return Poll::Ready(End::Idle);
         }
         Poll::Pending
     })

@@ -11,17 +11,14 @@
 //! relay ends when both directions are done, on an error, on `tcp_fastclose`, or when idle.
 
 use std::cell::RefCell;
-use std::future::{poll_fn, Future};
+use std::future::poll_fn;
 use std::io::{self, ErrorKind};
 use std::pin::Pin;
 use std::task::{ready, Context, Poll};
-use std::time::Duration;
 
 use tokio::io::{AsyncRead, AsyncWrite, ReadBuf};
-use tokio::time::{Instant, Sleep};
 
-use super::relay::{End, Outcome, RelayOptions};
-use crate::command::FastClose;
+use super::relay::{fast_close, End, IdleTimer, Outcome, RelayOptions};
 
 /// Bytes read per call: the largest TLS record's plaintext, so one read is one record.
 pub const SCRATCH_SIZE: usize = 16 * 1024;
@@ -154,10 +151,7 @@ where
     };
     let mut down = Pipe::default();
     let mut active = false;
-    // As in the raw relay: one timer, re-armed when it fires after activity.
-    let mut idle: Option<(Duration, Pin<Box<Sleep>>)> = opts
-        .idle_timeout
-        .map(|d| (d, Box::pin(tokio::time::sleep(d))));
+    let mut idle = IdleTimer::new(opts.idle_timeout);
     let end = poll_fn(|cx| {
         if !up.done {
             if let Poll::Ready(Err(e)) = up.poll(cx, client, server, &mut active) {
@@ -169,26 +163,15 @@ where
                 return Poll::Ready(End::Error(e));
             }
         }
-        let fast = match opts.fastclose {
-            FastClose::Off => false,
-            FastClose::Up => down.eof,
-            FastClose::Down => up.eof,
-            FastClose::Both => up.eof || down.eof,
-        };
+        let fast = fast_close(opts.fastclose, up.eof, down.eof);
         if fast {
             return Poll::Ready(End::FastClose);
         }
         if up.done && down.done {
             return Poll::Ready(End::Closed);
         }
-        if let Some((period, sleep)) = idle.as_mut() {
-            while sleep.as_mut().poll(cx).is_ready() {
-                if !active {
-                    return Poll::Ready(End::Idle);
-                }
-                active = false;
-                sleep.as_mut().reset(Instant::now() + *period);
-            }
+        if idle.as_mut().is_some_and(|t| t.expired(cx, &mut active)) {
+            return Poll::Ready(End::Idle);
         }
         Poll::Pending
     })
@@ -204,6 +187,8 @@ where
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crate::command::FastClose;
+    use std::time::Duration;
     use tokio::io::{AsyncReadExt, AsyncWriteExt};
 
     fn opts() -> RelayOptions {
