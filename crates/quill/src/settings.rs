@@ -137,6 +137,10 @@ pub struct Policy {
 pub struct Settings {
     /// Server table; the index is the server number of `server N`.
     pub servers: Vec<ServerConf>,
+    /// Some server sends its own PROXY header (`server N proxy_protocol v1|v2`). Derived
+    /// from `servers` where they change (`apply_server`), so that a connection learns in
+    /// O(1) whether it may need one.
+    server_proxy: bool,
     pub policy: Policy,
     /// Seconds a tracked client is remembered (0 = until evicted).
     pub tracking: u64,
@@ -234,6 +238,7 @@ impl Default for Settings {
     fn default() -> Settings {
         Settings {
             servers: Vec::new(),
+            server_proxy: false,
             policy: Policy::default(),
             tracking: 0,
             blacklist: 30,
@@ -566,6 +571,11 @@ impl Settings {
         })
     }
 
+    /// Whether a PROXY protocol header may go to some upstream (globally or per server).
+    pub fn may_send_proxy_header(&self) -> bool {
+        self.proxy_protocol.is_some() || self.server_proxy
+    }
+
     fn apply_tls(&mut self, cmd: &Command) -> Result<Applied, ApplyError> {
         self.tls
             .apply(cmd)
@@ -621,6 +631,10 @@ impl Settings {
             self.servers.resize_with(index + 1, ServerConf::default);
         }
         self.servers[index] = conf;
+        self.server_proxy = self
+            .servers
+            .iter()
+            .any(|s| matches!(s.proxy_protocol, ServerProxy::On(_)));
         Ok(Applied {
             reply: Reply::Done,
             actions,

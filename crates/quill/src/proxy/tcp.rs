@@ -339,11 +339,7 @@ async fn handle<C: ClientStream>(
     }
     // The listener's address costs a system call: asked for only when a PROXY header may
     // be sent.
-    let sends_proxy = settings.proxy_protocol.is_some()
-        || settings
-            .servers
-            .iter()
-            .any(|s| matches!(s.proxy_protocol, ServerProxy::On(_)));
+    let sends_proxy = settings.may_send_proxy_header();
     let preamble = Preamble {
         peer,
         destination: destination.or_else(|| sends_proxy.then(|| client.local()).flatten()),
