@@ -4,8 +4,9 @@
 //! path; TLS on a side: the stream relay; `http`: the HTTP pump) -> close.
 //!
 //! One instance of [`serve`] runs per event loop, each on its own listener. A connection
-//! task holds only the two sockets and a few words of state while it relays; the selection
-//! and connect phase is boxed so that its larger state is freed once the relay starts.
+//! task holds only its `Session` (the two sockets and a few words of state) while it
+//! relays: everything before the relay (`open`) runs in a boxed future that is freed once
+//! the relay starts, because the task is allocated for the connection's whole life.
 
 use std::io;
 use std::net::{IpAddr, Ipv4Addr, SocketAddr};
@@ -252,29 +253,69 @@ impl Drop for Lease<'_> {
 async fn handle<C: ClientStream>(
     state: Arc<State>,
     client: C,
-    mut peer: SocketAddr,
+    peer: SocketAddr,
     local_port: u16,
     registered: Option<Registered>,
 ) {
+    // Everything up to the relay runs in a boxed future that is freed when the relay
+    // starts: the task, allocated for the whole life of the connection, holds only the
+    // `Session`. (`let ... else` keeps the boxed future's result a temporary: a local
+    // moved into the next `.await` would keep its storage in the task.)
+    let Some(mut session) = Box::pin(open(&state, client, peer, local_port, registered)).await
+    else {
+        return;
+    };
+    session.run(&state).await;
+}
+
+/// What an established connection keeps while it relays: its two ends and the few words
+/// that the end of the connection needs (accounting, the log line, failure reporting).
+struct Session<'a, C> {
+    client: Client<C>,
+    server: Server,
+    /// The connection slot on the chosen upstream, released when the session ends.
+    lease: Lease<'a>,
+    /// This connection's place in `State::active`.
+    _active: Held<'a>,
+    registered: Option<Registered>,
+    exchange: Option<Box<Exchange>>,
+    opts: RelayOptions,
+    peer: SocketAddr,
+    /// The connection log line's fields; `log` is `None` when the log is off.
+    log: Option<Arc<crate::connlog::ConnLog>>,
+    started_unix: u64,
+    ip: IpAddr,
+    server_ip: Option<IpAddr>,
+}
+
+/// Accepts the connection into quill: conn_max, the PROXY header, `dummy`, the client
+/// ACL, the TLS handshake, server selection and the upstream connect. `None` when the
+/// connection ended on the way (refused, denied, failed, or served by `dummy`).
+async fn open<C: ClientStream>(
+    state: &State,
+    client: C,
+    mut peer: SocketAddr,
+    local_port: u16,
+    registered: Option<Registered>,
+) -> Option<Session<'_, C>> {
     let settings = state.settings();
     let log = state.log.load_full();
     let started_unix = if log.is_some() { unix_now() } else { 0 };
     state.counters.accepted.fetch_add(1, Relaxed);
     let active = state.active.fetch_add(1, Relaxed) + 1;
-    let _active = Held(&state.active);
+    let held = Held(&state.active);
     if active > settings.conn_max {
         state.counters.refused_conn_max.fetch_add(1, Relaxed);
         tracing::debug!(%peer, "refused: conn_max {} reached", settings.conn_max);
-        return;
+        return None;
     }
     // The destination the client reached, when a PROXY header (in or out) needs it: the
     // listener, or what the client's own PROXY header says.
     let mut destination = None;
     if settings.accept_proxy {
-        // Boxed, as every phase that plain connections skip: the task's size is that of
-        // its largest phase, and it is allocated for the whole life of the connection.
-        // Built inside `Box::pin(...)`: a future first bound to a local would keep its
-        // storage in this task even after being moved into the box.
+        // Boxed, as every phase that plain connections skip. Built inside
+        // `Box::pin(...)`: a future first bound to a local would keep its storage in this
+        // future even after being moved into the box.
         match Box::pin(tokio::time::timeout(
             timeout(&settings),
             proxy_protocol::read_header(&client),
@@ -293,12 +334,12 @@ async fn handle<C: ClientStream>(
             Ok(Err(e)) => {
                 state.counters.bad_proxy_header.fetch_add(1, Relaxed);
                 tracing::debug!(%peer, "closed: {e}");
-                return;
+                return None;
             }
             Err(_) => {
                 state.counters.bad_proxy_header.fetch_add(1, Relaxed);
                 tracing::debug!(%peer, "closed: no PROXY protocol header in time");
-                return;
+                return None;
             }
         }
     }
@@ -312,18 +353,18 @@ async fn handle<C: ClientStream>(
             None => Box::pin(super::dummy::serve(client, local_port)).await,
             Some(tls) => {
                 client.set_options(opts);
-                // One boxed task for both steps: the TLS stream (rustls's state, over a
-                // kilobyte) must not live in this task, not even moved-from.
+                // One boxed future for both steps: the TLS stream (rustls's state, over a
+                // kilobyte) must not live here, not even moved-from.
                 let limit = timeout(&settings);
                 Box::pin(async {
-                    if let Some(c) = handshake(&state, tls, client, peer, limit).await {
+                    if let Some(c) = handshake(state, tls, client, peer, limit).await {
                         super::dummy::serve(c, local_port).await;
                     }
                 })
                 .await;
             }
         }
-        return;
+        return None;
     }
     client.set_options(opts);
 
@@ -335,7 +376,7 @@ async fn handle<C: ClientStream>(
         if let Some(log) = &log {
             log.record(ip, started_unix, None, b"");
         }
-        return;
+        return None;
     }
     // The listener's address costs a system call: asked for only when a PROXY header may
     // be sent.
@@ -348,19 +389,20 @@ async fn handle<C: ClientStream>(
     // Boxed like every phase plain connections skip: rustls's state is over a kilobyte.
     let client = match &settings.tls_built.server {
         None => Client::Plain(client),
-        Some(tls) => match Box::pin(handshake(&state, tls, client, peer, timeout(&settings))).await
-        {
-            Some(c) => Client::Tls(Box::new(c)),
-            None => return,
-        },
+        Some(tls) => {
+            match Box::pin(handshake(state, tls, client, peer, timeout(&settings))).await {
+                Some(c) => Client::Tls(Box::new(c)),
+                None => return None,
+            }
+        }
     };
     let upstream = if permitted {
-        Box::pin(choose_and_connect(&state, &settings, preamble, opts)).await
+        Box::pin(choose_and_connect(state, &settings, preamble, opts)).await
     } else if let Some(abuse) = &settings.abuse {
         tracing::debug!(%peer, "denied by client_acl {}: sent to the abuse server", settings.client_acl);
         let lease = Lease::take(&state.abuse, None);
         match Box::pin(open_upstream(
-            &state,
+            state,
             &settings,
             abuse.addr,
             None,
@@ -383,7 +425,7 @@ async fn handle<C: ClientStream>(
         if let Some(log) = &log {
             log.record(ip, started_unix, None, b"");
         }
-        return;
+        return None;
     };
     if let Some(r) = &registered {
         r.info.set_upstream(match lease.index {
@@ -414,52 +456,75 @@ async fn handle<C: ClientStream>(
             hsts: settings.hsts,
         }))
     });
-    // The relay may last for hours: do not pin the settings snapshot that long.
-    drop(settings);
-    // Raw sockets on both sides without `http` take the fast path.
-    let outcome = match (client, server) {
-        (Client::Plain(c), Server::Plain(s)) if exchange.is_none() => {
-            relay(&c, &s, relay_opts).await
-        }
-        (Client::Plain(mut c), Server::Plain(mut s)) => {
-            pump_streams(&state, &mut c, &mut s, exchange, relay_opts).await
-        }
-        (Client::Plain(mut c), Server::Tls(mut s)) => {
-            pump_streams(&state, &mut c, &mut *s, exchange, relay_opts).await
-        }
-        (Client::Tls(mut c), Server::Plain(mut s)) => {
-            pump_streams(&state, &mut *c, &mut s, exchange, relay_opts).await
-        }
-        (Client::Tls(mut c), Server::Tls(mut s)) => {
-            pump_streams(&state, &mut *c, &mut *s, exchange, relay_opts).await
-        }
-    };
-    lease.server.bytes_to.fetch_add(outcome.up, Relaxed);
-    lease.server.bytes_from.fetch_add(outcome.down, Relaxed);
-    if let Some(r) = &registered {
-        r.info.bytes_up.store(outcome.up, Relaxed);
-        r.info.bytes_down.store(outcome.down, Relaxed);
-    }
-    if let Some(log) = &log {
-        log.record(ip, started_unix, server_ip, &outcome.first);
-    }
-    match &outcome.end {
-        relay::End::Error(e) => {
-            tracing::debug!(%peer, server = ?lease.index, "connection ended: {e}");
-        }
-        relay::End::ServerError(e) => match lease.index {
-            // A server that resets a connection mid-transfer is treated like one that
-            // refuses: new clients go elsewhere for the blacklist time.
-            Some(index) => {
-                let blacklist = state.settings().blacklist;
-                tracing::info!(
-                    "server {index} failed mid-connection: {e}; blacklisted for {blacklist} s"
-                );
-                state.server_failed(index, blacklist);
+    Some(Session {
+        client,
+        server,
+        lease,
+        _active: held,
+        registered,
+        exchange,
+        opts: relay_opts,
+        peer,
+        log,
+        started_unix,
+        ip,
+        server_ip,
+    })
+}
+
+impl<C: ClientStream> Session<'_, C> {
+    /// Relays until the connection ends, then accounts for it. Borrows the session, so
+    /// that the task stores it once (a session moved into this future would also keep its
+    /// slot in the caller's).
+    async fn run(&mut self, state: &State) {
+        let opts = self.opts;
+        // Raw sockets on both sides without `http` take the fast path.
+        let outcome = match (&mut self.client, &mut self.server) {
+            (Client::Plain(c), Server::Plain(s)) if self.exchange.is_none() => {
+                relay(&*c, &*s, opts).await
             }
-            None => tracing::debug!(%peer, "emergency or abuse server failed: {e}"),
-        },
-        _ => {}
+            (Client::Plain(c), Server::Plain(s)) => {
+                pump_streams(state, c, s, self.exchange.take(), opts).await
+            }
+            (Client::Plain(c), Server::Tls(s)) => {
+                pump_streams(state, c, &mut **s, self.exchange.take(), opts).await
+            }
+            (Client::Tls(c), Server::Plain(s)) => {
+                pump_streams(state, &mut **c, s, self.exchange.take(), opts).await
+            }
+            (Client::Tls(c), Server::Tls(s)) => {
+                pump_streams(state, &mut **c, &mut **s, self.exchange.take(), opts).await
+            }
+        };
+        let lease = &self.lease;
+        lease.server.bytes_to.fetch_add(outcome.up, Relaxed);
+        lease.server.bytes_from.fetch_add(outcome.down, Relaxed);
+        if let Some(r) = &self.registered {
+            r.info.bytes_up.store(outcome.up, Relaxed);
+            r.info.bytes_down.store(outcome.down, Relaxed);
+        }
+        if let Some(log) = &self.log {
+            log.record(self.ip, self.started_unix, self.server_ip, &outcome.first);
+        }
+        let peer = self.peer;
+        match &outcome.end {
+            relay::End::Error(e) => {
+                tracing::debug!(%peer, server = ?lease.index, "connection ended: {e}");
+            }
+            relay::End::ServerError(e) => match lease.index {
+                // A server that resets a connection mid-transfer is treated like one that
+                // refuses: new clients go elsewhere for the blacklist time.
+                Some(index) => {
+                    let blacklist = state.settings().blacklist;
+                    tracing::info!(
+                        "server {index} failed mid-connection: {e}; blacklisted for {blacklist} s"
+                    );
+                    state.server_failed(index, blacklist);
+                }
+                None => tracing::debug!(%peer, "emergency or abuse server failed: {e}"),
+            },
+            _ => {}
+        }
     }
 }
 
