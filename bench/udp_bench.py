@@ -143,6 +143,27 @@ def core_busy() -> dict[str, int]:
     return out
 
 
+def core_times() -> dict[str, list[int]]:
+    """Per-core tick counters from /proc/stat (user nice system idle iowait irq softirq steal)."""
+    out = {}
+    for line in Path("/proc/stat").read_text().splitlines():
+        if line.startswith("cpu") and line[3:4].isdigit():
+            f = line.split()
+            out[f[0][3:]] = [int(x) for x in f[1:9]]
+    return out
+
+
+def core_load(t0: dict[str, list[int]], t1: dict[str, list[int]]) -> dict[str, float]:
+    """Fraction of each core's time not idle (softirq included: on loopback it is the
+    packet delivery of the benchmark's own traffic). A core near 1.0 limits the run."""
+    out = {}
+    for c in t1:
+        d = [b - a for a, b in zip(t0.get(c, t1[c]), t1[c])]
+        total = sum(d) or 1
+        out[c] = 1.0 - (d[3] + d[4]) / total
+    return out
+
+
 def free_port() -> int:
     """A UDP port free on 127.0.0.1 and outside the ephemeral range."""
     lo, hi = 20000, 32000
@@ -315,12 +336,14 @@ zone:
                         own = [nsd.pid] + ([p.pid] if p else [])
                         t0 = {pid: ticks(pid) for pid in own}
                         c0 = core_busy()
+                        l0 = core_times()
                         r0 = resource.getrusage(resource.RUSAGE_CHILDREN)
                         w0 = time.monotonic()
                         rc, out = run_capture(perf, timeout=args.duration + 60)
                         wall = time.monotonic() - w0
                         r1 = resource.getrusage(resource.RUSAGE_CHILDREN)
                         c1 = core_busy()
+                        rec["core_load"] = core_load(l0, core_times())
                         t1 = {pid: ticks(pid) for pid in own}
                         rec.update(parse_dnsperf(out))
                         rec["dnsperf_rc"] = rc
@@ -352,6 +375,7 @@ zone:
                         log(f"[{scenario} r{rnd}] {name:8} {rec['qps']:>10.0f} q/s  lost {rec['lost']:.0f}"
                             f"  latency {rec['latency_s'] * 1e3:.2f} ms"
                             + (f"  CPU {cpu:.2f} us/q" if cpu else "")
+                            + "  cores busy " + "/".join(f"{100 * v:.0f}%" for v in rec["core_load"].values())
                             + (f"  [foreign CPU {100 * rec['foreign_frac']:.0f}%: noisy]"
                                if rec["foreign_frac"] > INTERFERENCE_FRAC else ""))
     finally:
@@ -373,7 +397,8 @@ def report(results: list[dict[str, Any]], only: list[str]) -> dict[str, Any]:
     summary: dict[str, Any] = {}
     for scenario in sorted({r["scenario"] for r in results}, reverse=True):
         log(f"\n== {scenario}: dnsperf -c {CLIENTS} (100 queries in flight), medians over rounds")
-        log(f"{'balancer':9} {'median q/s':>11} {'min-max q/s':>19} {'lost':>6} {'CPU us/q':>9} {'% backend':>9}")
+        log(f"{'balancer':9} {'median q/s':>11} {'min-max q/s':>19} {'lost':>6} {'CPU us/q':>9} {'% backend':>9}"
+            f"  (cores busy: core {BALANCER_CORE} = balancer, core {LOAD_CORE} = dnsperf + NSD)")
         med: dict[str, float] = {}
         rows: dict[str, Any] = {}
         for name in only:
@@ -387,12 +412,15 @@ def report(results: list[dict[str, Any]], only: list[str]) -> dict[str, Any]:
             noisy = sum(1 for r in ok if r.get("foreign_frac", 0) > INTERFERENCE_FRAC)
             rows[name] = {"median_qps": med[name], "min_qps": min(q), "max_qps": max(q), "noisy_runs": noisy,
                           "lost": sum(r["lost"] for r in ok),
-                          "cpu_us_per_query": statistics.median(cpu) if cpu else None}
+                          "cpu_us_per_query": statistics.median(cpu) if cpu else None,
+                          "core_load": {c: statistics.median(r["core_load"][c] for r in ok)
+                                        for c in ok[0].get("core_load", {})}}
         for name, row in rows.items():
             pct = 100 * row["median_qps"] / med["backend"] if "backend" in med else float("nan")
             cpu = f"{row['cpu_us_per_query']:.2f}" if row["cpu_us_per_query"] else "-"
             log(f"{name:9} {row['median_qps']:>11.0f} {row['min_qps']:>9.0f}-{row['max_qps']:<9.0f} "
                 f"{row['lost']:>6.0f} {cpu:>9} {pct:>8.0f}%"
+                + "  cores busy " + "/".join(f"{100 * v:.0f}%" for v in row["core_load"].values())
                 + (f"  ({row['noisy_runs']} noisy run(s))" if row["noisy_runs"] else ""))
         ratios = {f"quill/{a}": med["quill"] / med[a] for a in (*ANCHORS, "backend") if "quill" in med and a in med}
         if ratios:
