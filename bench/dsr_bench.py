@@ -15,7 +15,17 @@ Scenarios:
             kernel's IPVS in direct-routing mode (ipvsadm -g) when the kernel has IPVS.
   download  sequential `curl` of a 1 MiB file for --duration s, via DSR (VIP:80) and via
             quill's normal proxy mode (10.77.0.2:8080): requests/s and requests per
-            balancer CPU second; the ratio DSR / proxy is the figure of merit.
+            balancer CPU second; the ratio DSR / proxy is the figure of merit. --rounds N
+            repeats the variants interleaved and reports medians.
+
+Balancer CPU is the process's on-CPU time (schedstat), which on this kernel includes the
+softirq work that runs in its context: on a veth topology, the bridge's and the peers' TCP
+processing of every frame the balancer sends (see dsr_cpu_split.py). --perf records each
+mode once more under `perf record -g` and prints that split.
+
+Variants (diagnostic switches of quill's DSR plane): QUILL_DSR_RING=v3|off (TPACKET_V3
+block ring, one recv per frame; default TPACKET_V2 frame ring), QUILL_DSR_TX=single (one
+send per frame; default one sendmmsg per batch).
 
 NOTE: timings on a shared, loaded machine are noisy; the ratios (measured interleaved in one
 run) are what to read. The sender runs on the same cores as the balancer.
@@ -188,6 +198,11 @@ print(n)
 """
 
 
+def median(xs):
+    xs = sorted(xs)
+    return xs[len(xs) // 2] if len(xs) % 2 else (xs[len(xs) // 2 - 1] + xs[len(xs) // 2]) / 2
+
+
 def run_download(url, pid, duration, clients):
     cpu0 = cpu_seconds(pid)
     t0 = time.time()
@@ -198,12 +213,71 @@ def run_download(url, pid, duration, clients):
     return n / elapsed, n / max(cpu_seconds(pid) - cpu0, 1e-6)
 
 
+DSR_VARIANTS = (("DSR", None), ("DSR-single", {"QUILL_DSR_TX": "single"}),
+                ("DSR-v3", {"QUILL_DSR_RING": "v3"}))
+
+
+def download(a, quill, backends, spawn, kill):
+    """1 MiB downloads via DSR (and its variants) and via the proxy, interleaved."""
+    print(f"== 1 MiB download, {a.clients} concurrent curl loops, {a.duration:.0f} s each, "
+          f"{a.rounds} round(s)")
+    dsr_url, proxy_url = f"http://{VIP}/big", "http://10.77.0.2:8080/big"
+    modes = [(name, [quill, "-f", "-r", "-O", "dsr_if l0", f"{VIP}:80", *backends], env, dsr_url)
+             for name, env in DSR_VARIANTS]
+    modes.append(("proxy", [quill, "-f", "-r", "10.77.0.2:8080", "10.77.0.11:80", "10.77.0.12:80"],
+                  None, proxy_url))
+
+    def start(args, env, url):
+        pid = spawn(args, env)
+        wait_for(lambda: nsexec("cli", "curl", "-s", "-o", "/dev/null", "--max-time", "2", url,
+                                check=False).returncode == 0)
+        return pid
+
+    runs = {name: [] for name, *_ in modes}
+    for _ in range(a.rounds):
+        for name, args, env, url in modes:
+            pid = start(args, env, url)
+            runs[name].append(run_download(url, pid, a.duration, a.clients))
+            kill()
+    res = {name: (median([r[0] for r in rs]), median([r[1] for r in rs])) for name, rs in runs.items()}
+    for name, (rps, per_cpu) in res.items():
+        spread = ", ".join(f"{r[1]:.0f}" for r in runs[name])
+        print(f"  {name:10} {rps:7.1f} req/s  {per_cpu:9.1f} req per balancer CPU second  (rounds: {spread})")
+    dsr, proxy = res["DSR"], res["proxy"]
+    print(f"  DSR / proxy: {dsr[0] / max(proxy[0], 1e-9):.2f}x req/s, "
+          f"{dsr[1] / max(proxy[1], 1e-9):.2f}x req per balancer CPU second")
+    if a.perf and shutil.which("perf"):
+        sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+        import dsr_cpu_split
+        print("  CPU split (perf record -g on the balancer, separate runs; shares of its samples):")
+        for name, args, env, url in (modes[0], modes[-1]):
+            pid = start(args, env, url)
+            data = tempfile.mktemp(prefix=f"qb-perf-{name}-")
+            rec = subprocess.Popen(["perf", "record", "-q", "-g", "-o", data, "-p", str(pid), "--",
+                                    "sleep", str(a.duration)],
+                                   stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+            run_download(url, pid, a.duration, a.clients)
+            rec.wait()
+            kill()
+            shares = dsr_cpu_split.split(data)
+            os.unlink(data)
+            print(f"    {name:6} " + ", ".join(f"{k} {100 * v:.1f} %" for k, v in shares.items()))
+            if name == "DSR":
+                peers = sum(shares.get(k, 0) for k in ("softirq/TCP", "softirq/bridge", "softirq/other"))
+                print(f"    DSR: {100 * peers:.0f} % of the balancer's CPU is the bridge's and the peers' "
+                      f"network processing run in its softirq (quill's DSR path has no TCP socket)")
+
+
 def main():
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--quick", action="store_true", help="short runs (3 s each)")
     ap.add_argument("--duration", type=float, default=10.0)
     ap.add_argument("--senders", type=int, default=2)
     ap.add_argument("--clients", type=int, default=4, help="concurrent curl loops (download)")
+    ap.add_argument("--only", choices=("pps", "download"), help="run one scenario")
+    ap.add_argument("--rounds", type=int, default=1, help="interleaved rounds (download)")
+    ap.add_argument("--perf", action="store_true",
+                    help="also record DSR and proxy downloads with perf and split their CPU")
     ap.add_argument("--quill-bin", default=None)
     ap.add_argument("--no-build", action="store_true")
     a = ap.parse_args()
@@ -246,63 +320,52 @@ def main():
 
         holder = {}
         backends = ["10.77.0.11", "10.77.0.12"]
-        print(f"== forwarding rate: UDP to {VIP}:9, {a.senders} sender(s), {a.duration:.0f} s")
-        results["quill"] = run_pps("quill", lambda: spawn([quill, "-f", "-U", "-r", "-O", "dsr_if l0", f"{VIP}:9", *backends]),
-                                   kill, a.duration, a.senders)
-        # The same quill reading from a TPACKET_V3 ring, and one frame per recv().
-        for variant, mode in (("quill-v3", "v3"), ("quill-recv", "off")):
-            results[variant] = run_pps(variant, lambda: spawn([quill, "-f", "-U", "-r", "-O", "dsr_if l0", f"{VIP}:9", *backends],
-                                                              env={"QUILL_DSR_RING": mode}),
+        if a.only != "download":
+            print(f"== forwarding rate: UDP to {VIP}:9, {a.senders} sender(s), {a.duration:.0f} s")
+            results["quill"] = run_pps("quill", lambda: spawn([quill, "-f", "-U", "-r", "-O", "dsr_if l0", f"{VIP}:9", *backends]),
                                        kill, a.duration, a.senders)
-        if shutil.which("pen"):
-            results["pen"] = run_pps("pen", lambda: spawn(["pen", "-f", "-U", "-r", "-O", "dsr_if l0", f"{VIP}:9", *backends]),
-                                     kill, a.duration, a.senders)
-        if os.path.exists("/proc/net/ip_vs") and shutil.which("ipvsadm"):
-            def ipvs_up():
-                ip("lb", "addr", "add", f"{VIP}/32", "dev", "l0")
-                nsexec("lb", "ipvsadm", "-A", "-u", f"{VIP}:9", "-s", "rr")
-                for b in backends:
-                    nsexec("lb", "ipvsadm", "-a", "-u", f"{VIP}:9", "-r", b, "-g")
-                return 0
+            # The same quill sending one frame per send(), reading from a TPACKET_V3 ring, and
+            # reading one frame per recv().
+            for variant, env in (("quill-single", {"QUILL_DSR_TX": "single"}),
+                                 ("quill-v3", {"QUILL_DSR_RING": "v3"}),
+                                 ("quill-recv", {"QUILL_DSR_RING": "off"})):
+                results[variant] = run_pps(variant, lambda: spawn([quill, "-f", "-U", "-r", "-O", "dsr_if l0", f"{VIP}:9", *backends],
+                                                                  env=env),
+                                           kill, a.duration, a.senders)
+            if shutil.which("pen"):
+                results["pen"] = run_pps("pen", lambda: spawn(["pen", "-f", "-U", "-r", "-O", "dsr_if l0", f"{VIP}:9", *backends]),
+                                         kill, a.duration, a.senders)
+            if os.path.exists("/proc/net/ip_vs") and shutil.which("ipvsadm"):
+                def ipvs_up():
+                    ip("lb", "addr", "add", f"{VIP}/32", "dev", "l0")
+                    nsexec("lb", "ipvsadm", "-A", "-u", f"{VIP}:9", "-s", "rr")
+                    for b in backends:
+                        nsexec("lb", "ipvsadm", "-a", "-u", f"{VIP}:9", "-r", b, "-g")
+                    return 0
 
-            def ipvs_down():
-                nsexec("lb", "ipvsadm", "-C", check=False)
-                ip("lb", "addr", "del", f"{VIP}/32", "dev", "l0")
-            results["ipvs"] = run_pps("ipvs", ipvs_up, ipvs_down, a.duration, a.senders)
-        else:
-            print("  ipvs: not measured (this kernel has no IPVS: /proc/net/ip_vs is missing, or ipvsadm is not installed)")
-        for name, r in results.items():
-            if r is None:
-                print(f"  {name:10} did not forward (not supported by this build, or failed to start)")
-                continue
-            sent, fwd, cpu = r
-            cpu_note = f", {fwd / cpu:,.0f} packets per balancer CPU second" if cpu > 0 else ""
-            print(f"  {name:10} sent {sent / a.duration:>10,.0f} pps  forwarded {fwd / a.duration:>10,.0f} pps"
-                  f" ({100.0 * fwd / max(sent, 1):5.1f} %){cpu_note}")
-        for other in ("quill-v3", "quill-recv"):
-            if results.get("quill") and results.get(other):
-                print(f"  quill (V2 ring) / {other}: {results['quill'][1] / max(results[other][1], 1):.2f} x forwarding rate, "
-                      f"{(results['quill'][1] / max(results['quill'][2], 1e-9)) / (results[other][1] / max(results[other][2], 1e-9)):.2f} x per CPU second")
-        if results.get("quill") and results.get("ipvs"):
-            print(f"  quill / ipvs forwarding rate: {results['quill'][1] / max(results['ipvs'][1], 1):.2f}")
+                def ipvs_down():
+                    nsexec("lb", "ipvsadm", "-C", check=False)
+                    ip("lb", "addr", "del", f"{VIP}/32", "dev", "l0")
+                results["ipvs"] = run_pps("ipvs", ipvs_up, ipvs_down, a.duration, a.senders)
+            else:
+                print("  ipvs: not measured (this kernel has no IPVS: /proc/net/ip_vs is missing, or ipvsadm is not installed)")
+            for name, r in results.items():
+                if r is None:
+                    print(f"  {name:10} did not forward (not supported by this build, or failed to start)")
+                    continue
+                sent, fwd, cpu = r
+                cpu_note = f", {fwd / cpu:,.0f} packets per balancer CPU second" if cpu > 0 else ""
+                print(f"  {name:10} sent {sent / a.duration:>10,.0f} pps  forwarded {fwd / a.duration:>10,.0f} pps"
+                      f" ({100.0 * fwd / max(sent, 1):5.1f} %){cpu_note}")
+            for other in ("quill-single", "quill-v3", "quill-recv"):
+                if results.get("quill") and results.get(other):
+                    print(f"  quill (V2 ring, sendmmsg) / {other}: {results['quill'][1] / max(results[other][1], 1):.2f} x forwarding rate, "
+                          f"{(results['quill'][1] / max(results['quill'][2], 1e-9)) / (results[other][1] / max(results[other][2], 1e-9)):.2f} x per CPU second")
+            if results.get("quill") and results.get("ipvs"):
+                print(f"  quill / ipvs forwarding rate: {results['quill'][1] / max(results['ipvs'][1], 1):.2f}")
 
-        print(f"== 1 MiB download, {a.clients} concurrent curl loops, {a.duration:.0f} s each")
-        downloads = {}
-        for name, env in (("DSR", None), ("DSR-v3", {"QUILL_DSR_RING": "v3"}), ("DSR-recv", {"QUILL_DSR_RING": "off"})):
-            pid = spawn([quill, "-f", "-r", "-O", "dsr_if l0", f"{VIP}:80", *backends], env)
-            wait_for(lambda: nsexec("cli", "curl", "-s", "-o", "/dev/null", "--max-time", "2", f"http://{VIP}/big", check=False).returncode == 0)
-            downloads[name] = run_download(f"http://{VIP}/big", pid, a.duration, a.clients)
-            kill()
-        dsr = downloads["DSR"]
-        pid = spawn([quill, "-f", "-r", "10.77.0.2:8080", "10.77.0.11:80", "10.77.0.12:80"])
-        wait_for(lambda: nsexec("cli", "curl", "-s", "-o", "/dev/null", "--max-time", "2", "http://10.77.0.2:8080/big", check=False).returncode == 0)
-        proxy = run_download("http://10.77.0.2:8080/big", pid, a.duration, a.clients)
-        kill()
-        downloads["proxy"] = proxy
-        for name, (rps, per_cpu) in downloads.items():
-            print(f"  {name:9} {rps:7.1f} req/s  {per_cpu:9.1f} req per balancer CPU second")
-        print(f"  DSR / proxy: {dsr[0] / max(proxy[0], 1e-9):.2f}x req/s, "
-              f"{dsr[1] / max(proxy[1], 1e-9):.1f}x req per balancer CPU second")
+        if a.only != "pps":
+            download(a, quill, backends, spawn, kill)
         print("NOTE: shared 2-core machine with other jobs running; read the ratios, not the absolute figures.")
     finally:
         for s in servers:

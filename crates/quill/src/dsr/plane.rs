@@ -4,8 +4,9 @@
 //! change.
 //!
 //! Invariants: the receive buffer and the send buffer are allocated once; a forwarded
-//! frame is rewritten in place (two MAC addresses) and sent from the receive buffer with
-//! its virtio header unchanged. Only frames addressed to our MAC (or broadcast ARP) are
+//! frame is rewritten in place (two MAC addresses) and sent from where it was received (the
+//! ring slot, with the rest of its batch, or the receive buffer) with its virtio header
+//! unchanged. Only frames addressed to our MAC (or broadcast ARP) are
 //! looked at, and our own frames never come back (PACKET_IGNORE_OUTGOING).
 
 use std::net::{IpAddr, Ipv4Addr};
@@ -20,7 +21,7 @@ use super::frame::{
     self, Arp, Frame, Mac, Payload, ARP_REPLY, ARP_REQUEST, BROADCAST, L4, PROTO_TCP, PROTO_UDP,
 };
 use super::maglev::{mix64, Maglev};
-use super::packet::{FrameRing, PacketSocket, RxRing, VNET_HDR_LEN};
+use super::packet::{BatchReport, FrameRing, PacketSocket, RxRing, TxMode, VNET_HDR_LEN};
 use super::tarpit::{self, Syn, Tarpit};
 use super::{DsrConfig, DsrError, Transport};
 use crate::acl::AclAction;
@@ -94,6 +95,8 @@ pub struct Plane {
     counters: Arc<DsrCounters>,
     /// How frames are read; taken by [`Plane::run`].
     reader: Option<Reader>,
+    /// How the rings send the frames they forward.
+    tx_mode: TxMode,
 }
 
 /// The interface's MAC address, from sysfs.
@@ -145,14 +148,25 @@ impl Plane {
         let our_ip = interface_ipv4(&interface).unwrap_or(Ipv4Addr::UNSPECIFIED);
         // QUILL_DSR_RING=v2 (default), v3 or off: a diagnostic switch, and what bench/dsr
         // compares.
+        // QUILL_DSR_TX=batch (default: one sendmmsg per batch) or single (one send per
+        // frame), QUILL_DSR_BYPASS=1 (PACKET_QDISC_BYPASS): likewise.
         let wanted = std::env::var("QUILL_DSR_RING").unwrap_or_default();
+        let tx_mode = match std::env::var("QUILL_DSR_TX").as_deref() {
+            Ok("single") => TxMode::Single,
+            _ => TxMode::Batch,
+        };
+        if std::env::var("QUILL_DSR_BYPASS").as_deref() == Ok("1") {
+            if let Err(source) = sock.set_qdisc_bypass(true) {
+                return Err(DsrError::Socket { interface, source });
+            }
+        }
         let ring = match wanted.as_str() {
             "off" => Ok(None),
             "v3" => sock
-                .rx_ring(RING_BLOCK, RING_BLOCKS, RING_RETIRE)
+                .rx_ring(RING_BLOCK, RING_BLOCKS, RING_RETIRE, tx_mode)
                 .map(|r| Some(Reader::Blocks(r))),
             _ => sock
-                .frame_ring(SLOT_SIZE, SLOTS)
+                .frame_ring(SLOT_SIZE, SLOTS, tx_mode)
                 .map(|r| Some(Reader::Frames(r))),
         };
         let reader = match ring {
@@ -172,6 +186,7 @@ impl Plane {
             our_ip,
             counters: Arc::default(),
             reader: Some(reader),
+            tx_mode,
         })
     }
 
@@ -182,7 +197,7 @@ impl Plane {
     /// Runs until `stop` turns true (checked every tick).
     pub fn run(mut self, state: &State, stop: &watch::Receiver<bool>) {
         tracing::info!(
-            "DSR on {} (MAC {}, ifindex {}, {}): {} {}:{}",
+            "DSR on {} (MAC {}, ifindex {}, {}, {}): {} {}:{}",
             self.config.interface,
             fmt_mac(&self.our_mac),
             self.sock.ifindex(),
@@ -190,6 +205,12 @@ impl Plane {
                 Some(Reader::Frames(_)) => "TPACKET_V2 receive ring",
                 Some(Reader::Blocks(_)) => "TPACKET_V3 receive ring",
                 _ => "one frame per recv",
+            },
+            match (&self.reader, self.tx_mode) {
+                (Some(Reader::Frames(_) | Reader::Blocks(_)), TxMode::Batch) => {
+                    "one sendmmsg per batch"
+                }
+                _ => "one send per frame",
             },
             match self.config.transport {
                 Transport::Tcp => "TCP",
@@ -225,24 +246,34 @@ impl Plane {
                 self.tick(&mut run, state, now);
             }
             let received = match &mut reader {
-                Reader::Frames(ring) => ring
-                    .next_batch(&self.sock, TICK, BATCH, |frame| {
-                        self.handle(&mut run, state, frame, now);
-                    })
-                    .map(|_| ()),
-                Reader::Blocks(ring) => ring
-                    .next_block(&self.sock, TICK, |frame| {
-                        self.handle(&mut run, state, frame, now);
-                    })
-                    .map(|_| ()),
+                Reader::Frames(ring) => ring.next_batch(&self.sock, TICK, BATCH, |frame| {
+                    self.handle(&mut run, state, frame, now)
+                }),
+                Reader::Blocks(ring) => ring.next_block(&self.sock, TICK, |frame| {
+                    self.handle(&mut run, state, frame, now)
+                }),
                 Reader::Recv(rx) => self.sock.recv(rx).map(|got| {
+                    let mut report = BatchReport::default();
                     if let Some(n) = got {
-                        self.handle(&mut run, state, &mut rx[..n], now);
+                        report.frames = 1;
+                        if self.handle(&mut run, state, &mut rx[..n], now) {
+                            match self.sock.send(&rx[..n]) {
+                                Ok(()) => report.sent = 1,
+                                Err(e) => {
+                                    report.failed = 1;
+                                    report.error = Some(e);
+                                }
+                            }
+                        }
                     }
+                    report
                 }),
             };
             match received {
-                Ok(()) => run.recv_errors = 0,
+                Ok(report) => {
+                    run.recv_errors = 0;
+                    self.count_sends(report);
+                }
                 Err(e) => {
                     // The interface went down or away: say so once, then wait a tick
                     // between attempts instead of spinning.
@@ -341,6 +372,23 @@ impl Plane {
         }
     }
 
+    /// Counts the forwarded frames a batch sent, and those the kernel refused.
+    fn count_sends(&self, report: BatchReport) {
+        if report.sent > 0 {
+            self.counters
+                .forwarded
+                .fetch_add(report.sent as u64, Relaxed);
+        }
+        if report.failed > 0 {
+            self.counters
+                .send_errors
+                .fetch_add(report.failed as u64, Relaxed);
+            if let Some(e) = report.error {
+                tracing::debug!("DSR forward on {}: {e}", self.config.interface);
+            }
+        }
+    }
+
     /// Builds a frame with `build` after a zeroed virtio header and sends it.
     fn send_built(
         &self,
@@ -374,19 +422,21 @@ impl Plane {
             && !run.backends.iter().any(|b| b.1 == ip)
     }
 
-    /// One received frame (virtio header first).
-    fn handle(&self, run: &mut Running, state: &State, buf: &mut [u8], now: Instant) {
+    /// One received frame (virtio header first). Returns true when the frame, rewritten in
+    /// place, is to be sent back out (forwarded to a backend); replies of our own (ARP,
+    /// tarpit) are sent here.
+    fn handle(&self, run: &mut Running, state: &State, buf: &mut [u8], now: Instant) -> bool {
         let Some(frame_bytes) = buf.get(VNET_HDR_LEN..) else {
-            return;
+            return false;
         };
         let Ok(Frame { dst, src, payload }) = frame::parse(frame_bytes) else {
-            return;
+            return false;
         };
         match payload {
             Payload::Arp(arp) => self.handle_arp(run, &arp, now),
             Payload::Ipv4(ip) if dst == self.our_mac => {
                 if ip.dst == self.config.vip {
-                    self.forward(run, state, buf, &ip);
+                    return self.forward(run, state, buf, &ip);
                 } else if self.tarpitted(run, ip.dst) {
                     match ip.l4 {
                         L4::Tcp {
@@ -416,6 +466,7 @@ impl Plane {
             }
             _ => {}
         }
+        false
     }
 
     fn handle_arp(&self, run: &mut Running, arp: &Arp, now: Instant) {
@@ -441,8 +492,9 @@ impl Plane {
         }
     }
 
-    /// Forwards a frame for the VIP to the flow's backend, if it is for our port.
-    fn forward(&self, run: &Running, state: &State, buf: &mut [u8], ip: &frame::Ipv4) {
+    /// Rewrites a frame for the VIP to go to the flow's backend, if it is for our port;
+    /// returns whether to send it (the caller sends, alone or in a batch).
+    fn forward(&self, run: &Running, state: &State, buf: &mut [u8], ip: &frame::Ipv4) -> bool {
         let want = match self.config.transport {
             Transport::Tcp => PROTO_TCP,
             Transport::Udp => PROTO_UDP,
@@ -459,7 +511,7 @@ impl Plane {
                 (Some(src_port), true)
             }
             L4::Fragment { proto } if proto == want => (None, false),
-            _ => return,
+            _ => return false,
         };
         // Pen's tracking (the default) keeps a client on one server: hash its address only.
         // Round robin (-r) spreads the flows of a client: hash its address and port.
@@ -477,27 +529,21 @@ impl Plane {
             .and_then(|pos| run.targets.get(pos))
         else {
             self.counters.no_backend.fetch_add(1, Relaxed);
-            return;
+            return false;
         };
         if !frame::set_macs(&mut buf[VNET_HDR_LEN..], target.mac, self.our_mac) {
-            return;
+            return false;
         }
-        match self.sock.send(buf) {
-            Ok(()) => {
-                self.counters.forwarded.fetch_add(1, Relaxed);
-                if let Some(s) = state.servers.get(target.server) {
-                    s.bytes_to
-                        .fetch_add((buf.len() - VNET_HDR_LEN) as u64, Relaxed);
-                    if syn {
-                        s.total.fetch_add(1, Relaxed);
-                    }
-                }
-            }
-            Err(e) => {
-                self.counters.send_errors.fetch_add(1, Relaxed);
-                tracing::debug!("DSR forward to {}: {e}", target.ip);
+        // Counted per server when decided (a send the kernel refuses later, rare on a
+        // packet socket, is counted in `send_errors`).
+        if let Some(s) = state.servers.get(target.server) {
+            s.bytes_to
+                .fetch_add((buf.len() - VNET_HDR_LEN) as u64, Relaxed);
+            if syn {
+                s.total.fetch_add(1, Relaxed);
             }
         }
+        true
     }
 }
 
