@@ -441,6 +441,8 @@ pub fn run(inv: Invocation) -> Result<(), StartError> {
             .spawn(move || {
                 let local = tokio::task::LocalSet::new();
                 local.block_on(&rt, async move {
+                    // Under load the loop polls instead of sleeping (`proxy::polling`).
+                    tokio::task::spawn_local(crate::proxy::polling::poll_while_busy());
                     if let Err(e) = crate::proxy::tcp::serve(state, listener, stop, rx).await {
                         tracing::error!("event loop {i}: {e}");
                     }

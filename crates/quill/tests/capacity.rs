@@ -172,6 +172,22 @@ fn ten_thousand_connections_leak_no_descriptors() {
         "the backends' connections are all closed",
         || a.open() + b.open() == 0,
     );
+
+    // Under that load quill's event loops poll instead of sleeping (`proxy::polling`).
+    // Once the traffic has ended they must stop: an idle balancer costs no CPU. (Each try
+    // measures quill's CPU time over half a second of wall time.)
+    wait_until(
+        Duration::from_secs(20),
+        "quill, idle again, uses under a tenth of a core",
+        || {
+            let (before, wall) = (q.cpu_time(), Instant::now());
+            thread::sleep(Duration::from_millis(500)); // a measuring window, not a wait
+            match (before, q.cpu_time()) {
+                (Some(before), Some(after)) => after - before < wall.elapsed() / 10,
+                _ => true,
+            }
+        },
+    );
 }
 
 #[test]

@@ -3,6 +3,7 @@
 
 pub mod dummy;
 pub mod http;
+pub mod polling;
 pub mod proxy_protocol;
 pub mod pump;
 pub mod registry;

@@ -19,7 +19,7 @@
 //! them to the client with one `sendmmsg`. Receive buffers are allocated once per loop
 //! (the flows of a loop share one); nothing is allocated per datagram. Sockets are
 //! registered for readability only. A loop that is busy polls instead of sleeping between
-//! datagrams (see [`Load`]); an idle one sleeps.
+//! datagrams (see [`Load`](super::polling::Load)); an idle one sleeps.
 //!
 //! A client hash table keyed by what clients send is a target for collisions, so the flow
 //! table keeps std's randomly keyed SipHash.
@@ -49,6 +49,7 @@ use tokio::io::unix::{AsyncFd, AsyncFdReadyGuard};
 use tokio::sync::watch;
 use tokio::task::AbortHandle;
 
+use super::polling::Load;
 use crate::balance::{clock, Choice, Selector, ServerState};
 use crate::net::udp::{self as sock, Received, RecvBatch, UdpListener};
 use crate::settings::Settings;
@@ -245,82 +246,6 @@ pub fn spawn_loops(
         threads.push(thread);
     }
     Ok(threads)
-}
-
-/// How long a busy loop keeps polling after its last datagram before it sleeps.
-const SPIN: Duration = Duration::from_micros(500);
-/// The period over which a loop's load is measured.
-const LOAD_WINDOW: Duration = Duration::from_millis(10);
-/// Preemptions in one window that mean the loop shares its core with other busy threads
-/// (measured: well under 1 per window on a core of its own, 40 to 50 when a 2-core box runs
-/// the balancer, its servers and its clients on both cores).
-const MAX_PREEMPTIONS: i64 = 10;
-/// How long a loop that was preempted while polling sleeps between datagrams before it
-/// tries polling again.
-const CONTENDED_BACKOFF: Duration = Duration::from_secs(1);
-
-/// Busy polling, only under load. A loop that sleeps in epoll whenever its queue is
-/// empty for a moment must be woken by the sender of the next datagram (an inter-processor
-/// interrupt and two context switches), which under heavy traffic costs more than the
-/// datagram itself. So once the loop has spent more than a quarter of the last window
-/// handling client datagrams (about half its time, counting the replies), it keeps
-/// polling its sockets, without sleeping, for [`SPIN`] after each datagram. A lightly
-/// loaded loop never spins, so an idle or quiet quill costs no CPU. Polling only pays on a
-/// core of its own: a loop that the kernel preempts while it polls (another busy thread
-/// wants the core, e.g. the servers on a small box) stops polling for a while.
-struct Load {
-    window_start: Instant,
-    busy: Duration,
-    last: Instant,
-    hot: bool,
-    /// The thread's involuntary context switches at the start of the window.
-    preempted: i64,
-    /// No polling before this time.
-    calm_until: Instant,
-}
-
-/// Involuntary context switches of the calling thread so far.
-fn preemptions() -> i64 {
-    use nix::sys::resource::{getrusage, UsageWho};
-    getrusage(UsageWho::RUSAGE_THREAD).map_or(0, |u| u.involuntary_context_switches())
-}
-
-impl Load {
-    fn new() -> Load {
-        let now = Instant::now();
-        Load {
-            window_start: now,
-            busy: Duration::ZERO,
-            last: now,
-            hot: false,
-            preempted: preemptions(),
-            calm_until: now,
-        }
-    }
-
-    /// Work that started at `since` has just ended.
-    fn worked(&mut self, since: Instant) {
-        let now = Instant::now();
-        self.busy += now.saturating_duration_since(since);
-        self.last = now;
-        let window = now.saturating_duration_since(self.window_start);
-        if window >= LOAD_WINDOW {
-            let preempted = preemptions();
-            if self.hot && preempted - self.preempted > MAX_PREEMPTIONS {
-                self.calm_until = now + CONTENDED_BACKOFF;
-            }
-            self.preempted = preempted;
-            self.hot = self.busy * 4 > window && now >= self.calm_until;
-            self.busy = Duration::ZERO;
-            self.window_start = now;
-        }
-    }
-
-    /// Whether to poll rather than sleep now. A pause longer than [`SPIN`] sleeps; the
-    /// load measured over the current window decides again at its end.
-    fn spinning(&self) -> bool {
-        self.hot && self.last.elapsed() < SPIN
-    }
 }
 
 /// Serves UDP flows on `listener` until `shutdown` turns true; then lets the flows that
