@@ -400,6 +400,24 @@ mod tests {
     }
 
     #[test]
+    fn a_pair_of_ipv4_mapped_addresses_is_announced_as_ipv4() {
+        // Found by the fuzzer (a v2 TCP6 header naming ::ffff:a.b.c.d on both sides): quill
+        // announces such a client as the IPv4 client it is, in both versions.
+        let mapped = Some((sa("[::ffff:1.2.3.4]:5555"), sa("[::ffff:10.0.0.1]:80")));
+        let v4 = Some((sa("1.2.3.4:5555"), sa("10.0.0.1:80")));
+        assert_eq!(
+            encode(ProxyVersion::V1, mapped),
+            b"PROXY TCP4 1.2.3.4 10.0.0.1 5555 80\r\n"
+        );
+        let v2 = encode(ProxyVersion::V2, mapped);
+        assert_eq!(parse(&v2), Ok(Some((Header { addrs: v4 }, v2.len()))));
+        // One side genuinely IPv6: both stay IPv6.
+        let mixed = Some((sa("[::ffff:1.2.3.4]:5555"), sa("[2001:db8::1]:80")));
+        let v1 = encode(ProxyVersion::V1, mixed);
+        assert_eq!(parse(&v1), Ok(Some((Header { addrs: mixed }, v1.len()))));
+    }
+
+    #[test]
     fn an_lf_inside_a_v1_line_fails_it_with_or_without_its_cr() {
         // Found by the fuzzer: the whole header was accepted, its prefixes refused.
         let input = b"PROXY UNKNOWN 20:88::1Y T15\x01!!!!!!\n\r\n";
