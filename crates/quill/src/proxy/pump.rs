@@ -20,7 +20,9 @@ use tokio::io::{AsyncRead, AsyncWrite, ReadBuf};
 use tokio::time::Sleep;
 
 use super::http::{Exchange, Fed};
-use super::relay::{fast_close, End, IdleTimer, Outcome, RelayOptions, BUDGET, SCRATCH_SIZE};
+use super::relay::{
+    fast_close, turn_end, End, IdleTimer, Outcome, RelayOptions, BUDGET, SCRATCH_SIZE,
+};
 
 /// After a refusal (400/431), how long the client's remaining bytes are read and dropped
 /// so that closing does not reset the connection before the client has read the answer.
@@ -314,17 +316,9 @@ where
             // The server went away with answers due: the refusal can never be sent.
             return Poll::Ready(End::Refused);
         }
-        let fast = fast_close(opts.fastclose, up.eof, down.eof);
-        if fast && !refusing {
-            return Poll::Ready(End::FastClose);
-        }
-        if up.done && down.done {
-            return Poll::Ready(End::Closed);
-        }
-        if idle.as_mut().is_some_and(|t| t.expired(cx, &mut active)) {
-            return Poll::Ready(End::Idle);
-        }
-        Poll::Pending
+        // A refusal being delivered is not cut short by fastclose.
+        let fast = fast_close(opts.fastclose, up.eof, down.eof) && !refusing;
+        turn_end(fast, up.done && down.done, &mut idle, cx, &mut active)
     })
     .await;
     Outcome {

@@ -377,6 +377,28 @@ pub(crate) fn fast_close(mode: FastClose, up_eof: bool, down_eof: bool) -> bool 
     }
 }
 
+/// The end of one turn of a relay, after both directions were polled, shared by every
+/// relay: `tcp_fastclose` first (`fast`: whether its rule ends the connection now), then
+/// both directions done, then `idle_timeout`; otherwise the relay waits.
+pub(crate) fn turn_end(
+    fast: bool,
+    both_done: bool,
+    idle: &mut Option<IdleTimer>,
+    cx: &mut Context<'_>,
+    active: &mut bool,
+) -> Poll<End> {
+    if fast {
+        return Poll::Ready(End::FastClose);
+    }
+    if both_done {
+        return Poll::Ready(End::Closed);
+    }
+    if idle.as_mut().is_some_and(|t| t.expired(cx, active)) {
+        return Poll::Ready(End::Idle);
+    }
+    Poll::Pending
+}
+
 /// `idle_timeout` for one connection, shared by every relay. The timer exists only when a
 /// timeout is configured, and it is not reset on every read: when it fires after activity
 /// it is re-armed, so silence is detected between one and two timeouts after the last
@@ -443,16 +465,7 @@ pub async fn relay<C: Stream + ?Sized, S: Stream + ?Sized>(
             }
         }
         let fast = fast_close(opts.fastclose, up.eof, down.eof);
-        if fast {
-            return Poll::Ready(End::FastClose);
-        }
-        if up.done && down.done {
-            return Poll::Ready(End::Closed);
-        }
-        if idle.as_mut().is_some_and(|t| t.expired(cx, &mut active)) {
-            return Poll::Ready(End::Idle);
-        }
-        Poll::Pending
+        turn_end(fast, up.done && down.done, &mut idle, cx, &mut active)
     })
     .await;
     Outcome {

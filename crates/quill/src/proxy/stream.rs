@@ -18,7 +18,7 @@ use std::task::{ready, Context, Poll};
 
 use tokio::io::{AsyncRead, AsyncWrite, ReadBuf};
 
-use super::relay::{fast_close, End, IdleTimer, Outcome, RelayOptions};
+use super::relay::{fast_close, turn_end, End, IdleTimer, Outcome, RelayOptions};
 
 /// Bytes read per call: the largest TLS record's plaintext, so one read is one record.
 pub const SCRATCH_SIZE: usize = 16 * 1024;
@@ -164,16 +164,7 @@ where
             }
         }
         let fast = fast_close(opts.fastclose, up.eof, down.eof);
-        if fast {
-            return Poll::Ready(End::FastClose);
-        }
-        if up.done && down.done {
-            return Poll::Ready(End::Closed);
-        }
-        if idle.as_mut().is_some_and(|t| t.expired(cx, &mut active)) {
-            return Poll::Ready(End::Idle);
-        }
-        Poll::Pending
+        turn_end(fast, up.done && down.done, &mut idle, cx, &mut active)
     })
     .await;
     Outcome {

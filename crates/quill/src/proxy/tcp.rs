@@ -271,13 +271,16 @@ async fn handle<C: ClientStream>(
 /// What an established connection keeps while it relays: its two ends and the few words
 /// that the end of the connection needs (accounting, the log line, failure reporting).
 struct Session<'a, C> {
+    /// Declared first, so dropped first: the connection leaves the registry (`connection
+    /// N`, `close N`) before its sockets close, and a client that sees the close never
+    /// finds itself still listed.
+    registered: Option<Registered>,
     client: Client<C>,
     server: Server,
     /// The connection slot on the chosen upstream, released when the session ends.
     lease: Lease<'a>,
     /// This connection's place in `State::active`.
     _active: Held<'a>,
-    registered: Option<Registered>,
     exchange: Option<Box<Exchange>>,
     opts: RelayOptions,
     peer: SocketAddr,
