@@ -21,28 +21,6 @@ use serde_json::Value;
 use support::ctl::*;
 use support::*;
 
-/// Starts quill with a TCP control socket: `-C 127.0.0.1:{ctl} [-u root] ARGS...`.
-fn start(args: &[&str]) -> (Quill, String) {
-    let mut all = vec!["-C", "127.0.0.1:{ctl}"];
-    all.extend(run_as_args());
-    all.extend_from_slice(args);
-    start_with_control(&all)
-}
-
-/// `status json`, parsed.
-fn status_json(ctl: &str) -> Value {
-    let text = ctl_ok(ctl, "status json");
-    serde_json::from_str(&text).unwrap_or_else(|e| panic!("status json is not JSON ({e}): {text}"))
-}
-
-/// What `write FILE` saves now (into a fresh file in `dir`).
-fn written_config(ctl: &str, dir: &std::path::Path, tag: &str) -> String {
-    let path = dir.join(format!("written-{tag}.cfg"));
-    let reply = ctl_ok(ctl, &format!("write {}", path.display()));
-    assert_eq!(reply, "", "write replies nothing");
-    fs::read_to_string(&path).unwrap_or_else(|e| panic!("write did not create {path:?}: {e}"))
-}
-
 /// Waits until quill reports no open client connection.
 fn wait_no_open_connections(ctl: &str) {
     wait_until(
@@ -88,7 +66,7 @@ fn control_socket_as_root_needs_u_root() {
         "the refusal must say that running as root needs -u: {stderr:?}"
     );
     // With -u root it starts and answers.
-    let (_q, ctl) = start(&["{port}", &a.spec()]);
+    let (_q, ctl) = start_with_tcp_control(&["{port}", &a.spec()]);
     assert_eq!(ctl_ok(&ctl, "timeout"), "5\n");
 }
 
@@ -103,7 +81,8 @@ fn servers_prints_pens_format_with_live_counters() {
     }
     let a = IdentityBackend::start("a");
     let b = IdentityBackend::start("b");
-    let (q, ctl) = start(&["127.0.0.1:{port}", &a.spec(), &b.spec_with("7:8:3:2")]);
+    let (q, ctl) =
+        start_with_tcp_control(&["127.0.0.1:{port}", &a.spec(), &b.spec_with("7:8:3:2")]);
     let expect = format!(
         "0 addr 127.0.0.1 port {} conn 0 max 0 hard 0 weight 1 prio 0 sx 0 rx 0 state up health unchecked\n\
          1 addr 127.0.0.1 port {} conn 0 max 7 hard 8 weight 3 prio 2 sx 0 rx 0 state up health unchecked\n",
@@ -148,7 +127,7 @@ fn status_html_and_status_json_report_the_same_counts() {
     }
     let a = IdentityBackend::start("a");
     let b = IdentityBackend::start("b");
-    let (q, ctl) = start(&["-r", "127.0.0.1:{port}", &a.spec(), &b.spec()]);
+    let (q, ctl) = start_with_tcp_control(&["-r", "127.0.0.1:{port}", &a.spec(), &b.spec()]);
     // Four finished connections, two held open.
     for _ in 0..4 {
         let (_, s) = q.name_from("127.0.0.1");
@@ -205,7 +184,7 @@ fn status_html_and_status_json_report_the_same_counts() {
 fn mode_follows_the_selection_commands() {
     let a = IdentityBackend::start("a");
     let b = IdentityBackend::start("b");
-    let (q, ctl) = start(&["127.0.0.1:{port}", &a.spec(), &b.spec()]);
+    let (q, ctl) = start_with_tcp_control(&["127.0.0.1:{port}", &a.spec(), &b.spec()]);
     assert_eq!(
         ctl_ok(&ctl, "mode"),
         "no hash no roundrobin no stubborn no weight no prio\n"
@@ -249,7 +228,7 @@ fn recent_lists_the_clients_seen() {
         return;
     }
     let a = IdentityBackend::start("a");
-    let (q, ctl) = start(&["127.0.0.1:{port}", &a.spec()]);
+    let (q, ctl) = start_with_tcp_control(&["127.0.0.1:{port}", &a.spec()]);
     assert_eq!(ctl_ok(&ctl, "recent"), "", "no client yet");
     echo_through(&q, "127.0.0.2", b"x");
     echo_through(&q, "127.0.0.3", b"x");
@@ -276,7 +255,7 @@ fn recent_lists_the_clients_seen() {
 #[test]
 fn control_pid_and_listen_answer_queries() {
     let a = IdentityBackend::start("a");
-    let (q, ctl) = start(&["127.0.0.1:{port}", &a.spec()]);
+    let (q, ctl) = start_with_tcp_control(&["127.0.0.1:{port}", &a.spec()]);
     assert_eq!(ctl_ok(&ctl, "control"), format!("{ctl}\n"));
     assert_eq!(ctl_ok(&ctl, "pid"), format!("{}\n", q.pid()));
     assert_eq!(ctl_ok(&ctl, "listen"), format!("127.0.0.1:{}\n", q.port));
@@ -292,7 +271,7 @@ fn numeric_settings_are_set_and_read_back() {
         return;
     }
     let a = IdentityBackend::start("a");
-    let (_q, ctl) = start(&["127.0.0.1:{port}", &a.spec()]);
+    let (_q, ctl) = start_with_tcp_control(&["127.0.0.1:{port}", &a.spec()]);
     assert_eq!(ctl_ok(&ctl, "timeout"), "5\n");
     assert_eq!(ctl_ok(&ctl, "blacklist"), "30\n");
     assert_eq!(ctl_ok(&ctl, "tracking"), "0\n");
@@ -340,7 +319,7 @@ fn setting_commands_answer_with_the_new_value_as_pen_does() {
     // Pen 0.34.1 answers `timeout 9` with "9" (and so for every `NAME [N]` setting), and
     // penctl prints it; quill is to give "Pen's replies where Pen has them".
     let a = IdentityBackend::start("a");
-    let (_q, ctl) = start(&["127.0.0.1:{port}", &a.spec()]);
+    let (_q, ctl) = start_with_tcp_control(&["127.0.0.1:{port}", &a.spec()]);
     let mut wrong = Vec::new();
     for (cmd, value) in [
         ("timeout", "9"),
@@ -369,7 +348,7 @@ fn conn_max_takes_effect_at_once() {
         return;
     }
     let a = IdentityBackend::start("a");
-    let (q, ctl) = start(&["127.0.0.1:{port}", &a.spec()]);
+    let (q, ctl) = start_with_tcp_control(&["127.0.0.1:{port}", &a.spec()]);
     ctl_ok(&ctl, "conn_max 1");
     let (_, held) = q.name_from("127.0.0.2");
     let mut refused = q.connect_from("127.0.0.3");
@@ -391,7 +370,7 @@ fn debug_level_set_at_run_time_changes_the_logging() {
         return;
     }
     let a = IdentityBackend::start("a");
-    let (q, ctl) = start(&["127.0.0.1:{port}", &a.spec()]);
+    let (q, ctl) = start_with_tcp_control(&["127.0.0.1:{port}", &a.spec()]);
     // At the default level (warnings), a refused control command is not logged.
     ctl_err(&ctl, "frobnicate-quietly");
     ctl_ok(&ctl, "debug 1");
@@ -411,7 +390,7 @@ fn server_blacklist_moves_traffic_away_and_zero_brings_it_back() {
     }
     let a = IdentityBackend::start("a");
     let b = IdentityBackend::start("b");
-    let (q, ctl) = start(&["-r", "127.0.0.1:{port}", &a.spec(), &b.spec()]);
+    let (q, ctl) = start_with_tcp_control(&["-r", "127.0.0.1:{port}", &a.spec(), &b.spec()]);
     let names: Vec<String> = (0..4)
         .map(|_| echo_through(&q, "127.0.0.2", b"x"))
         .collect();
@@ -458,7 +437,7 @@ fn server_command_edits_and_extends_the_server_table() {
     let a = IdentityBackend::start("a");
     let b = IdentityBackend::start("b");
     let c = IdentityBackend::start("c");
-    let (q, ctl) = start(&["-r", "127.0.0.1:{port}", &a.spec()]);
+    let (q, ctl) = start_with_tcp_control(&["-r", "127.0.0.1:{port}", &a.spec()]);
     assert_eq!(echo_through(&q, "127.0.0.2", b"x"), "a");
 
     // Move server 0 to another port: new connections go there.
@@ -517,7 +496,7 @@ fn pen_compatibility_words_are_accepted_and_do_nothing() {
         return;
     }
     let a = IdentityBackend::start("a");
-    let (q, ctl) = start(&["127.0.0.1:{port}", &a.spec()]);
+    let (q, ctl) = start_with_tcp_control(&["127.0.0.1:{port}", &a.spec()]);
     let servers = without_counters(&ctl_ok(&ctl, "servers"));
     let mode = ctl_ok(&ctl, "mode");
     for word in [
@@ -555,7 +534,7 @@ fn connection_and_close_act_on_live_connections() {
         return;
     }
     let a = IdentityBackend::start("a");
-    let (q, ctl) = start(&["127.0.0.1:{port}", &a.spec()]);
+    let (q, ctl) = start_with_tcp_control(&["127.0.0.1:{port}", &a.spec()]);
     // Connections are numbered from 1 in accept order.
     let (_, mut one) = q.name_from("127.0.0.2");
     let (_, mut two) = q.name_from("127.0.0.3");
@@ -595,7 +574,7 @@ fn listen_moves_the_listener_and_established_connections_stay() {
         return;
     }
     let a = IdentityBackend::start("a");
-    let (q, ctl) = start(&["127.0.0.1:{port}", &a.spec()]);
+    let (q, ctl) = start_with_tcp_control(&["127.0.0.1:{port}", &a.spec()]);
     let old = q.addr();
     let (_, mut before) = q.name_from("127.0.0.2");
 
@@ -630,7 +609,7 @@ fn listen_to_an_address_in_use_is_an_error_and_changes_nothing() {
         return;
     }
     let a = IdentityBackend::start("a");
-    let (q, ctl) = start(&["127.0.0.1:{port}", &a.spec()]);
+    let (q, ctl) = start_with_tcp_control(&["127.0.0.1:{port}", &a.spec()]);
     let busy = TcpListener::bind("127.0.0.1:0").unwrap();
     let busy_addr = busy.local_addr().unwrap();
     let reply = quillctl(&ctl, &["listen", &busy_addr.to_string()]);
@@ -654,7 +633,7 @@ fn log_command_opens_and_closes_the_connection_log() {
         return;
     }
     let a = IdentityBackend::start("a");
-    let (q, ctl) = start(&["127.0.0.1:{port}", &a.spec()]);
+    let (q, ctl) = start_with_tcp_control(&["127.0.0.1:{port}", &a.spec()]);
     assert_eq!(ctl_ok(&ctl, "log").trim(), "", "no log at first");
     let log = q.dir().join("conn.log");
     assert_eq!(ctl_ok(&ctl, &format!("log {}", log.display())), "");
@@ -698,7 +677,7 @@ fn web_stats_names_the_status_file_written_on_sigusr1() {
         return;
     }
     let a = IdentityBackend::start("a");
-    let (q, ctl) = start(&["127.0.0.1:{port}", &a.spec()]);
+    let (q, ctl) = start_with_tcp_control(&["127.0.0.1:{port}", &a.spec()]);
     assert_eq!(ctl_ok(&ctl, "web_stats").trim(), "");
     let file = q.dir().join("status.html");
     assert_eq!(ctl_ok(&ctl, &format!("web_stats {}", file.display())), "");
@@ -730,7 +709,7 @@ fn include_applies_a_file_and_a_bad_one_changes_nothing() {
     }
     let a = IdentityBackend::start("a");
     let b = IdentityBackend::start("b");
-    let (q, ctl) = start(&["127.0.0.1:{port}", &a.spec()]);
+    let (q, ctl) = start_with_tcp_control(&["127.0.0.1:{port}", &a.spec()]);
     let dir = q.dir();
     let good = dir.join("good.cfg");
     fs::write(
@@ -798,7 +777,7 @@ fn write_without_a_file_needs_f() {
         return;
     }
     let a = IdentityBackend::start("a");
-    let (_q, ctl) = start(&["127.0.0.1:{port}", &a.spec()]);
+    let (_q, ctl) = start_with_tcp_control(&["127.0.0.1:{port}", &a.spec()]);
     assert_one_line_error(&ctl_err(&ctl, "write"), "write without -F");
     assert_one_line_error(
         &ctl_err(&ctl, "write /nonexistent-dir/quill.cfg"),
@@ -812,14 +791,14 @@ fn exit_works_only_with_x() {
         return;
     }
     let a = IdentityBackend::start("a");
-    let (mut q, ctl) = start(&["127.0.0.1:{port}", &a.spec()]);
+    let (mut q, ctl) = start_with_tcp_control(&["127.0.0.1:{port}", &a.spec()]);
     let reply = ctl_err(&ctl, "exit");
     assert_one_line_error(&reply, "exit without -X");
     assert!(reply.contains("-X"), "{reply:?}");
     q.assert_running();
     echo_through(&q, "127.0.0.2", b"still here");
 
-    let (mut q, ctl) = start(&["-X", "127.0.0.1:{port}", &a.spec()]);
+    let (mut q, ctl) = start_with_tcp_control(&["-X", "127.0.0.1:{port}", &a.spec()]);
     assert_eq!(ctl_ok(&ctl, "exit"), "");
     assert_eq!(
         q.wait_exit(Duration::from_secs(5)),
@@ -838,7 +817,7 @@ fn control_acl_refuses_other_addresses_and_admits_the_permitted_one() {
         return;
     }
     let a = IdentityBackend::start("a");
-    let (q, ctl) = start(&["127.0.0.1:{port}", &a.spec()]);
+    let (q, ctl) = start_with_tcp_control(&["127.0.0.1:{port}", &a.spec()]);
     assert_eq!(ctl_ok(&ctl, "acl 1 permit 127.0.0.1"), "");
     ctl_ok(&ctl, "control_acl 1");
     let before = written_config(&ctl, q.dir(), "before");
@@ -901,7 +880,7 @@ fn malformed_and_unknown_commands_get_one_line_errors_and_change_nothing() {
     }
     let a = IdentityBackend::start("a");
     let b = IdentityBackend::start("b");
-    let (q, ctl) = start(&["127.0.0.1:{port}", &a.spec(), &b.spec()]);
+    let (q, ctl) = start_with_tcp_control(&["127.0.0.1:{port}", &a.spec(), &b.spec()]);
     let dir = TempDir::new("malformed");
     let before = written_config(&ctl, dir.path(), "before");
     let servers = without_counters(&ctl_ok(&ctl, "servers"));
@@ -977,7 +956,7 @@ fn quillctl_exit_status_tells_errors_from_connection_failures() {
         return;
     }
     let a = IdentityBackend::start("a");
-    let (_q, ctl) = start(&["127.0.0.1:{port}", &a.spec()]);
+    let (_q, ctl) = start_with_tcp_control(&["127.0.0.1:{port}", &a.spec()]);
     assert_eq!(quillctl(&ctl, &["timeout"]).code, Some(0));
     assert_eq!(quillctl(&ctl, &["no-such-command"]).code, Some(1));
     // Nobody listens there.
@@ -1008,7 +987,7 @@ fn penctl_drives_quill() {
     }
     let a = IdentityBackend::start("a");
     let b = IdentityBackend::start("b");
-    let (q, ctl) = start(&["127.0.0.1:{port}", &a.spec(), &b.spec()]);
+    let (q, ctl) = start_with_tcp_control(&["127.0.0.1:{port}", &a.spec(), &b.spec()]);
     let pen = |words: &[&str]| {
         let out = penctl(&ctl, words).unwrap();
         assert_eq!(out.code, Some(0), "penctl {words:?}: {out:?}");
@@ -1046,7 +1025,7 @@ fn control_socket_survives_abuse() {
         return;
     }
     let a = IdentityBackend::start("a");
-    let (mut q, ctl) = start(&["127.0.0.1:{port}", &a.spec()]);
+    let (mut q, ctl) = start_with_tcp_control(&["127.0.0.1:{port}", &a.spec()]);
 
     // A client that connects and says nothing does not hold the others up.
     let idle = std::net::TcpStream::connect(&ctl).unwrap();

@@ -15,29 +15,8 @@ use std::sync::Arc;
 use std::thread;
 use std::time::{Duration, Instant};
 
-use serde_json::Value;
 use support::ctl::*;
 use support::*;
-
-/// Starts quill with a TCP control socket: `-C 127.0.0.1:{ctl} [-u root] ARGS...`.
-fn start(args: &[&str]) -> (Quill, String) {
-    let mut all = vec!["-C", "127.0.0.1:{ctl}"];
-    all.extend(run_as_args());
-    all.extend_from_slice(args);
-    start_with_control(&all)
-}
-
-fn status_json(ctl: &str) -> Value {
-    let text = ctl_ok(ctl, "status json");
-    serde_json::from_str(&text).unwrap_or_else(|e| panic!("status json is not JSON ({e}): {text}"))
-}
-
-/// What `write FILE` saves now: the whole running configuration.
-fn written_config(ctl: &str, dir: &std::path::Path, tag: &str) -> String {
-    let path = dir.join(format!("written-{tag}.cfg"));
-    assert_eq!(ctl_ok(ctl, &format!("write {}", path.display())), "");
-    fs::read_to_string(&path).unwrap_or_else(|e| panic!("write did not create {path:?}: {e}"))
-}
 
 /// Connects, reads the backend's name, sends `msg` and checks its echo; returns the name.
 fn echo_on(s: &mut TcpStream, msg: &[u8]) {
@@ -139,7 +118,7 @@ fn backend_dying_mid_response_closes_only_its_clients_and_is_blacklisted() {
     }
     let dying = DyingBackend::start();
     let b = IdentityBackend::start("b");
-    let (q, ctl) = start(&["-r", "127.0.0.1:{port}", &dying.spec(), &b.spec()]);
+    let (q, ctl) = start_with_tcp_control(&["-r", "127.0.0.1:{port}", &dying.spec(), &b.spec()]);
 
     // Round robin alternates: half of the clients reach the dying server, half reach b.
     let mut on_dying = Vec::new();
@@ -235,7 +214,8 @@ fn blackholed_backend_times_out_fails_over_and_stalls_nobody() {
     let hole_spec = format!("{}:1:1", hole.spec());
     // A long connect timeout: the other clients must be served while it runs, even on a
     // loaded machine (the check below is on the order of events, not on their speed).
-    let (q, ctl) = start(&["-r", "-t", "10", "127.0.0.1:{port}", &hole_spec, &b.spec()]);
+    let (q, ctl) =
+        start_with_tcp_control(&["-r", "-t", "10", "127.0.0.1:{port}", &hole_spec, &b.spec()]);
 
     // The first client is sent to the black hole: its connect hangs.
     let mut first = q.connect_from("127.0.0.2");
@@ -299,7 +279,7 @@ fn running_out_of_descriptors_does_not_spin_and_recovers() {
     }
     let a = IdentityBackend::start("a");
     let b = IdentityBackend::start("b");
-    let (q, ctl) = start(&["-r", "127.0.0.1:{port}", &a.spec(), &b.spec()]);
+    let (q, ctl) = start_with_tcp_control(&["-r", "127.0.0.1:{port}", &a.spec(), &b.spec()]);
     let baseline = q.started_fd_count().expect("/proc");
 
     // The limit applies to descriptor numbers (a new one must be below it): set it so
@@ -398,7 +378,7 @@ fn control_socket_abuse_gets_clear_errors_and_changes_nothing() {
         return;
     }
     let a = IdentityBackend::start("a");
-    let (mut q, ctl) = start(&[
+    let (mut q, ctl) = start_with_tcp_control(&[
         "-O",
         "acl 3 permit 127.0.0.1",
         "-O",
@@ -499,7 +479,7 @@ fn a_storm_of_reloads_under_traffic_loses_no_request() {
         ),
     )
     .unwrap();
-    let (mut q, ctl) = start(&["-F", cfg.to_str().unwrap(), "127.0.0.1:{port}"]);
+    let (mut q, ctl) = start_with_tcp_control(&["-F", cfg.to_str().unwrap(), "127.0.0.1:{port}"]);
     let addr = q.addr();
     let stop = Arc::new(AtomicBool::new(false));
 

@@ -20,13 +20,6 @@ use support::*;
 
 const DEADLINE: Duration = Duration::from_secs(20);
 
-fn start(args: &[&str]) -> (Quill, String) {
-    let mut all = vec!["-C", "127.0.0.1:{ctl}"];
-    all.extend(run_as_args());
-    all.extend_from_slice(args);
-    start_with_control(&all)
-}
-
 fn server_json(ctl: &str, index: usize) -> Value {
     let text = ctl_ok(ctl, "status json");
     let doc: Value = serde_json::from_str(&text).unwrap_or_else(|e| panic!("{e}: {text}"));
@@ -65,7 +58,7 @@ fn tcp_check_takes_a_killed_backend_out_and_brings_it_back() {
     }
     let a = IdentityBackend::start("a");
     let b = IdentityBackend::start("b");
-    let (q, ctl) = start(&[
+    let (q, ctl) = start_with_tcp_control(&[
         "-r",
         "-O",
         "check tcp",
@@ -184,7 +177,7 @@ fn http_check_sends_a_real_request_and_a_wrong_status_marks_down() {
     }
     let good = HttpBackend::start(200);
     let bad = HttpBackend::start(404);
-    let (_q, ctl) = start(&[
+    let (_q, ctl) = start_with_tcp_control(&[
         "-r",
         "-O",
         "check http /healthz?full=1",
@@ -255,7 +248,7 @@ fn drain_lets_a_long_transfer_finish_while_new_connections_go_elsewhere() {
     let a = IdentityBackend::start("a");
     let b = IdentityBackend::start("b");
     // Client tracking on (Pen's default): a tracked client of a drained server moves too.
-    let (q, ctl) = start(&["127.0.0.1:{port}", &a.spec(), &b.spec()]);
+    let (q, ctl) = start_with_tcp_control(&["127.0.0.1:{port}", &a.spec(), &b.spec()]);
     let (first, mut long) = q.name_from("127.0.0.2");
     let drained = if first == "a" { 0 } else { 1 };
     let other = if first == "a" { "b" } else { "a" };
@@ -322,7 +315,7 @@ fn passive_blacklisting_keeps_working_beside_health_checks() {
     let a = IdentityBackend::start("a");
     let b = IdentityBackend::start("b");
     // Checks so rare that only the first one runs during the test.
-    let (q, ctl) = start(&[
+    let (q, ctl) = start_with_tcp_control(&[
         "-r",
         "-b",
         "60",

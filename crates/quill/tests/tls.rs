@@ -224,6 +224,20 @@ fn tls_fixture() -> (TempDir, Ca, Leaf) {
     (dir, ca, leaf)
 }
 
+/// quill as a TLS-terminating web server (its dummy server) with `leaf`'s certificate.
+fn tls_dummy(leaf: &Leaf) -> Quill {
+    Quill::start(&[
+        "-E",
+        s(&leaf.cert),
+        "-K",
+        s(&leaf.key),
+        "-O",
+        "dummy",
+        "{port}",
+        "127.0.0.1:9",
+    ])
+}
+
 fn needs_openssl() -> bool {
     Command::new("openssl").arg("version").output().is_ok()
 }
@@ -728,16 +742,7 @@ fn start_up_errors_name_the_file_and_the_problem() {
 #[test]
 fn curl_gets_http_over_tls_with_alpn_http11() {
     let (_dir, ca, leaf) = tls_fixture();
-    let q = Quill::start(&[
-        "-E",
-        s(&leaf.cert),
-        "-K",
-        s(&leaf.key),
-        "-O",
-        "dummy",
-        "{port}",
-        "127.0.0.1:9",
-    ]);
+    let q = tls_dummy(&leaf);
     let out = Command::new("curl")
         .args(["-sS", "-v", "--max-time", "10", "--cacert", s(&ca.cert)])
         .arg("--resolve")
@@ -761,16 +766,7 @@ fn curl_gets_http_over_tls_with_alpn_http11() {
 #[test]
 fn re_encryption_verifies_the_backend_certificate() {
     let (dir, ca, leaf) = tls_fixture();
-    let backend = Quill::start(&[
-        "-E",
-        s(&leaf.cert),
-        "-K",
-        s(&leaf.key),
-        "-O",
-        "dummy",
-        "{port}",
-        "127.0.0.1:9",
-    ]);
+    let backend = tls_dummy(&leaf);
     // An IP address as the host: the certificate is checked for that address.
     let upstream = format!("127.0.0.1:{}", backend.port);
     let get = |front: &Quill, tls: bool| -> String {
@@ -910,16 +906,7 @@ fn http_after_tls_gets_forwarded_proto_https_and_hsts() {
 #[test]
 fn http_health_checks_speak_tls_to_tls_servers() {
     let (dir, ca, leaf) = tls_fixture();
-    let backend = Quill::start(&[
-        "-E",
-        s(&leaf.cert),
-        "-K",
-        s(&leaf.key),
-        "-O",
-        "dummy",
-        "{port}",
-        "127.0.0.1:9",
-    ]);
+    let backend = tls_dummy(&leaf);
     let upstream = format!("127.0.0.1:{}", backend.port);
     // The health the check settles on with `upstream_ca` = `ca_file`.
     let settled = |ca_file: &Path, want: &str| {

@@ -415,6 +415,28 @@ pub fn run_as_args() -> Vec<&'static str> {
     }
 }
 
+/// Starts quill with a TCP control socket: `-C 127.0.0.1:{ctl} [-u root] ARGS...`.
+pub fn start_with_tcp_control(args: &[&str]) -> (Quill, String) {
+    let mut all = vec!["-C", "127.0.0.1:{ctl}"];
+    all.extend(run_as_args());
+    all.extend_from_slice(args);
+    start_with_control(&all)
+}
+
+/// `status json`, parsed.
+pub fn status_json(ctl: &str) -> serde_json::Value {
+    let text = ctl_ok(ctl, "status json");
+    serde_json::from_str(&text).unwrap_or_else(|e| panic!("status json is not JSON ({e}): {text}"))
+}
+
+/// What `write FILE` saves now: the whole running configuration (into a fresh file in
+/// `dir`).
+pub fn written_config(ctl: &str, dir: &Path, tag: &str) -> String {
+    let path = dir.join(format!("written-{tag}.cfg"));
+    assert_eq!(ctl_ok(ctl, &format!("write {}", path.display())), "");
+    fs::read_to_string(&path).unwrap_or_else(|e| panic!("write did not create {path:?}: {e}"))
+}
+
 /// The `servers` reply without the counters that change with traffic (`conn`, `sx`, `rx`)
 /// and without the runtime state quill appends (`state`, `health`).
 pub fn without_counters(servers: &str) -> Vec<String> {
