@@ -68,6 +68,10 @@ pub enum Command {
     Keepalive(bool),
     /// `idle_timeout N`: close connections silent for N seconds (0 = never).
     IdleTimeout(u64),
+    /// `idle_park N` (extension): after N seconds of silence, an idle raw TCP connection
+    /// is parked: it keeps only its session, out of the event loop's tasks and reactor,
+    /// until a byte or a close arrives (0 = never park).
+    IdlePark(u64),
     /// `pending_max N`: upstream connects allowed in progress at once.
     PendingMax(usize),
     /// `source IP`: local address for upstream connections.
@@ -874,6 +878,7 @@ fn command_name(word: &str) -> Option<&'static str> {
         "tcp_fastclose",
         "keepalive",
         "idle_timeout",
+        "idle_park",
         "pending_max",
         "source",
         "dummy",
@@ -1060,6 +1065,7 @@ fn parse_positive(command: &'static str, w: &mut Words<'_>) -> Result<Command, P
         }),
         "keepalive" => Command::Keepalive(true),
         "idle_timeout" => Command::IdleTimeout(w.number("number of seconds")?),
+        "idle_park" => Command::IdlePark(w.number("number of seconds")?),
         "pending_max" => {
             let n: usize = w.number("number of connections")?;
             if n == 0 {
@@ -1501,6 +1507,7 @@ impl fmt::Display for Command {
             Command::TcpFastclose(mode) => write!(f, "tcp_fastclose {}", mode.word()),
             Command::Keepalive(on) => on_off(f, *on, "keepalive"),
             Command::IdleTimeout(n) => write!(f, "idle_timeout {n}"),
+            Command::IdlePark(n) => write!(f, "idle_park {n}"),
             Command::PendingMax(n) => write!(f, "pending_max {n}"),
             Command::Source(ip) => write!(f, "source {ip}"),
             Command::NoSource => f.write_str("no source"),
@@ -1784,6 +1791,7 @@ mod roundtrip {
             .prop_map(Command::TcpFastclose),
             any::<bool>().prop_map(Command::Keepalive),
             any::<u64>().prop_map(Command::IdleTimeout),
+            any::<u64>().prop_map(Command::IdlePark),
             (1usize..).prop_map(Command::PendingMax),
             any::<IpAddr>().prop_map(Command::Source),
             Just(Command::NoSource),

@@ -436,6 +436,7 @@ pub fn run(inv: Invocation) -> Result<(), StartError> {
             .enable_all()
             .build()
             .map_err(StartError::Runtime)?;
+        let lot = crate::proxy::park::EpollSet::new().map_err(StartError::Runtime)?;
         let thread = std::thread::Builder::new()
             .name(format!("quill-loop-{i}"))
             .spawn(move || {
@@ -443,7 +444,8 @@ pub fn run(inv: Invocation) -> Result<(), StartError> {
                 local.block_on(&rt, async move {
                     // Under load the loop polls instead of sleeping (`proxy::polling`).
                     tokio::task::spawn_local(crate::proxy::polling::poll_while_busy());
-                    if let Err(e) = crate::proxy::tcp::serve(state, listener, stop, rx).await {
+                    let served = crate::proxy::tcp::serve(state, listener, stop, rx, lot);
+                    if let Err(e) = served.await {
                         tracing::error!("event loop {i}: {e}");
                     }
                     // Let established connections of this loop finish (bounded by main).

@@ -17,6 +17,7 @@ pub mod demo;
 pub mod dsr;
 pub mod geoip;
 pub mod health;
+pub mod memory;
 pub mod net;
 pub mod privileges;
 pub mod proxy;

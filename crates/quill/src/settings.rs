@@ -161,6 +161,8 @@ pub struct Settings {
     pub keepalive: bool,
     /// Seconds of silence after which a connection is closed (0 = never).
     pub idle_timeout: u64,
+    /// Seconds of silence after which a raw TCP connection is parked (0 = never).
+    pub idle_park: u64,
     pub source: Option<IpAddr>,
     pub dummy: bool,
     pub debug: u32,
@@ -252,6 +254,7 @@ impl Default for Settings {
             fastclose: FastClose::Off,
             keepalive: false,
             idle_timeout: 0,
+            idle_park: 1,
             source: None,
             dummy: false,
             debug: 0,
@@ -465,6 +468,7 @@ impl Settings {
             Command::TcpFastclose(mode) => set(&mut self.fastclose, *mode),
             Command::Keepalive(on) => set(&mut self.keepalive, *on),
             Command::IdleTimeout(n) => set(&mut self.idle_timeout, *n),
+            Command::IdlePark(n) => set(&mut self.idle_park, *n),
             Command::PendingMax(n) => set(&mut self.pending_max, *n),
             Command::Source(ip) => set(&mut self.source, Some(*ip)),
             Command::NoSource => set(&mut self.source, None),
@@ -677,6 +681,7 @@ impl Settings {
         out.push(Command::ClientsMax(Some(self.clients_max)));
         out.push(Command::PendingMax(self.pending_max));
         out.push(Command::IdleTimeout(self.idle_timeout));
+        out.push(Command::IdlePark(self.idle_park));
         if self.fastclose != d.fastclose {
             out.push(Command::TcpFastclose(self.fastclose));
         }

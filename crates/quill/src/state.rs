@@ -55,6 +55,8 @@ pub struct State {
     pub cursor: AtomicUsize,
     /// Client connections currently open.
     pub active: AtomicUsize,
+    /// Of those, connections parked while idle (`idle_park`).
+    pub parked: AtomicUsize,
     /// Upstream connects in progress.
     pub pending: AtomicUsize,
     /// Accept loops paused at `pending_max`, waiting on `pending_released`.
@@ -86,6 +88,7 @@ impl State {
             abuse: ServerState::default(),
             cursor: AtomicUsize::new(usize::MAX),
             active: AtomicUsize::new(0),
+            parked: AtomicUsize::new(0),
             pending: AtomicUsize::new(0),
             accept_paused: AtomicUsize::new(0),
             pending_released: tokio::sync::Notify::new(),

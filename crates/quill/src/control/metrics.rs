@@ -136,6 +136,14 @@ pub static FAMILIES: &[Family] = &[
         source: Source::Global(|s| s.active.load(Relaxed) as u64),
     },
     Family {
+        name: "connections_parked",
+        help: "Of the open TCP connections, those parked while idle (idle_park): no task, \
+               no reactor entry, only their session kept.",
+        unit: None,
+        kind: Kind::Gauge,
+        source: Source::Global(|s| s.parked.load(Relaxed) as u64),
+    },
+    Family {
         name: "upstream_connects_pending",
         help: "Connections to servers in progress now.",
         unit: None,

@@ -212,6 +212,7 @@ pub fn json(ctx: &Context) -> String {
         "mode": { "hash": p.hash, "roundrobin": p.roundrobin, "stubborn": p.stubborn, "weight": p.weight, "prio": p.prio },
         "connections": {
             "open": state.active.load(Relaxed),
+            "parked": state.parked.load(Relaxed),
             "accepted": state.counters.accepted.load(Relaxed),
             "refused_conn_max": state.counters.refused_conn_max.load(Relaxed),
             "refused_acl": state.counters.refused_acl.load(Relaxed),

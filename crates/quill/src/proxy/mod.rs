@@ -3,6 +3,7 @@
 
 pub mod dummy;
 pub mod http;
+pub mod park;
 pub mod polling;
 pub mod proxy_protocol;
 pub mod pump;

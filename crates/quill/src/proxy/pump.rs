@@ -267,7 +267,7 @@ where
     let mut down = Flow::default();
     let mut active = false;
     let mut refusing = false;
-    let mut idle = IdleTimer::new(opts.idle_timeout);
+    let mut idle = IdleTimer::new(opts.idle_timeout, None);
     let mut linger: Option<(Pin<Box<Sleep>>, usize)> = None;
     let end = poll_fn(|cx| {
         if let Some((timer, drained)) = linger.as_mut() {

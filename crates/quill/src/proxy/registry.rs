@@ -4,13 +4,19 @@
 //! shards keyed by connection number, so the event loops rarely wait for each other; an
 //! entry is inserted when a connection is accepted and removed when its task ends (also
 //! when it is aborted by `close N`), so the registry never outgrows the open connections.
+//!
+//! `close N` reaches a connection through its [`Closer`]: the task serving it, or the lot
+//! where it is parked (`idle_park`). A close that comes while the connection moves between
+//! the two is remembered, and the move ends the connection instead.
 
 use std::collections::HashMap;
 use std::net::SocketAddr;
 use std::sync::atomic::{AtomicU64, AtomicUsize, Ordering::Relaxed};
-use std::sync::{Arc, Mutex, OnceLock};
+use std::sync::{Arc, Mutex, MutexGuard, OnceLock};
 
 use tokio::task::AbortHandle;
+
+use super::park::Ticket;
 
 const SHARDS: usize = 16;
 
@@ -42,7 +48,25 @@ pub struct ConnInfo {
     /// Bytes relayed so far in each direction (updated when the connection ends).
     pub bytes_up: AtomicU64,
     pub bytes_down: AtomicU64,
-    abort: OnceLock<AbortHandle>,
+    closer: Mutex<Closer>,
+}
+
+/// How `close N` reaches one connection.
+#[derive(Debug, Default)]
+struct Closer {
+    /// `close N` was asked for: whatever serves the connection next must end it.
+    requested: bool,
+    by: By,
+}
+
+/// What serves a connection right now.
+#[derive(Debug, Default)]
+enum By {
+    /// Nothing yet (just accepted), or moving between a task and a lot.
+    #[default]
+    Nothing,
+    Task(AbortHandle),
+    Parked(Ticket),
 }
 
 impl ConnInfo {
@@ -57,6 +81,47 @@ impl ConnInfo {
             EMERGENCY => Upstream::Emergency,
             ABUSE => Upstream::Abuse,
             i => Upstream::Server(i),
+        }
+    }
+
+    fn closer(&self) -> MutexGuard<'_, Closer> {
+        self.closer.lock().unwrap_or_else(|p| p.into_inner())
+    }
+
+    /// Records the task that now serves the connection, or aborts it at once if `close N`
+    /// came while the connection had none.
+    pub fn served_by(&self, task: AbortHandle) {
+        let mut closer = self.closer();
+        if closer.requested {
+            task.abort();
+        }
+        closer.by = By::Task(task);
+    }
+
+    /// Records where the connection is parked. False if `close N` came first: the caller
+    /// closes the connection instead.
+    pub fn park_at(&self, ticket: Ticket) -> bool {
+        let mut closer = self.closer();
+        closer.by = By::Parked(ticket);
+        !closer.requested
+    }
+
+    /// The connection leaves its lot. False if `close N` came meanwhile: the caller closes
+    /// the connection instead of resuming it.
+    pub fn unpark(&self) -> bool {
+        let mut closer = self.closer();
+        closer.by = By::Nothing;
+        !closer.requested
+    }
+
+    /// Ends the connection, wherever it is.
+    fn close(&self) {
+        let mut closer = self.closer();
+        closer.requested = true;
+        match &closer.by {
+            By::Nothing => {}
+            By::Task(task) => task.abort(),
+            By::Parked(ticket) => ticket.close(self.id),
         }
     }
 
@@ -119,18 +184,13 @@ impl Registry {
             upstream: AtomicUsize::new(NONE),
             bytes_up: AtomicU64::new(0),
             bytes_down: AtomicU64::new(0),
-            abort: OnceLock::new(),
+            closer: Mutex::default(),
         });
         self.shard(id).insert(id, Arc::clone(&info));
         Registered {
             registry: Arc::clone(self),
             info,
         }
-    }
-
-    /// Records how to stop the task serving connection `info`.
-    pub fn set_abort(info: &ConnInfo, handle: AbortHandle) {
-        let _ = info.abort.set(handle);
     }
 
     /// Connection `id`, if open.
@@ -140,9 +200,9 @@ impl Registry {
 
     /// Closes connection `id` (both sockets); false if there is no such connection.
     pub fn close(&self, id: u64) -> bool {
-        match self.get(id).and_then(|c| c.abort.get().cloned()) {
-            Some(handle) => {
-                handle.abort();
+        match self.get(id) {
+            Some(c) => {
+                c.close();
                 true
             }
             None => false,

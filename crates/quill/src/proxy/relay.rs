@@ -11,9 +11,14 @@
 //! splice(2) through a pooled kernel pipe (see [`super::splice`]) until its source runs dry,
 //! so bulk bytes are not copied through user space at all.
 //!
+//! A connection silent for `idle_park` seconds with nothing in flight stops relaying
+//! ([`Stop::Quiet`]) so that its caller can park it outside the event loop's tasks (see
+//! [`super::park`]); relaying resumes from the same [`Totals`] when a socket wakes.
+//!
 //! Invariants: bytes are forwarded in order and never dropped; an EOF is passed on with
 //! `shutdown(SHUT_WR)` only after everything read before it was written; the relay ends when
-//! both directions are done, on an error, on `tcp_fastclose`, or when idle too long.
+//! both directions are done, on an error, on `tcp_fastclose`, or when idle too long; it only
+//! stops quiet with both directions open and no byte held in user space or in a kernel pipe.
 
 use std::cell::RefCell;
 use std::future::{poll_fn, Future};
@@ -140,6 +145,9 @@ pub struct RelayOptions {
     pub fastclose: FastClose,
     /// Close after this much silence in both directions.
     pub idle_timeout: Option<Duration>,
+    /// Stop quiet (to be parked) after this much silence in both directions. Only the raw
+    /// relay parks; the TLS and HTTP relays ignore it.
+    pub park_after: Option<Duration>,
     /// Keep the first bytes the client sends (for the connection log).
     pub capture: bool,
 }
@@ -170,6 +178,40 @@ enum Failed {
     Source(io::Error),
     /// Writing to the destination.
     Destination(io::Error),
+}
+
+/// How far a relay got before it stopped quiet: what the next relay of the same connection
+/// continues from.
+#[derive(Debug, Default)]
+pub struct Totals {
+    /// Bytes from the client to the server so far.
+    pub up: u64,
+    /// Bytes from the server to the client so far.
+    pub down: u64,
+    /// The capture of the client's first bytes, while still empty (`capture`).
+    pub first: Option<Vec<u8>>,
+    /// How long both directions had been silent when the relay stopped.
+    pub silent: Duration,
+}
+
+impl Totals {
+    /// Where a new connection starts: nothing relayed, capturing the first bytes when the
+    /// connection log wants them.
+    pub fn new(capture: bool) -> Totals {
+        Totals {
+            first: capture.then(Vec::new),
+            ..Totals::default()
+        }
+    }
+}
+
+/// Why a raw relay returned.
+#[derive(Debug)]
+pub enum Stop {
+    /// The connection is over.
+    Ended(Outcome),
+    /// Silent for `park_after`, nothing in flight, both directions open.
+    Quiet(Totals),
 }
 
 /// Totals of one relay.
@@ -221,6 +263,11 @@ impl Drop for Pipe {
 }
 
 impl Pipe {
+    /// A direction that can be parked: open, and holding no byte anywhere.
+    fn quiet(&self) -> bool {
+        !self.eof && self.pending.is_empty() && self.in_bulk == 0
+    }
+
     /// Moves bytes from `src` to `dst` until both would block, the budget is spent, or the
     /// direction is finished. `Ready(Ok)` means finished. `other_done` says the opposite
     /// direction is finished, so both sockets are about to be closed.
@@ -399,79 +446,129 @@ pub(crate) fn turn_end(
     Poll::Pending
 }
 
-/// `idle_timeout` for one connection, shared by every relay. The timer exists only when a
-/// timeout is configured, and it is not reset on every read: when it fires after activity
-/// it is re-armed, so silence is detected between one and two timeouts after the last
-/// byte, at the cost of one timer wake-up per period.
+/// The silence of one connection, shared by every relay: it ends the connection after
+/// `idle_timeout`, and tells the raw relay when `idle_park` has come. The timer exists only
+/// when one of them is configured, and it is not reset on every read: it fires once per
+/// period (the shorter of the two), and a period without activity adds to the silence. So
+/// silence is detected between one and two periods after the last byte, at the cost of one
+/// timer wake-up per period.
 pub(crate) struct IdleTimer {
     period: Duration,
     sleep: Pin<Box<Sleep>>,
+    /// Silence so far, in whole periods.
+    silent: Duration,
+    /// `idle_timeout`.
+    limit: Option<Duration>,
 }
 
 impl IdleTimer {
-    pub(crate) fn new(period: Option<Duration>) -> Option<IdleTimer> {
-        period.map(|period| IdleTimer {
+    /// `limit`: `idle_timeout`; `park_after`: `idle_park` (raw relay only).
+    pub(crate) fn new(limit: Option<Duration>, park_after: Option<Duration>) -> Option<IdleTimer> {
+        let period = match (limit, park_after) {
+            (Some(a), Some(b)) => a.min(b),
+            (a, b) => a.or(b)?,
+        };
+        Some(IdleTimer {
             period,
             sleep: Box::pin(tokio::time::sleep(period)),
+            silent: Duration::ZERO,
+            limit,
         })
     }
 
-    /// True when a whole period passed with `active` still false; each period that had
-    /// activity clears `active` and re-arms the timer.
+    /// True when the silence reached `idle_timeout`. Each period that had activity clears
+    /// `active` and the silence; each one without adds a period to the silence.
     pub(crate) fn expired(&mut self, cx: &mut Context<'_>, active: &mut bool) -> bool {
         while self.sleep.as_mut().poll(cx).is_ready() {
-            if !*active {
-                return true;
+            if *active {
+                *active = false;
+                self.silent = Duration::ZERO;
+            } else {
+                self.silent += self.period;
+                if self.limit.is_some_and(|limit| self.silent >= limit) {
+                    return true;
+                }
             }
-            *active = false;
             self.sleep.as_mut().reset(Instant::now() + self.period);
         }
         false
     }
+
+    /// How long both directions have been silent, in whole periods.
+    pub(crate) fn silent(&self) -> Duration {
+        self.silent
+    }
 }
 
-/// Relays between `client` and `server` until the connection ends.
+/// Relays between `client` and `server`, continuing from `from`, until the connection ends
+/// or stops quiet (`park_after`).
 pub async fn relay<C: Stream + ?Sized, S: Stream + ?Sized>(
     client: &C,
     server: &S,
     opts: RelayOptions,
-) -> Outcome {
+    from: Totals,
+) -> Stop {
     let mut up = Pipe::default();
-    up.first = opts.capture.then(Vec::new);
+    up.bytes = from.up;
+    up.first = from.first;
     let mut down = Pipe::default();
+    down.bytes = from.down;
     let mut active = false;
-    let mut idle = IdleTimer::new(opts.idle_timeout);
-    let end = poll_fn(|cx| {
+    let mut idle = IdleTimer::new(opts.idle_timeout, opts.park_after);
+    let stop = poll_fn(|cx| {
         if !up.done {
             match up.poll(cx, client, server, down.done, &mut active) {
-                Poll::Ready(Err(Failed::Source(e))) => return Poll::Ready(End::Error(e)),
+                Poll::Ready(Err(Failed::Source(e))) => return Poll::Ready(Some(End::Error(e))),
                 // A server that closed cleanly first and then resets what the client
                 // still sends (an HTTP keep-alive timeout racing a new request) has not
                 // failed: only one that resets without having closed is.
                 Poll::Ready(Err(Failed::Destination(e))) if down.eof => {
-                    return Poll::Ready(End::Error(e))
+                    return Poll::Ready(Some(End::Error(e)))
                 }
                 Poll::Ready(Err(Failed::Destination(e))) => {
-                    return Poll::Ready(End::ServerError(e))
+                    return Poll::Ready(Some(End::ServerError(e)))
                 }
                 _ => {}
             }
         }
         if !down.done {
             match down.poll(cx, server, client, up.done, &mut active) {
-                Poll::Ready(Err(Failed::Source(e))) => return Poll::Ready(End::ServerError(e)),
-                Poll::Ready(Err(Failed::Destination(e))) => return Poll::Ready(End::Error(e)),
+                Poll::Ready(Err(Failed::Source(e))) => {
+                    return Poll::Ready(Some(End::ServerError(e)))
+                }
+                Poll::Ready(Err(Failed::Destination(e))) => {
+                    return Poll::Ready(Some(End::Error(e)))
+                }
                 _ => {}
             }
         }
         let fast = fast_close(opts.fastclose, up.eof, down.eof);
-        turn_end(fast, up.done && down.done, &mut idle, cx, &mut active)
+        if let Poll::Ready(end) = turn_end(fast, up.done && down.done, &mut idle, cx, &mut active) {
+            return Poll::Ready(Some(end));
+        }
+        let parks = opts
+            .park_after
+            .zip(idle.as_ref())
+            .is_some_and(|(after, timer)| timer.silent() >= after && up.quiet() && down.quiet());
+        if parks {
+            Poll::Ready(None)
+        } else {
+            Poll::Pending
+        }
     })
     .await;
-    Outcome {
-        up: up.bytes,
-        down: down.bytes,
-        end,
-        first: up.first.take().unwrap_or_default(),
+    match stop {
+        Some(end) => Stop::Ended(Outcome {
+            up: up.bytes,
+            down: down.bytes,
+            end,
+            first: up.first.take().unwrap_or_default(),
+        }),
+        None => Stop::Quiet(Totals {
+            up: up.bytes,
+            down: down.bytes,
+            first: up.first.take(),
+            silent: idle.as_ref().map_or(Duration::ZERO, IdleTimer::silent),
+        }),
     }
 }

@@ -151,7 +151,7 @@ where
     };
     let mut down = Pipe::default();
     let mut active = false;
-    let mut idle = IdleTimer::new(opts.idle_timeout);
+    let mut idle = IdleTimer::new(opts.idle_timeout, None);
     let end = poll_fn(|cx| {
         if !up.done {
             if let Poll::Ready(Err(e)) = up.poll(cx, client, server, &mut active) {
@@ -186,6 +186,7 @@ mod tests {
         RelayOptions {
             fastclose: FastClose::Off,
             idle_timeout: None,
+            park_after: None,
             capture: true,
         }
     }
@@ -238,6 +239,7 @@ mod tests {
         let (mut server, _server_far) = tokio::io::duplex(64);
         let o = RelayOptions {
             idle_timeout: Some(Duration::from_secs(5)),
+            park_after: None,
             ..opts()
         };
         let outcome = relay(&mut client, &mut server, o).await;

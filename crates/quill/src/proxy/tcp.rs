@@ -6,10 +6,12 @@
 //! One instance of [`serve`] runs per event loop, each on its own listener. A connection
 //! task holds only its `Session` (the two sockets and a few words of state) while it
 //! relays: everything before the relay (`open`) runs in a boxed future that is freed once
-//! the relay starts, because the task is allocated for the connection's whole life.
+//! the relay starts. A raw connection silent for `idle_park` seconds leaves its task: its
+//! session is parked ([`super::park`]) until a socket wakes, and a new task relays on.
 
 use std::io;
 use std::net::{IpAddr, Ipv4Addr, SocketAddr};
+use std::os::fd::{AsFd, BorrowedFd};
 use std::sync::atomic::{
     AtomicUsize,
     Ordering::{Relaxed, SeqCst},
@@ -21,9 +23,10 @@ use tokio::net::{TcpListener, TcpStream, UnixListener};
 use tokio::sync::{mpsc, watch};
 
 use super::http::{Exchange, HttpParams, Scheme};
+use super::park::{self, Parked};
 use super::proxy_protocol;
-use super::registry::{Registered, Registry, Upstream};
-use super::relay::{self, relay, Outcome, RelayOptions, Stream};
+use super::registry::{ConnInfo, Registered, Upstream};
+use super::relay::{self, relay, Outcome, RelayOptions, Stop, Stream, Totals};
 use super::stream;
 use crate::balance::{clock, Choice, Selector, ServerState};
 use crate::command::{Host, ProxyVersion, ServerProxy};
@@ -40,7 +43,12 @@ const UNIX_CLIENT: SocketAddr = SocketAddr::new(IpAddr::V4(Ipv4Addr::LOCALHOST),
 /// Pause after an accept error such as EMFILE, so a full fd table does not spin a core.
 const ACCEPT_BACKOFF: Duration = Duration::from_millis(50);
 
-/// Accepts and serves connections until `shutdown` turns true. A listener that arrives on
+/// The longest `idle_timeout` or `idle_park` taken literally (about 30 years): longer ones
+/// mean "never", and must not overflow a clock.
+const FOREVER: Duration = Duration::from_secs(30 * 365 * 86_400);
+
+/// Accepts and serves connections until `shutdown` turns true; `lot` is where this loop
+/// parks its idle connections. A listener that arrives on
 /// `relisten` (the `listen` command) replaces the current one; connections already
 /// established are not affected.
 pub async fn serve(
@@ -48,13 +56,20 @@ pub async fn serve(
     mut listener: Listener,
     mut shutdown: watch::Receiver<bool>,
     mut relisten: mpsc::UnboundedReceiver<Listener>,
+    lot: park::EpollSet,
 ) -> io::Result<()> {
+    // The state lives as long as the process. Leaking one reference says so, and lets
+    // every connection (and every parked session) borrow it without a reference count.
+    let state: &'static State = Box::leak(Box::new(state));
+    if let Err(e) = park::install(lot, &state.parked) {
+        tracing::warn!("idle connections will not be parked on this event loop: {e}");
+    }
     loop {
         let next = match listener {
             Listener::Tcp(l) => {
                 let local_port = l.local_addr()?.port();
                 accept_loop(
-                    &state,
+                    state,
                     TcpListener::from_std(l)?,
                     local_port,
                     &mut shutdown,
@@ -64,7 +79,7 @@ pub async fn serve(
             }
             Listener::Unix(l) => {
                 accept_loop(
-                    &state,
+                    state,
                     UnixListener::from_std(l)?,
                     0,
                     &mut shutdown,
@@ -102,7 +117,7 @@ impl Accept for UnixListener {
 
 /// Accepts until shutdown (returns `None`) or until a new listener arrives (returns it).
 async fn accept_loop<L: Accept>(
-    state: &Arc<State>,
+    state: &'static State,
     listener: L,
     local_port: u16,
     shutdown: &mut watch::Receiver<bool>,
@@ -146,7 +161,7 @@ async fn accept_loop<L: Accept>(
 }
 
 fn spawn_connection<C: ClientStream>(
-    state: &Arc<State>,
+    state: &'static State,
     sock: C,
     peer: SocketAddr,
     local_port: u16,
@@ -156,9 +171,9 @@ fn spawn_connection<C: ClientStream>(
         .as_ref()
         .map(|r| r.register(peer, clock::now_ms()));
     let info = registered.as_ref().map(|r| Arc::clone(&r.info));
-    let task = tokio::task::spawn_local(handle(state.clone(), sock, peer, local_port, registered));
+    let task = tokio::task::spawn_local(handle(state, sock, peer, local_port, registered));
     if let Some(info) = info {
-        Registry::set_abort(&info, task.abort_handle());
+        info.served_by(task.abort_handle());
     }
 }
 
@@ -178,13 +193,22 @@ async fn accept_failed(e: io::Error) {
 }
 
 /// A client-side socket: TCP or Unix.
-trait ClientStream: Stream + tokio::io::AsyncRead + tokio::io::AsyncWrite + Unpin + 'static {
+trait ClientStream:
+    Sized + Stream + tokio::io::AsyncRead + tokio::io::AsyncWrite + Unpin + 'static
+{
+    /// The socket out of the reactor, while its connection is parked.
+    type Std: AsFd + 'static;
     fn set_options(&self, opts: SocketOptions);
     /// The address the client connected to; `None` for a Unix socket.
     fn local(&self) -> Option<SocketAddr>;
+    /// Takes the socket out of the reactor.
+    fn into_std(self) -> io::Result<Self::Std>;
+    /// Puts a socket back into this thread's reactor.
+    fn from_std(socket: Self::Std) -> io::Result<Self>;
 }
 
 impl ClientStream for TcpStream {
+    type Std = std::net::TcpStream;
     fn set_options(&self, opts: SocketOptions) {
         if let Err(e) = apply_options(self, opts) {
             tracing::debug!("client socket options: {e}");
@@ -193,12 +217,25 @@ impl ClientStream for TcpStream {
     fn local(&self) -> Option<SocketAddr> {
         self.local_addr().ok()
     }
+    fn into_std(self) -> io::Result<std::net::TcpStream> {
+        TcpStream::into_std(self)
+    }
+    fn from_std(socket: std::net::TcpStream) -> io::Result<TcpStream> {
+        TcpStream::from_std(socket)
+    }
 }
 
 impl ClientStream for tokio::net::UnixStream {
+    type Std = std::os::unix::net::UnixStream;
     fn set_options(&self, _: SocketOptions) {}
     fn local(&self) -> Option<SocketAddr> {
         None
+    }
+    fn into_std(self) -> io::Result<Self::Std> {
+        tokio::net::UnixStream::into_std(self)
+    }
+    fn from_std(socket: Self::Std) -> io::Result<Self> {
+        tokio::net::UnixStream::from_std(socket)
     }
 }
 
@@ -251,7 +288,7 @@ impl Drop for Lease<'_> {
 }
 
 async fn handle<C: ClientStream>(
-    state: Arc<State>,
+    state: &'static State,
     client: C,
     peer: SocketAddr,
     local_port: u16,
@@ -261,22 +298,45 @@ async fn handle<C: ClientStream>(
     // starts: the task, allocated for the whole life of the connection, holds only the
     // `Session`. (`let ... else` keeps the boxed future's result a temporary: a local
     // moved into the next `.await` would keep its storage in the task.)
-    let Some(mut session) = Box::pin(open(&state, client, peer, local_port, registered)).await
+    let Some(mut session) = Box::pin(open(state, client, peer, local_port, registered)).await
     else {
         return;
     };
-    session.run(&state).await;
+    let from = Totals::new(session.opts.capture);
+    if let Some(totals) = session.run(state, from).await {
+        session.park(state, totals);
+    }
 }
 
-/// What an established connection keeps while it relays: its two ends and the few words
-/// that the end of the connection needs (accounting, the log line, failure reporting).
-struct Session<'a, C> {
+/// Relays on for a parked connection whose socket woke, in a task of its own.
+async fn wake<C: ClientStream>(asleep: Asleep<C>) {
+    let Asleep {
+        state,
+        session,
+        totals,
+    } = asleep;
+    let peer = session.peer;
+    let mut session = match session.map_ends(Resting::into_live) {
+        Ok(session) => session,
+        Err(e) => {
+            tracing::debug!(%peer, "closed: could not resume a parked connection: {e}");
+            return;
+        }
+    };
+    if let Some(totals) = session.run(state, totals).await {
+        session.park(state, totals);
+    }
+}
+
+/// What an established connection keeps while it relays (`E` = [`Live`]) or is parked
+/// (`E` = [`Resting`]): its two ends and the few words that the end of the connection
+/// needs (accounting, the log line, failure reporting).
+struct Session<'a, E> {
     /// Declared first, so dropped first: the connection leaves the registry (`connection
     /// N`, `close N`) before its sockets close, and a client that sees the close never
     /// finds itself still listed.
     registered: Option<Registered>,
-    client: Client<C>,
-    server: Server,
+    ends: E,
     /// The connection slot on the chosen upstream, released when the session ends.
     lease: Lease<'a>,
     /// This connection's place in `State::active`.
@@ -291,6 +351,160 @@ struct Session<'a, C> {
     server_ip: Option<IpAddr>,
 }
 
+/// The ends of a relaying connection.
+struct Live<C> {
+    client: Client<C>,
+    server: Server,
+}
+
+/// The ends of a parked connection: raw sockets, out of the reactor.
+struct Resting<C: ClientStream> {
+    client: C::Std,
+    server: std::net::TcpStream,
+}
+
+impl<C: ClientStream> Live<C> {
+    /// Only raw connections park: TLS keeps state that a socket alone cannot hold.
+    fn into_resting(self) -> io::Result<Resting<C>> {
+        match (self.client, self.server) {
+            (Client::Plain(c), Server::Plain(s)) => Ok(Resting {
+                client: c.into_std()?,
+                server: s.into_std()?,
+            }),
+            _ => Err(io::Error::other("only raw connections can be parked")),
+        }
+    }
+}
+
+impl<C: ClientStream> Resting<C> {
+    fn into_live(self) -> io::Result<Live<C>> {
+        Ok(Live {
+            client: Client::Plain(C::from_std(self.client)?),
+            server: Server::Plain(TcpStream::from_std(self.server)?),
+        })
+    }
+}
+
+/// A parked connection, as its lot keeps it.
+struct Asleep<C: ClientStream> {
+    state: &'static State,
+    session: Session<'static, Resting<C>>,
+    /// Where its relay stopped.
+    totals: Totals,
+}
+
+impl<C: ClientStream> Parked for Asleep<C> {
+    fn fds(&self) -> [BorrowedFd<'_>; 2] {
+        let ends = &self.session.ends;
+        [ends.client.as_fd(), ends.server.as_fd()]
+    }
+
+    fn info(&self) -> Option<&ConnInfo> {
+        self.session.registered.as_ref().map(|r| &*r.info)
+    }
+
+    fn remaining(&self) -> Option<Duration> {
+        let limit = self.session.opts.idle_timeout?;
+        Some(limit.saturating_sub(self.totals.silent))
+    }
+
+    fn resume(self: Box<Self>) {
+        let info = self
+            .session
+            .registered
+            .as_ref()
+            .map(|r| Arc::clone(&r.info));
+        let task = tokio::task::spawn_local(wake(*self));
+        if let Some(info) = info {
+            info.served_by(task.abort_handle());
+        }
+    }
+
+    fn expire(self: Box<Self>) {
+        let Asleep {
+            state,
+            session,
+            totals,
+        } = *self;
+        session.finish(
+            state,
+            Outcome {
+                up: totals.up,
+                down: totals.down,
+                end: relay::End::Idle,
+                first: totals.first.unwrap_or_default(),
+            },
+        );
+    }
+}
+
+impl<'a, E> Session<'a, E> {
+    /// The same session with other ends; `None` (the connection closed) when they cannot
+    /// be made.
+    fn map_ends<F>(self, f: impl FnOnce(E) -> io::Result<F>) -> io::Result<Session<'a, F>> {
+        let Session {
+            registered,
+            ends,
+            lease,
+            _active,
+            exchange,
+            opts,
+            peer,
+            log,
+            started_unix,
+            ip,
+            server_ip,
+        } = self;
+        Ok(Session {
+            registered,
+            ends: f(ends)?,
+            lease,
+            _active,
+            exchange,
+            opts,
+            peer,
+            log,
+            started_unix,
+            ip,
+            server_ip,
+        })
+    }
+
+    /// Accounts for the connection once it is over: byte counters, the log line, and a
+    /// server that failed mid-connection.
+    fn finish(&self, state: &State, outcome: Outcome) {
+        let lease = &self.lease;
+        lease.server.bytes_to.fetch_add(outcome.up, Relaxed);
+        lease.server.bytes_from.fetch_add(outcome.down, Relaxed);
+        if let Some(r) = &self.registered {
+            r.info.bytes_up.store(outcome.up, Relaxed);
+            r.info.bytes_down.store(outcome.down, Relaxed);
+        }
+        if let Some(log) = &self.log {
+            log.record(self.ip, self.started_unix, self.server_ip, &outcome.first);
+        }
+        let peer = self.peer;
+        match &outcome.end {
+            relay::End::Error(e) => {
+                tracing::debug!(%peer, server = ?lease.index, "connection ended: {e}");
+            }
+            relay::End::ServerError(e) => match lease.index {
+                // A server that resets a connection mid-transfer is treated like one that
+                // refuses: new clients go elsewhere for the blacklist time.
+                Some(index) => {
+                    let blacklist = state.settings().blacklist;
+                    tracing::info!(
+                        "server {index} failed mid-connection: {e}; blacklisted for {blacklist} s"
+                    );
+                    state.server_failed(index, blacklist);
+                }
+                None => tracing::debug!(%peer, "emergency or abuse server failed: {e}"),
+            },
+            _ => {}
+        }
+    }
+}
+
 /// Accepts the connection into quill: conn_max, the PROXY header, `dummy`, the client
 /// ACL, the TLS handshake, server selection and the upstream connect. `None` when the
 /// connection ended on the way (refused, denied, failed, or served by `dummy`).
@@ -300,7 +514,7 @@ async fn open<C: ClientStream>(
     mut peer: SocketAddr,
     local_port: u16,
     registered: Option<Registered>,
-) -> Option<Session<'_, C>> {
+) -> Option<Session<'_, Live<C>>> {
     let settings = state.settings();
     let log = state.log.load_full();
     let started_unix = if log.is_some() { unix_now() } else { 0 };
@@ -437,10 +651,11 @@ async fn open<C: ClientStream>(
             None => Upstream::Abuse,
         });
     }
+    let seconds = |n: u64| (n > 0).then(|| Duration::from_secs(n).min(FOREVER));
     let relay_opts = RelayOptions {
         fastclose: settings.fastclose,
-        idle_timeout: (settings.idle_timeout > 0)
-            .then(|| Duration::from_secs(settings.idle_timeout)),
+        idle_timeout: seconds(settings.idle_timeout),
+        park_after: seconds(settings.idle_park),
         capture: log.is_some(),
     };
     // Read before relaying: once the server has closed, its address is gone.
@@ -460,8 +675,7 @@ async fn open<C: ClientStream>(
         }))
     });
     Some(Session {
-        client,
-        server,
+        ends: Live { client, server },
         lease,
         _active: held,
         registered,
@@ -475,16 +689,20 @@ async fn open<C: ClientStream>(
     })
 }
 
-impl<C: ClientStream> Session<'_, C> {
-    /// Relays until the connection ends, then accounts for it. Borrows the session, so
-    /// that the task stores it once (a session moved into this future would also keep its
-    /// slot in the caller's).
-    async fn run(&mut self, state: &State) {
+impl<C: ClientStream> Session<'static, Live<C>> {
+    /// Relays (continuing from `from`) until the connection ends, then accounts for it;
+    /// or until a raw connection has been silent for `idle_park`: then returns where it
+    /// stopped, for [`Session::park`]. Borrows the session, so that the task stores it
+    /// once (a session moved into this future would also keep its slot in the caller's).
+    async fn run(&mut self, state: &State, from: Totals) -> Option<Totals> {
         let opts = self.opts;
         // Raw sockets on both sides without `http` take the fast path.
-        let outcome = match (&mut self.client, &mut self.server) {
+        let outcome = match (&mut self.ends.client, &mut self.ends.server) {
             (Client::Plain(c), Server::Plain(s)) if self.exchange.is_none() => {
-                relay(&*c, &*s, opts).await
+                match relay(&*c, &*s, opts, from).await {
+                    Stop::Ended(outcome) => outcome,
+                    Stop::Quiet(totals) => return Some(totals),
+                }
             }
             (Client::Plain(c), Server::Plain(s)) => {
                 pump_streams(state, c, s, self.exchange.take(), opts).await
@@ -499,34 +717,20 @@ impl<C: ClientStream> Session<'_, C> {
                 pump_streams(state, &mut **c, &mut **s, self.exchange.take(), opts).await
             }
         };
-        let lease = &self.lease;
-        lease.server.bytes_to.fetch_add(outcome.up, Relaxed);
-        lease.server.bytes_from.fetch_add(outcome.down, Relaxed);
-        if let Some(r) = &self.registered {
-            r.info.bytes_up.store(outcome.up, Relaxed);
-            r.info.bytes_down.store(outcome.down, Relaxed);
-        }
-        if let Some(log) = &self.log {
-            log.record(self.ip, self.started_unix, self.server_ip, &outcome.first);
-        }
+        self.finish(state, outcome);
+        None
+    }
+
+    /// Parks the connection (see [`super::park`]); its task ends.
+    fn park(self, state: &'static State, totals: Totals) {
         let peer = self.peer;
-        match &outcome.end {
-            relay::End::Error(e) => {
-                tracing::debug!(%peer, server = ?lease.index, "connection ended: {e}");
-            }
-            relay::End::ServerError(e) => match lease.index {
-                // A server that resets a connection mid-transfer is treated like one that
-                // refuses: new clients go elsewhere for the blacklist time.
-                Some(index) => {
-                    let blacklist = state.settings().blacklist;
-                    tracing::info!(
-                        "server {index} failed mid-connection: {e}; blacklisted for {blacklist} s"
-                    );
-                    state.server_failed(index, blacklist);
-                }
-                None => tracing::debug!(%peer, "emergency or abuse server failed: {e}"),
-            },
-            _ => {}
+        match self.map_ends(Live::into_resting) {
+            Ok(session) => park::park(Box::new(Asleep {
+                state,
+                session,
+                totals,
+            })),
+            Err(e) => tracing::debug!(%peer, "closed: could not park an idle connection: {e}"),
         }
     }
 }

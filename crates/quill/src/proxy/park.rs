@@ -1,0 +1,332 @@
+//! Idle connections parked outside the event loop's tasks (`idle_park`).
+//!
+//! A raw relay silent for `idle_park` seconds stops, and its session waits here instead of
+//! in a task: its sockets leave tokio's reactor (which keeps a 256-byte readiness record per
+//! socket) and its task ends (about 900 bytes), so a parked connection costs its session
+//! (a few hundred bytes) and two entries in this loop's own epoll set. The first event on
+//! either socket (data, EOF, error) takes the session out and spawns a task that relays on.
+//! `idle_timeout` keeps counting for parked sessions (a deadline heap), and `close N`
+//! reaches them through a queue that the control thread fills.
+//!
+//! Invariants: one lot per event-loop thread, used only from that thread (the close queue
+//! is the only shared part); a session's sockets are in the epoll set exactly while it is
+//! in the slab; a deadline or close request names its session by ticket or connection
+//! number as well as by slab key, so a stale one never touches a newer session that reuses
+//! the key.
+
+use std::cell::{Cell, RefCell};
+use std::cmp::Reverse;
+use std::collections::BinaryHeap;
+use std::io;
+use std::os::fd::{BorrowedFd, OwnedFd};
+use std::rc::Rc;
+use std::sync::atomic::{AtomicUsize, Ordering::Relaxed};
+use std::sync::{Arc, Mutex};
+use std::time::Duration;
+
+use rustix::event::epoll::{self, CreateFlags, EventData, EventFlags, EventVec};
+use slab::Slab;
+use tokio::io::unix::AsyncFd;
+use tokio::sync::Notify;
+use tokio::time::Instant;
+
+use super::registry::ConnInfo;
+
+/// Events taken from the epoll set per system call.
+const EVENTS: usize = 256;
+
+/// How long after a session parked the lot hands the memory freed meanwhile back to the
+/// operating system: a wave of parking connections frees one task each, and the loop, now
+/// idle, would otherwise keep those pages (see [`crate::memory`]).
+const RELEASE_AFTER: Duration = Duration::from_millis(100);
+
+/// A session that can wait in a lot. Implemented by the TCP data plane's parked session.
+pub(crate) trait Parked {
+    /// The client's and the server's socket, watched for any event.
+    fn fds(&self) -> [BorrowedFd<'_>; 2];
+    /// The connection's registry entry, when a control socket exists.
+    fn info(&self) -> Option<&ConnInfo>;
+    /// How much longer the connection may stay silent (`idle_timeout`), if limited.
+    fn remaining(&self) -> Option<Duration>;
+    /// A socket woke: relay on in a new task.
+    fn resume(self: Box<Self>);
+    /// `idle_timeout` ran out while parked: account for the connection, and close it.
+    fn expire(self: Box<Self>);
+}
+
+/// The part of a lot that other threads reach: `close N` for a parked connection.
+#[derive(Debug, Default)]
+pub struct Remote {
+    /// (slab key, connection number) of each session to close.
+    closing: Mutex<Vec<(usize, u64)>>,
+    wake: Notify,
+}
+
+/// Where a parked connection waits, for `close N`.
+#[derive(Debug, Clone)]
+pub struct Ticket {
+    remote: Arc<Remote>,
+    key: usize,
+}
+
+impl Ticket {
+    /// Asks the lot to close connection `id` (which is parked at this ticket's key).
+    pub fn close(&self, id: u64) {
+        self.remote
+            .closing
+            .lock()
+            .unwrap_or_else(|p| p.into_inner())
+            .push((self.key, id));
+        self.remote.wake.notify_one();
+    }
+}
+
+/// One parked session.
+struct Slot {
+    session: Box<dyn Parked>,
+    /// Tells this session's deadline entries from those of earlier sessions at its key.
+    ticket: u64,
+}
+
+/// The parked sessions of one event loop.
+struct Lot {
+    epoll: AsyncFd<OwnedFd>,
+    slots: RefCell<Slab<Slot>>,
+    /// `idle_timeout` deadlines: (when, slab key, ticket), earliest first.
+    deadlines: RefCell<BinaryHeap<Reverse<(Instant, usize, u64)>>>,
+    next_ticket: Cell<u64>,
+    /// When to release freed memory, once sessions have parked.
+    release_at: Cell<Option<Instant>>,
+    /// Wakes `serve` to look at the deadlines again after a park.
+    parked: Notify,
+    remote: Arc<Remote>,
+    /// Parked sessions of every loop (`State::parked`).
+    gauge: &'static AtomicUsize,
+}
+
+thread_local! {
+    static LOT: RefCell<Option<Rc<Lot>>> = const { RefCell::new(None) };
+}
+
+/// Parks `session` in this thread's lot. When it cannot (no lot on this thread, or the
+/// kernel refuses to watch the sockets), the session resumes at once in a new task.
+pub(crate) fn park(session: Box<dyn Parked>) {
+    match LOT.with(|cell| cell.borrow().clone()) {
+        Some(lot) => lot.park(session),
+        None => session.resume(),
+    }
+}
+
+/// The epoll set of one event loop's lot, made before the loop's thread starts: its
+/// descriptor is there from the start, not from the first idle connection on.
+#[derive(Debug)]
+pub struct EpollSet(OwnedFd);
+
+impl EpollSet {
+    pub fn new() -> io::Result<EpollSet> {
+        Ok(EpollSet(epoll::create(CreateFlags::CLOEXEC)?))
+    }
+}
+
+/// Makes `set` this thread's lot, with the task that serves it. Must run on an event
+/// loop's `LocalSet`; `gauge` counts the parked sessions of every loop.
+pub(crate) fn install(set: EpollSet, gauge: &'static AtomicUsize) -> io::Result<()> {
+    let lot = Rc::new(Lot {
+        epoll: register(set.0)?,
+        slots: RefCell::new(Slab::new()),
+        deadlines: RefCell::new(BinaryHeap::new()),
+        next_ticket: Cell::new(0),
+        release_at: Cell::new(None),
+        parked: Notify::new(),
+        remote: Arc::new(Remote::default()),
+        gauge,
+    });
+    tokio::task::spawn_local(Rc::clone(&lot).serve());
+    LOT.with(|cell| *cell.borrow_mut() = Some(lot));
+    Ok(())
+}
+
+/// The session leaves its lot: false if `close N` came meanwhile, and it must close instead
+/// of resuming.
+fn leaves(session: &dyn Parked) -> bool {
+    session.info().map_or(true, ConnInfo::unpark)
+}
+
+/// Registers the lot's epoll set with this thread's reactor: it is readable when a parked
+/// socket has an event.
+// `AsyncFd::with_interest` is deprecated (tokio#8587) because a type whose descriptor can
+// change under the registration would be unsound; an `OwnedFd` owns one descriptor for its
+// whole life, so the safe constructor is sound here.
+#[allow(deprecated)]
+fn register(epoll: OwnedFd) -> io::Result<AsyncFd<OwnedFd>> {
+    AsyncFd::with_interest(epoll, tokio::io::Interest::READABLE)
+}
+
+impl Lot {
+    fn park(&self, session: Box<dyn Parked>) {
+        let key = self.slots.borrow().vacant_key();
+        if let Some(info) = session.info() {
+            let ticket = Ticket {
+                remote: Arc::clone(&self.remote),
+                key,
+            };
+            if !info.park_at(ticket) {
+                return; // `close N` came first: dropping the session closes it.
+            }
+        }
+        if let Err(e) = self.watch(&*session, key) {
+            tracing::debug!("cannot park an idle connection: {e}");
+            if leaves(&*session) {
+                session.resume();
+            }
+            return;
+        }
+        let ticket = self.next_ticket.get();
+        self.next_ticket.set(ticket.wrapping_add(1));
+        if let Some(left) = session.remaining() {
+            // `remaining` is bounded far below overflow (tcp.rs caps `idle_timeout`).
+            if let Some(when) = Instant::now().checked_add(left) {
+                self.deadlines
+                    .borrow_mut()
+                    .push(Reverse((when, key, ticket)));
+            }
+        }
+        self.slots.borrow_mut().insert(Slot { session, ticket });
+        self.gauge.fetch_add(1, Relaxed);
+        if self.release_at.get().is_none() {
+            self.release_at.set(Some(Instant::now() + RELEASE_AFTER));
+        }
+        self.parked.notify_one();
+    }
+
+    /// Adds both sockets to the epoll set; on failure neither is in it.
+    fn watch(&self, session: &dyn Parked, key: usize) -> io::Result<()> {
+        let flags = EventFlags::IN | EventFlags::RDHUP;
+        let [client, server] = session.fds();
+        let data = EventData::new_u64(key as u64);
+        epoll::add(self.epoll.get_ref(), client, data, flags)?;
+        if let Err(e) = epoll::add(self.epoll.get_ref(), server, data, flags) {
+            let _ = epoll::delete(self.epoll.get_ref(), client);
+            return Err(e.into());
+        }
+        Ok(())
+    }
+
+    /// Takes the session at `key` out of the lot, its sockets out of the epoll set.
+    fn take(&self, key: usize) -> Option<Box<dyn Parked>> {
+        let slot = self.slots.borrow_mut().try_remove(key)?;
+        for fd in slot.session.fds() {
+            // Fails only if the socket is not in the set, which the invariant excludes;
+            // closing the socket would remove it anyway.
+            let _ = epoll::delete(self.epoll.get_ref(), fd);
+        }
+        self.gauge.fetch_sub(1, Relaxed);
+        Some(slot.session)
+    }
+
+    /// Serves the lot for the life of the event loop: socket events, close requests and
+    /// `idle_timeout` deadlines.
+    async fn serve(self: Rc<Self>) {
+        let mut events = EventVec::with_capacity(EVENTS);
+        loop {
+            let first = self
+                .deadlines
+                .borrow()
+                .peek()
+                .map(|Reverse((when, ..))| *when);
+            let next = match (first, self.release_at.get()) {
+                (Some(a), Some(b)) => Some(a.min(b)),
+                (a, b) => a.or(b),
+            };
+            let timer = async {
+                match next {
+                    Some(when) => tokio::time::sleep_until(when).await,
+                    None => std::future::pending().await,
+                }
+            };
+            tokio::select! {
+                ready = self.epoll.readable() => match ready {
+                    Ok(mut guard) => {
+                        if let Err(e) = epoll::wait(self.epoll.get_ref(), &mut events, 0) {
+                            tracing::warn!("parked connections: epoll_wait: {e}");
+                        }
+                        if events.len() < EVENTS {
+                            guard.clear_ready();
+                        }
+                        drop(guard);
+                        for event in events.iter() {
+                            // Both sockets of a session may report in one batch: the
+                            // second finds the key empty (nothing parks during the batch).
+                            if let Some(session) = usize::try_from(event.data.u64())
+                                .ok()
+                                .and_then(|key| self.take(key))
+                            {
+                                if leaves(&*session) {
+                                    session.resume();
+                                }
+                            }
+                        }
+                    }
+                    Err(e) => {
+                        tracing::error!("parked connections: {e}");
+                        return;
+                    }
+                },
+                () = self.remote.wake.notified() => self.close_requested(),
+                () = self.parked.notified() => {} // a new deadline, or memory to release
+                () = timer => {
+                    self.expire_due();
+                    if self.release_at.get().is_some_and(|at| at <= Instant::now()) {
+                        self.release_at.set(None);
+                        crate::memory::release_freed();
+                    }
+                }
+            }
+        }
+    }
+
+    fn close_requested(&self) {
+        let requests = std::mem::take(
+            &mut *self
+                .remote
+                .closing
+                .lock()
+                .unwrap_or_else(|p| p.into_inner()),
+        );
+        for (key, id) in requests {
+            let same = self
+                .slots
+                .borrow()
+                .get(key)
+                .and_then(|slot| slot.session.info().map(|info| info.id == id))
+                .unwrap_or(false);
+            if same {
+                drop(self.take(key));
+            }
+        }
+    }
+
+    fn expire_due(&self) {
+        let now = Instant::now();
+        loop {
+            let due = {
+                let mut deadlines = self.deadlines.borrow_mut();
+                match deadlines.peek() {
+                    Some(Reverse((when, ..))) if *when <= now => deadlines.pop(),
+                    _ => None,
+                }
+            };
+            let Some(Reverse((_, key, ticket))) = due else {
+                return;
+            };
+            let current = self
+                .slots
+                .borrow()
+                .get(key)
+                .is_some_and(|slot| slot.ticket == ticket);
+            if let Some(session) = current.then(|| self.take(key)).flatten() {
+                session.expire();
+            }
+        }
+    }
+}
