@@ -277,6 +277,25 @@ def cpus_allowed(pid: int) -> str | None:
     return None
 
 
+def run_load(procs: Procs, argv: list[str], timeout: float) -> str:
+    """Runs a load generator to completion, at the priority of the benchmark's other
+    processes; returns its stdout+stderr. It is reaped here, so RUSAGE_CHILDREN counts it."""
+    p = procs.start("load", argv, None, stdout_pipe=True)
+    try:
+        out_b, _ = p.communicate(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        procs.stop(p)
+        raise StartError(f"{argv[0] if argv[0] != 'taskset' else argv[3]} did not finish in time") from None
+    except BaseException:
+        procs.stop(p)
+        raise
+    procs.live.pop(p.pid, None)
+    out = out_b.decode("utf-8", "replace")
+    if p.returncode != 0:
+        raise StartError(f"{' '.join(argv)} exited with code {p.returncode}: {out.strip()[-500:]}")
+    return out
+
+
 # --------------------------------------------------------------------------- network
 
 
@@ -841,23 +860,6 @@ class Bench:
                 self.procs.stop(proc)
         return run
 
-    def run_load(self, argv: list[str], timeout: float) -> str:
-        """Runs a load generator to completion; returns its stdout+stderr."""
-        p = self.procs.start("load", argv, None, stdout_pipe=True)
-        try:
-            out_b, _ = p.communicate(timeout=timeout)
-        except subprocess.TimeoutExpired:
-            self.procs.stop(p)
-            raise StartError(f"{argv[0] if argv[0] != 'taskset' else argv[3]} did not finish in time") from None
-        except BaseException:
-            self.procs.stop(p)
-            raise
-        self.procs.live.pop(p.pid, None)
-        out = out_b.decode("utf-8", "replace")
-        if p.returncode != 0:
-            raise StartError(f"{' '.join(argv)} exited with code {p.returncode}: {out.strip()[-500:]}")
-        return out
-
     def cpu_accounting(self, run: Run, proc: subprocess.Popen[bytes] | None, body: Any) -> Any:
         """Runs body() and records the CPU the balancer, the backend and others used."""
         assert self.backend is not None
@@ -892,7 +894,7 @@ class Bench:
         argv = self.load_pin(sc) + ["wrk", f"-t{WRK_THREADS}", f"-c{self.args.connections}",
                                     f"-d{self.args.duration}s", *sc.wrk_extra, url]
         run.load_command = argv
-        out = self.cpu_accounting(run, proc, lambda: self.run_load(argv, self.args.duration + 60))
+        out = self.cpu_accounting(run, proc, lambda: run_load(self.procs, argv, self.args.duration + 60))
         run.load_output = out
         try:
             w = parse_wrk(out)
@@ -918,7 +920,7 @@ class Bench:
                                     "--connections", str(self.args.connections),
                                     "--duration", str(self.args.duration), "--warmup", "2"]
         run.load_command = argv
-        out = self.cpu_accounting(run, proc, lambda: self.run_load(argv, self.args.duration + 60))
+        out = self.cpu_accounting(run, proc, lambda: run_load(self.procs, argv, self.args.duration + 60))
         run.load_output = out
         r = last_json(out)
         m = run.metrics
@@ -1014,7 +1016,7 @@ class Bench:
                                         "--path", sc.path, "--requests", str(n),
                                         "--connections", str(self.args.connections)]
             run.load_command = argv
-            out = self.run_load(argv, 300)
+            out = run_load(self.procs, argv, 300)
             r = last_json(out)
         finally:
             if strace.poll() is None:

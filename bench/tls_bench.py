@@ -7,14 +7,24 @@ TLS scenarios:
 
 * keepalive: 50 HTTPS keep-alive connections, 1 KiB responses (TLS 1.3);
 * handshake: a new TCP + TLS connection per request, full handshake (no resumption);
-* each with an ECDSA P-256 and an RSA-2048 certificate (the same files for every balancer).
+* reencrypt: the keepalive load, but the backend is an nginx serving /1k over HTTPS
+  (TLS 1.3 only, a certificate of a test CA) and every balancer speaks TLS to it,
+  verifying that certificate (CA and name "localhost"): HTTPS in, HTTPS out;
+* each with an ECDSA P-256 and an RSA-2048 certificate for the clients (the same files for
+  every balancer; the HTTPS backend always has one ECDSA P-256 certificate).
 
 Layout: the balancer alone on core 0; the load generator (bench/tlsload, rustls) and the
-backend nginx on core 1. Balancers: quill (-E/-K, L4 relay), HAProxy (`mode tcp`, `bind ...
-ssl crt`, 1 thread), NGINX (`listen ssl` + `proxy_pass` with upstream keep-alive, 1 worker),
-and "tls-direct": nginx serving the file itself over TLS on core 0 (no proxying), which is
-the load generator's ceiling for a one-core TLS server. Figures: requests/s, balancer CPU
-µs per request, and how busy the load core was (100 % = the generator was the limit).
+backend nginx on core 1. Balancers: quill (-E/-K, L4 relay; `upstream_tls`, `upstream_ca`,
+`upstream_sni` to the HTTPS backend), HAProxy (`mode tcp`, `bind ... ssl crt`, 1 thread;
+`server ... ssl verify required ca-file`), NGINX (`listen ssl` + `proxy_pass` with upstream
+keep-alive, 1 worker; `proxy_pass https://` with `proxy_ssl_verify on`), and the ceilings:
+"tls-direct" (keepalive, handshake): nginx serving the file itself over TLS on core 0 (no
+proxying), the load generator's ceiling for a one-core TLS server; "backend" (reencrypt):
+the load straight at the HTTPS backend on core 1, the ceiling of the load core. Figures:
+requests/s, balancer CPU µs per request, and how busy each core was (load core at 100 % =
+the generator and the backend were the limit); a run in which other processes took over
+10 % of a core is marked NOISY. Every run starts with one keep-alive connection that must
+get its 1 KiB bodies without error, or it is FAILED (exit code 3).
 """
 
 from __future__ import annotations
@@ -22,11 +32,13 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import resource
 import statistics
 import subprocess
 import sys
 import tempfile
 import time
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -34,43 +46,95 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 import tcp_bench as tb  # noqa: E402
 
 TLSLOAD_DIR = tb.BENCH_DIR / "tlsload"
-BALANCERS = ("quill", "nginx", "haproxy", "tls-direct")
+BALANCERS = ("quill", "nginx", "haproxy", "tls-direct", "backend")
 KEYS = ("ecdsa", "rsa")
-SCENARIOS = ("keepalive", "handshake")
+SCENARIOS = ("keepalive", "handshake", "reencrypt")
+# tlsload's --mode for each scenario, and the ceiling run (no balancer) that goes with it.
+LOAD_MODE = {"keepalive": "keepalive", "handshake": "handshake", "reencrypt": "keepalive"}
+CEILING = {"keepalive": "tls-direct", "handshake": "tls-direct", "reencrypt": "backend"}
+# The name in the HTTPS backend's certificate: every balancer sends it as SNI and checks it.
+BACKEND_NAME = "localhost"
+
+
+@dataclass(frozen=True)
+class Backend:
+    """The nginx behind the balancers: plain HTTP, or HTTPS with the CA that verifies its
+    certificate (reencrypt)."""
+    name: str
+    port: int
+    proc: subprocess.Popen[bytes]
+    ca: Path | None = None
 
 
 def tlsload_bin() -> Path:
     return TLSLOAD_DIR / "target" / "release" / "tlsload"
 
 
+def openssl(*argv: str) -> None:
+    rc, text = tb.run_capture(["openssl", *argv])
+    if rc != 0:
+        raise tb.BenchError(f"openssl {argv[0]} failed: {text}")
+
+
+P256 = ["-newkey", "ec", "-pkeyopt", "ec_paramgen_curve:P-256"]
+
+
 def make_certs(tmp: Path) -> dict[str, tuple[Path, Path, Path]]:
     """(cert, key, combined) per key type, made with the openssl CLI."""
     out = {}
-    for kind, newkey in (("ecdsa", ["-newkey", "ec", "-pkeyopt", "ec_paramgen_curve:P-256"]),
-                         ("rsa", ["-newkey", "rsa:2048"])):
+    for kind, newkey in (("ecdsa", P256), ("rsa", ["-newkey", "rsa:2048"])):
         cert, key, both = tmp / f"{kind}.crt", tmp / f"{kind}.key", tmp / f"{kind}.pem"
-        rc, text = tb.run_capture(["openssl", "req", "-x509", *newkey, "-nodes", "-keyout", str(key),
-                                   "-out", str(cert), "-subj", "/CN=localhost", "-days", "2",
-                                   "-addext", "subjectAltName=DNS:localhost,IP:127.0.0.1"])
-        if rc != 0:
-            raise tb.BenchError(f"openssl req failed: {text}")
+        openssl("req", "-x509", *newkey, "-nodes", "-keyout", str(key), "-out", str(cert),
+                "-subj", "/CN=localhost", "-days", "2",
+                "-addext", "subjectAltName=DNS:localhost,IP:127.0.0.1")
         both.write_text(cert.read_text() + key.read_text())
         out[kind] = (cert, key, both)
     return out
 
 
-def write_nginx_tls(tmp: Path, name: str, port: int, backend_port: int, cert: Path, key: Path,
-                    direct: bool) -> Path:
-    """NGINX terminating TLS: proxy_pass with upstream keep-alive, or serving /1k itself."""
+def make_backend_cert(tmp: Path) -> tuple[Path, Path, Path]:
+    """(CA cert, cert, key) of the HTTPS backend: a test CA and an ECDSA P-256 server
+    certificate it signed for BACKEND_NAME (a leaf, not a CA: rustls refuses a CA
+    certificate as a server's)."""
+    ca, ca_key = tmp / "backend-ca.crt", tmp / "backend-ca.key"
+    cert, key, csr, ext = (tmp / f"backend.{x}" for x in ("crt", "key", "csr", "ext"))
+    openssl("req", "-x509", *P256, "-nodes", "-keyout", str(ca_key), "-out", str(ca),
+            "-subj", "/CN=quill bench test CA", "-days", "2")
+    openssl("req", "-new", *P256, "-nodes", "-keyout", str(key), "-out", str(csr),
+            "-subj", f"/CN={BACKEND_NAME}")
+    ext.write_text(f"basicConstraints=critical,CA:FALSE\nkeyUsage=critical,digitalSignature\n"
+                   f"extendedKeyUsage=serverAuth\nsubjectAltName=DNS:{BACKEND_NAME}\n")
+    openssl("x509", "-req", "-in", str(csr), "-CA", str(ca), "-CAkey", str(ca_key),
+            "-set_serial", "2", "-days", "2", "-extfile", str(ext), "-out", str(cert))
+    return ca, cert, key
+
+
+def write_nginx_tls(tmp: Path, name: str, port: int, cert: Path, key: Path,
+                    backend: Backend | None, protocols: str = "TLSv1.2 TLSv1.3") -> Path:
+    """NGINX terminating TLS: proxy_pass with upstream keep-alive to `backend` (over HTTPS,
+    verified, when it has a CA), or with no backend serving /1k itself."""
     www = tmp / "www"
-    body = f"""
-        location / {{ root {www}; default_type application/octet-stream; }}""" if direct else """
-        location / {
-            proxy_pass http://backend;
+    upstream = ""
+    if backend is None:
+        body = f"""
+        location / {{ root {www}; default_type application/octet-stream; }}"""
+    else:
+        upstream = f"upstream backend {{ server 127.0.0.1:{backend.port}; keepalive 64; }}"
+        # nginx 1.22 offers only up to TLS 1.2 to upstreams unless told, and sends no SNI.
+        https = "" if backend.ca is None else f"""
+            proxy_ssl_protocols TLSv1.2 TLSv1.3;
+            proxy_ssl_verify on;
+            proxy_ssl_trusted_certificate {backend.ca};
+            proxy_ssl_name {BACKEND_NAME};
+            proxy_ssl_server_name on;
+            proxy_ssl_session_reuse on;"""
+        body = f"""
+        location / {{
+            proxy_pass {"http" if backend.ca is None else "https"}://backend;
             proxy_http_version 1.1;
             proxy_set_header Connection "";
-            proxy_buffering on;
-        }"""
+            proxy_buffering on;{https}
+        }}"""
     cfg = tmp / f"{name}.conf"
     cfg.write_text(f"""# generated by bench/tls_bench.py
 worker_processes 1;
@@ -87,12 +151,12 @@ http {{
     tcp_nodelay on;
     client_body_temp_path {tmp}/{name}-body;
     proxy_temp_path {tmp}/{name}-proxy;
-    upstream backend {{ server 127.0.0.1:{backend_port}; keepalive 64; }}
+    {upstream}
     server {{
         listen 127.0.0.1:{port} ssl backlog=4096;
         ssl_certificate {cert};
         ssl_certificate_key {key};
-        ssl_protocols TLSv1.2 TLSv1.3;
+        ssl_protocols {protocols};
         ssl_session_tickets on;
         {body}
     }}
@@ -101,7 +165,9 @@ http {{
     return cfg
 
 
-def write_haproxy_tls(tmp: Path, port: int, backend_port: int, combined: Path) -> Path:
+def write_haproxy_tls(tmp: Path, port: int, backend: Backend, combined: Path) -> Path:
+    verify = "" if backend.ca is None else (
+        f" ssl verify required ca-file {backend.ca} sni str({BACKEND_NAME}) verifyhost {BACKEND_NAME}")
     cfg = tmp / "haproxy-tls.cfg"
     cfg.write_text(f"""# generated by bench/tls_bench.py
 global
@@ -117,22 +183,25 @@ frontend fe
     bind 127.0.0.1:{port} ssl crt {combined} ssl-min-ver TLSv1.2
     default_backend be
 backend be
-    server b1 127.0.0.1:{backend_port}
+    server b1 127.0.0.1:{backend.port}{verify}
 """)
     return cfg
 
 
-def balancer_argv(name: str, port: int, backend_port: int, tmp: Path, quill: Path,
+def balancer_argv(name: str, port: int, backend: Backend, tmp: Path, quill: Path,
                   cert: tuple[Path, Path, Path]) -> list[str]:
     pin = ["taskset", "-c", tb.BALANCER_CORE]
     crt, key, both = cert
     if name == "quill":
+        upstream_tls = [] if backend.ca is None else [
+            "-O", "upstream_tls", "-O", f"upstream_ca {backend.ca}", "-O", f"upstream_sni {BACKEND_NAME}"]
         return pin + [str(quill), "-f", "-r", "-x", "10000", "-E", str(crt), "-K", str(key),
-                      f"127.0.0.1:{port}", f"127.0.0.1:{backend_port}"]
+                      *upstream_tls, f"127.0.0.1:{port}", f"127.0.0.1:{backend.port}"]
     if name == "haproxy":
-        return pin + ["haproxy", "-f", str(write_haproxy_tls(tmp, port, backend_port, both)), "-db"]
-    direct = name == "tls-direct"
-    cfg = write_nginx_tls(tmp, name, port, backend_port, crt, key, direct)
+        return pin + ["haproxy", "-f", str(write_haproxy_tls(tmp, port, backend, both)), "-db"]
+    # The files are named for the port: the plain backend's are tmp/nginx.*.
+    cfg = write_nginx_tls(tmp, f"{name}-{port}", port, crt, key,
+                          None if name == "tls-direct" else backend)
     return pin + ["nginx", "-c", str(cfg), "-p", f"{tmp}/"]
 
 
@@ -157,73 +226,116 @@ def core_busy(before: dict[str, tuple[int, int]], after: dict[str, tuple[int, in
     return (a[0] - b[0]) / (a[1] - b[1])
 
 
-def measure(procs: tb.Procs, tmp: Path, args: argparse.Namespace, quill: Path, backend_port: int,
+def cpu_snapshot(balancer: subprocess.Popen[bytes], backend: Backend) -> dict[str, Any]:
+    """CPU seconds so far of the balancer, the backend, the reaped load generators and the
+    two cores (user + system), and the per-core ticks for core_busy."""
+    def secs(pid: int) -> float:
+        return (tb.proc_tree_ticks(pid) or 0) / tb.CLK_TCK
+    ru = resource.getrusage(resource.RUSAGE_CHILDREN)
+    usersys = tb.cpu_core_ticks()
+    return {"balancer": secs(balancer.pid), "backend": secs(backend.proc.pid),
+            "load": ru.ru_utime + ru.ru_stime, "cores": core_ticks(),
+            "core0": usersys[f"cpu{tb.BALANCER_CORE}"][0] / tb.CLK_TCK,
+            "core1": usersys[f"cpu{tb.LOAD_CORE}"][0] / tb.CLK_TCK}
+
+
+def measure(procs: tb.Procs, tmp: Path, args: argparse.Namespace, quill: Path, backend: Backend,
             certs: dict[str, tuple[Path, Path, Path]], bal: str, key: str, scenario: str) -> dict[str, Any]:
-    port = tb.free_port()
-    argv = balancer_argv(bal, port, backend_port, tmp, quill, certs[key])
-    logf = tmp / f"{bal}.log"
-    p = procs.start(bal, argv, logf)
     run: dict[str, Any] = {"balancer": bal, "key": key, "scenario": scenario}
+    if bal == "backend":  # no balancer: the load goes straight to the backend
+        port, p = backend.port, backend.proc
+        logf = tmp / f"{backend.name}.log"
+    else:
+        port = tb.free_port()
+        logf = tmp / f"{bal}.log"
+        p = procs.start(bal, balancer_argv(bal, port, backend, tmp, quill, certs[key]), logf)
     try:
         tb.wait_accepting(port, p, time.monotonic() + tb.READY_TIMEOUT_S)
         base = ["taskset", "-c", tb.LOAD_CORE, str(tlsload_bin()), "--addr", f"127.0.0.1:{port}",
                 "--threads", "1", "--expect-bytes", "1024"]
-        load = base + ["--mode", scenario, "--connections", str(args.connections),
+        load = base + ["--mode", LOAD_MODE[scenario], "--connections", str(args.connections),
                        "--duration", str(args.duration)]
-        # A short check that the path works before anything is measured.
-        rc, out = tb.run_capture(base + ["--mode", "keepalive", "--connections", "1",
-                                         "--duration", "0.3"], timeout=30)
-        check = json.loads(out.strip().splitlines()[-1]) if rc == 0 and out.strip() else {}
-        if not check.get("requests"):
+        # A short check that the path works (for reencrypt: that the balancer verified the
+        # HTTPS backend and relays its 1 KiB body) before anything is measured.
+        out = tb.run_load(procs, base + ["--mode", "keepalive", "--connections", "1", "--duration", "0.3"], 30)
+        check = tb.last_json(out)
+        if not check.get("requests") or check.get("errors"):
             raise tb.StartError(f"{bal}: no HTTPS request served ({out.strip()[-300:]}); log:\n{tb.tail(logf)}")
-        cores0 = core_ticks()
-        t0 = tb.proc_tree_ticks(p.pid) or 0
-        rc, out = tb.run_capture(load, timeout=args.duration + 60)
-        t1 = tb.proc_tree_ticks(p.pid) or 0
-        cores1 = core_ticks()
-        if rc != 0:
-            raise tb.StartError(f"tlsload exited {rc}: {out[-300:]}")
-        res = json.loads(out.strip().splitlines()[-1])
-        hz = os.sysconf("SC_CLK_TCK")
+        before = cpu_snapshot(p, backend)
+        res = tb.last_json(tb.run_load(procs, load, args.duration + 60))
+        after = cpu_snapshot(p, backend)
         run.update(res)
-        run["balancer_cpu_us_per_req"] = ((t1 - t0) / hz * 1e6 / res["requests"]) if res["requests"] else None
-        run["core0_busy"] = core_busy(cores0, cores1, tb.BALANCER_CORE)
-        run["core1_busy"] = core_busy(cores0, cores1, tb.LOAD_CORE)
+        balancer_s = 0.0 if bal == "backend" else after["balancer"] - before["balancer"]
+        if res["requests"] and bal != "backend":
+            run["balancer_cpu_us_per_req"] = balancer_s * 1e6 / res["requests"]
+        else:
+            run["balancer_cpu_us_per_req"] = None
+        run["core0_busy"] = core_busy(before["cores"], after["cores"], tb.BALANCER_CORE)
+        run["core1_busy"] = core_busy(before["cores"], after["cores"], tb.LOAD_CORE)
+        # What a core ran (user + system) that was not the balancer (core 0), or the backend
+        # and the load generator (core 1): another job on the machine, which makes the run
+        # unreliable. Without a balancer, core 0 is free for anything: nothing to count there.
+        d = {k: after[k] - before[k] for k in ("balancer", "backend", "load", "core0", "core1")}
+        if res["requests"]:  # where core 1's time goes, per request
+            run["backend_cpu_us_per_req"] = d["backend"] * 1e6 / res["requests"]
+            run["load_cpu_us_per_req"] = d["load"] * 1e6 / res["requests"]
+        core0 = 0.0 if bal == "backend" else d["core0"] - d["balancer"]
+        core1 = d["core1"] - d["backend"] - d["load"]
+        run["foreign_cpu_s"] = round(max(0.0, core0, core1), 2)
     except tb.StartError as e:
         run["error"] = str(e)
         tb.warn(str(e))
     finally:
-        procs.stop(p)
+        if p is not backend.proc:
+            procs.stop(p)
     return run
 
 
-def summarize(runs: list[dict[str, Any]]) -> list[dict[str, Any]]:
+def one_line(r: dict[str, Any]) -> str:
+    if "rps" not in r:
+        return f"FAILED: {r.get('error', '')[:200]}"
+    cpu = r["balancer_cpu_us_per_req"]
+    noisy = f"  NOISY: other processes took {r['foreign_cpu_s']:.1f} s" if is_noisy(r) else ""
+    return (f"{r['rps']:>10,.0f} req/s  {'–' if cpu is None else f'{cpu:.1f}':>7} µs/req  errors {r['errors']}"
+            f"  balancer core {r['core0_busy'] * 100:.0f} %  load core {r['core1_busy'] * 100:.0f} %{noisy}")
+
+
+def is_noisy(r: dict[str, Any]) -> bool:
+    """As in bench/run: other processes took more than 10 % of one core during the run."""
+    return r["foreign_cpu_s"] > tb.INTERFERENCE_FRAC * r["seconds"]
+
+
+def summarize(runs: list[dict[str, Any]], keys: list[str], scenarios: list[str]) -> list[dict[str, Any]]:
     rows = []
-    for key in KEYS:
-        for sc in SCENARIOS:
+    for key in keys:
+        for sc in scenarios:
             row: dict[str, Any] = {"key": key, "scenario": sc}
             for bal in BALANCERS:
                 rs = [r for r in runs if r["balancer"] == bal and r["key"] == key
                       and r["scenario"] == sc and "rps" in r]
                 if rs:
+                    cpu = [r["balancer_cpu_us_per_req"] for r in rs if r["balancer_cpu_us_per_req"] is not None]
                     row[bal] = {
                         "rps": statistics.median(r["rps"] for r in rs),
                         "rps_min": min(r["rps"] for r in rs), "rps_max": max(r["rps"] for r in rs),
-                        "cpu_us": statistics.median(r["balancer_cpu_us_per_req"] or 0 for r in rs),
+                        "cpu_us": statistics.median(cpu) if cpu else None,
+                        "core0_busy": statistics.median(r["core0_busy"] for r in rs),
                         "core1_busy": statistics.median(r["core1_busy"] for r in rs),
                         "errors": sum(r["errors"] for r in rs),
+                        "foreign_cpu_s_max": max(r["foreign_cpu_s"] for r in rs),
+                        "noisy_runs": sum(is_noisy(r) for r in rs),
                     }
             rows.append(row)
     return rows
 
 
 def fmt(rows: list[dict[str, Any]]) -> str:
-    out = ["| scenario | key | quill | NGINX | HAProxy | tls-direct | quill/NGINX | quill/HAProxy "
+    out = ["| scenario | key | quill | NGINX | HAProxy | tls-direct | backend | quill/NGINX | quill/HAProxy "
            "| quill µs/req | NGINX µs/req | HAProxy µs/req | load core busy (quill run) |",
-           "|---|---|---|---|---|---|---|---|---|---|---|---|"]
+           "|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
     for r in rows:
         def v(b: str, f: str = "rps") -> str:
-            return f"{r[b][f]:,.0f}" if b in r else "–"
+            return f"{r[b][f]:,.0f}" if b in r and r[b][f] is not None else "–"
 
         def ratio(b: str, f: str = "rps") -> str:
             if "quill" in r and b in r and r[b][f]:
@@ -231,9 +343,34 @@ def fmt(rows: list[dict[str, Any]]) -> str:
             return "–"
         busy = f"{r['quill']['core1_busy'] * 100:.0f} %" if "quill" in r else "–"
         out.append(f"| {r['scenario']} | {r['key']} | {v('quill')} | {v('nginx')} | {v('haproxy')} "
-                   f"| {v('tls-direct')} | {ratio('nginx')} | {ratio('haproxy')} "
+                   f"| {v('tls-direct')} | {v('backend')} | {ratio('nginx')} | {ratio('haproxy')} "
                    f"| {v('quill', 'cpu_us')} | {v('nginx', 'cpu_us')} | {v('haproxy', 'cpu_us')} | {busy} |")
+    noisy = [f"{r['scenario']} {r['key']} {b} ({r[b]['noisy_runs']}, up to {r[b]['foreign_cpu_s_max']:.1f} s)"
+             for r in rows for b in BALANCERS if b in r and r[b]["noisy_runs"]]
+    if noisy:
+        out.append("\nNOISY runs (other processes took over 10 % of a core; do not trust these): "
+                   + ", ".join(noisy))
     return "\n".join(out)
+
+
+def start_backends(procs: tb.Procs, tmp: Path, scenarios: list[str]) -> dict[str, Backend]:
+    """The backend of each scenario, on the load core: the plain nginx of bench/run, and for
+    reencrypt an nginx serving the same files over HTTPS (TLS 1.3 only)."""
+    def start(name: str, port: int, cfg: Path, ca: Path | None) -> Backend:
+        proc = procs.start(name, ["taskset", "-c", tb.LOAD_CORE, "nginx", "-c", str(cfg), "-p", f"{tmp}/"],
+                           tmp / f"{name}.log")
+        tb.wait_accepting(port, proc, time.monotonic() + tb.READY_TIMEOUT_S)
+        return Backend(name, port, proc, ca)
+
+    port = tb.free_port()
+    plain = start("backend", port, tb.write_backend(tmp, port), None)  # also writes tmp/www
+    out = {sc: plain for sc in scenarios if sc != "reencrypt"}
+    if "reencrypt" in scenarios:
+        ca, cert, key = make_backend_cert(tmp)
+        port = tb.free_port()
+        out["reencrypt"] = start("backend-tls", port,
+                                 write_nginx_tls(tmp, "backend-tls", port, cert, key, None, "TLSv1.3"), ca)
+    return out
 
 
 def main(argv: list[str]) -> int:
@@ -242,8 +379,10 @@ def main(argv: list[str]) -> int:
     ap.add_argument("--rounds", type=int, default=3)
     ap.add_argument("--duration", type=float, default=10.0)
     ap.add_argument("--connections", type=int, default=50)
-    ap.add_argument("--only", default=",".join(BALANCERS))
+    ap.add_argument("--only", default=",".join(BALANCERS),
+                    help="balancers; tls-direct runs in keepalive and handshake, backend in reencrypt")
     ap.add_argument("--keys", default=",".join(KEYS))
+    ap.add_argument("--scenarios", default=",".join(SCENARIOS))
     ap.add_argument("--quill-bin", type=Path, default=tb.REPO_ROOT / "target" / "release" / "quill")
     ap.add_argument("--no-build", action="store_true")
     args = ap.parse_args(argv)
@@ -251,6 +390,9 @@ def main(argv: list[str]) -> int:
         args.rounds, args.duration = 1, 3.0
     selected = [b for b in BALANCERS if b in args.only.split(",")]
     keys = [k for k in KEYS if k in args.keys.split(",")]
+    scenarios = [s for s in SCENARIOS if s in args.scenarios.split(",")]
+    if not selected or not keys or not scenarios:
+        raise tb.BenchError(f"nothing to run: --only {args.only} --keys {args.keys} --scenarios {args.scenarios}")
     tb.check_cores()
     packages = {"nginx": "nginx-light", "haproxy": "haproxy", "openssl": "openssl", "taskset": "util-linux"}
     missing = sorted({pkg for tool, pkg in packages.items() if tb.which(tool) is None})
@@ -267,26 +409,23 @@ def main(argv: list[str]) -> int:
         tmp = Path(d)
         os.chmod(tmp, 0o755)
         certs = make_certs(tmp)
-        backend_port = tb.free_port()
-        backend = procs.start("backend", ["taskset", "-c", tb.LOAD_CORE, "nginx", "-c",
-                                          str(tb.write_backend(tmp, backend_port)), "-p", f"{tmp}/"],
-                              tmp / "backend.log")
         try:
-            tb.wait_accepting(backend_port, backend, time.monotonic() + tb.READY_TIMEOUT_S)
+            backends = start_backends(procs, tmp, scenarios)
             for rnd in range(1, args.rounds + 1):
                 for key in keys:
-                    for sc in SCENARIOS:
+                    for sc in scenarios:
                         for bal in selected:
-                            r = measure(procs, tmp, args, args.quill_bin, backend_port, certs, bal, key, sc)
+                            if bal in CEILING.values() and bal != CEILING[sc]:
+                                continue
+                            r = measure(procs, tmp, args, args.quill_bin, backends[sc], certs, bal, key, sc)
                             r["round"] = rnd
                             runs.append(r)
-                            tb.log(f"round {rnd} {key:5} {sc:9} {bal:10} "
-                                   + (f"{r['rps']:>10,.0f} req/s  {r.get('balancer_cpu_us_per_req') or 0:7.1f} µs/req"
-                                      f"  errors {r['errors']}  load core {r['core1_busy'] * 100:.0f} %"
-                                      if "rps" in r else f"FAILED: {r.get('error', '')[:200]}"))
+                            tb.log(f"round {rnd} {key:5} {sc:9} {bal:10} {one_line(r)}")
+        except tb.StartError as e:
+            raise tb.BenchError(f"backend: {e}") from None
         finally:
             procs.stop_all()
-    rows = summarize(runs)
+    rows = summarize(runs, keys, scenarios)
     table = fmt(rows)
     tb.log("\n" + table)
     tb.RESULTS_DIR.mkdir(exist_ok=True)
@@ -296,6 +435,13 @@ def main(argv: list[str]) -> int:
                                "machine": tb.describe_machine(), "runs": runs, "summary": rows},
                               indent=1, default=str))
     tb.log(f"\nJSON: {out.relative_to(tb.REPO_ROOT)}")
+    failed = [f"{r['balancer']} {r['key']} {r['scenario']} round {r['round']}" for r in runs if "error" in r]
+    errors = sum(r.get("errors", 0) for r in runs)
+    if errors:
+        tb.warn(f"{errors} requests failed during the measured runs (see the errors column of the JSON)")
+    if failed:
+        tb.warn(f"FAILED runs: {', '.join(failed)}")
+        return 3
     return 0
 
 
