@@ -37,7 +37,8 @@ fn main() -> ExitCode {
 
 /// mimalloc instead of glibc's malloc: a connection is a handful of small, long-lived
 /// allocations (its task, two socket registrations), and mimalloc packs them tighter:
-/// 1,632 instead of 1,982 bytes of RSS per idle proxied connection (`bench/run --scenarios
-/// idle9k`), with the same CPU per request (keep-alive and TLS handshakes, A/B).
+/// 1,632 instead of 1,982 bytes of RSS per idle proxied connection before it is parked
+/// (`bench/run --scenarios idle9k`), with the same CPU per request (keep-alive and TLS
+/// handshakes, A/B). `quill::memory` asks it to return what parking frees.
 #[global_allocator]
 static GLOBAL: mimalloc::MiMalloc = mimalloc::MiMalloc;

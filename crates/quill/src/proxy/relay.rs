@@ -459,6 +459,9 @@ pub(crate) struct IdleTimer {
     silent: Duration,
     /// `idle_timeout`.
     limit: Option<Duration>,
+    /// The timer was polled since it was last set, so it will wake the task: until it
+    /// fires, a turn need not poll it again (a poll costs more than the check).
+    armed: bool,
 }
 
 impl IdleTimer {
@@ -473,12 +476,17 @@ impl IdleTimer {
             sleep: Box::pin(tokio::time::sleep(period)),
             silent: Duration::ZERO,
             limit,
+            armed: false,
         })
     }
 
     /// True when the silence reached `idle_timeout`. Each period that had activity clears
     /// `active` and the silence; each one without adds a period to the silence.
     pub(crate) fn expired(&mut self, cx: &mut Context<'_>, active: &mut bool) -> bool {
+        if self.armed && !self.sleep.is_elapsed() {
+            return false;
+        }
+        self.armed = true;
         while self.sleep.as_mut().poll(cx).is_ready() {
             if *active {
                 *active = false;
