@@ -35,6 +35,18 @@ impl Backend {
     }
 }
 
+/// A backend, and quill in front of it parking connections after 1 s, with `extra`
+/// arguments and a control socket.
+fn start_parking(extra: &[&str]) -> (Backend, Quill, String) {
+    let backend = Backend::start();
+    let spec = backend.spec();
+    let mut args = vec!["-O", "idle_park 1"];
+    args.extend_from_slice(extra);
+    args.extend(["127.0.0.1:{port}", spec.as_str()]);
+    let (q, ctl) = start_with_tcp_control(&args);
+    (backend, q, ctl)
+}
+
 /// Opens a connection through quill and returns (client side, server side).
 fn pair(q: &Quill, backend: &Backend) -> (TcpStream, TcpStream) {
     let client = q.connect();
@@ -64,9 +76,7 @@ fn parked_connections_wake_for_bytes_from_either_side() {
     if skip_on_pen("idle_park is a quill extension") {
         return;
     }
-    let backend = Backend::start();
-    let (q, ctl) =
-        start_with_tcp_control(&["-O", "idle_park 1", "127.0.0.1:{port}", &backend.spec()]);
+    let (backend, q, ctl) = start_parking(&[]);
     let mut pairs: Vec<_> = (0..20).map(|_| pair(&q, &backend)).collect();
     for (client, server) in &mut pairs {
         send_and_expect(client, server, b"hello");
@@ -109,9 +119,7 @@ fn half_close_and_close_reach_the_other_side_of_a_parked_connection() {
     if skip_on_pen("idle_park is a quill extension") {
         return;
     }
-    let backend = Backend::start();
-    let (q, ctl) =
-        start_with_tcp_control(&["-O", "idle_park 1", "127.0.0.1:{port}", &backend.spec()]);
+    let (backend, q, ctl) = start_parking(&[]);
     let (mut client, mut server) = pair(&q, &backend);
     send_and_expect(&mut client, &mut server, b"request");
     wait_parked(&ctl, 1);
@@ -148,15 +156,7 @@ fn idle_timeout_ends_a_parked_connection_and_its_bytes_are_counted() {
     if skip_on_pen("idle_park is a quill extension") {
         return;
     }
-    let backend = Backend::start();
-    let (q, ctl) = start_with_tcp_control(&[
-        "-O",
-        "idle_park 1",
-        "-O",
-        "idle_timeout 3",
-        "127.0.0.1:{port}",
-        &backend.spec(),
-    ]);
+    let (backend, q, ctl) = start_parking(&["-O", "idle_timeout 3"]);
     let (mut client, mut server) = pair(&q, &backend);
     send_and_expect(&mut client, &mut server, b"0123456789");
     send_and_expect(&mut server, &mut client, b"abcde");
@@ -176,9 +176,7 @@ fn close_n_closes_a_parked_connection() {
     if skip_on_pen("idle_park is a quill extension") {
         return;
     }
-    let backend = Backend::start();
-    let (q, ctl) =
-        start_with_tcp_control(&["-O", "idle_park 1", "127.0.0.1:{port}", &backend.spec()]);
+    let (backend, q, ctl) = start_parking(&[]);
     let (mut one, mut one_server) = pair(&q, &backend);
     let (mut two, mut two_server) = pair(&q, &backend);
     send_and_expect(&mut one, &mut one_server, b"1");

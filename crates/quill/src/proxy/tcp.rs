@@ -302,7 +302,7 @@ async fn handle<C: ClientStream>(
     else {
         return;
     };
-    let from = Totals::new(session.opts.capture);
+    let from = Totals::new(session.books.opts.capture);
     if let Some(totals) = session.run(state, from).await {
         session.park(state, totals);
     }
@@ -315,7 +315,7 @@ async fn wake<C: ClientStream>(asleep: Asleep<C>) {
         session,
         totals,
     } = asleep;
-    let peer = session.peer;
+    let peer = session.books.peer;
     let mut session = match session.map_ends(Resting::into_live) {
         Ok(session) => session,
         Err(e) => {
@@ -329,14 +329,20 @@ async fn wake<C: ClientStream>(asleep: Asleep<C>) {
 }
 
 /// What an established connection keeps while it relays (`E` = [`Live`]) or is parked
-/// (`E` = [`Resting`]): its two ends and the few words that the end of the connection
-/// needs (accounting, the log line, failure reporting).
+/// (`E` = [`Resting`]): its two ends and its books.
 struct Session<'a, E> {
     /// Declared first, so dropped first: the connection leaves the registry (`connection
     /// N`, `close N`) before its sockets close, and a client that sees the close never
     /// finds itself still listed.
     registered: Option<Registered>,
     ends: E,
+    books: Books<'a>,
+}
+
+/// The few words an established connection keeps besides its sockets: what it holds (its
+/// upstream slot, its place among the open connections), how it relays, and what its end
+/// reports (counters, the log line, a failed server).
+struct Books<'a> {
     /// The connection slot on the chosen upstream, released when the session ends.
     lease: Lease<'a>,
     /// This connection's place in `State::active`.
@@ -404,7 +410,7 @@ impl<C: ClientStream> Parked for Asleep<C> {
     }
 
     fn remaining(&self) -> Option<Duration> {
-        let limit = self.session.opts.idle_timeout?;
+        let limit = self.session.books.opts.idle_timeout?;
         Some(limit.saturating_sub(self.totals.silent))
     }
 
@@ -445,45 +451,35 @@ impl<'a, E> Session<'a, E> {
         let Session {
             registered,
             ends,
-            lease,
-            _active,
-            exchange,
-            opts,
-            peer,
-            log,
-            started_unix,
-            ip,
-            server_ip,
+            books,
         } = self;
         Ok(Session {
             registered,
             ends: f(ends)?,
-            lease,
-            _active,
-            exchange,
-            opts,
-            peer,
-            log,
-            started_unix,
-            ip,
-            server_ip,
+            books,
         })
     }
 
     /// Accounts for the connection once it is over: byte counters, the log line, and a
     /// server that failed mid-connection.
     fn finish(&self, state: &State, outcome: Outcome) {
-        let lease = &self.lease;
+        let books = &self.books;
+        let lease = &books.lease;
         lease.server.bytes_to.fetch_add(outcome.up, Relaxed);
         lease.server.bytes_from.fetch_add(outcome.down, Relaxed);
         if let Some(r) = &self.registered {
             r.info.bytes_up.store(outcome.up, Relaxed);
             r.info.bytes_down.store(outcome.down, Relaxed);
         }
-        if let Some(log) = &self.log {
-            log.record(self.ip, self.started_unix, self.server_ip, &outcome.first);
+        if let Some(log) = &books.log {
+            log.record(
+                books.ip,
+                books.started_unix,
+                books.server_ip,
+                &outcome.first,
+            );
         }
-        let peer = self.peer;
+        let peer = books.peer;
         match &outcome.end {
             relay::End::Error(e) => {
                 tracing::debug!(%peer, server = ?lease.index, "connection ended: {e}");
@@ -675,17 +671,19 @@ async fn open<C: ClientStream>(
         }))
     });
     Some(Session {
-        ends: Live { client, server },
-        lease,
-        _active: held,
         registered,
-        exchange,
-        opts: relay_opts,
-        peer,
-        log,
-        started_unix,
-        ip,
-        server_ip,
+        ends: Live { client, server },
+        books: Books {
+            lease,
+            _active: held,
+            exchange,
+            opts: relay_opts,
+            peer,
+            log,
+            started_unix,
+            ip,
+            server_ip,
+        },
     })
 }
 
@@ -695,26 +693,26 @@ impl<C: ClientStream> Session<'static, Live<C>> {
     /// stopped, for [`Session::park`]. Borrows the session, so that the task stores it
     /// once (a session moved into this future would also keep its slot in the caller's).
     async fn run(&mut self, state: &State, from: Totals) -> Option<Totals> {
-        let opts = self.opts;
+        let opts = self.books.opts;
         // Raw sockets on both sides without `http` take the fast path.
         let outcome = match (&mut self.ends.client, &mut self.ends.server) {
-            (Client::Plain(c), Server::Plain(s)) if self.exchange.is_none() => {
+            (Client::Plain(c), Server::Plain(s)) if self.books.exchange.is_none() => {
                 match relay(&*c, &*s, opts, from).await {
                     Stop::Ended(outcome) => outcome,
                     Stop::Quiet(totals) => return Some(totals),
                 }
             }
             (Client::Plain(c), Server::Plain(s)) => {
-                pump_streams(state, c, s, self.exchange.take(), opts).await
+                pump_streams(state, c, s, self.books.exchange.take(), opts).await
             }
             (Client::Plain(c), Server::Tls(s)) => {
-                pump_streams(state, c, &mut **s, self.exchange.take(), opts).await
+                pump_streams(state, c, &mut **s, self.books.exchange.take(), opts).await
             }
             (Client::Tls(c), Server::Plain(s)) => {
-                pump_streams(state, &mut **c, s, self.exchange.take(), opts).await
+                pump_streams(state, &mut **c, s, self.books.exchange.take(), opts).await
             }
             (Client::Tls(c), Server::Tls(s)) => {
-                pump_streams(state, &mut **c, &mut **s, self.exchange.take(), opts).await
+                pump_streams(state, &mut **c, &mut **s, self.books.exchange.take(), opts).await
             }
         };
         self.finish(state, outcome);
@@ -723,7 +721,7 @@ impl<C: ClientStream> Session<'static, Live<C>> {
 
     /// Parks the connection (see [`super::park`]); its task ends.
     fn park(self, state: &'static State, totals: Totals) {
-        let peer = self.peer;
+        let peer = self.books.peer;
         match self.map_ends(Live::into_resting) {
             Ok(session) => park::park(Box::new(Asleep {
                 state,
