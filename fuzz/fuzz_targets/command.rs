@@ -9,13 +9,22 @@ use quill::command::{Command, ServerField};
 use quill::settings::Settings;
 
 fuzz_target!(|data: &[u8]| {
-    let Ok(line) = std::str::from_utf8(data) else { return };
-    let Ok(cmd) = line.parse::<Command>() else { return };
+    let Ok(line) = std::str::from_utf8(data) else {
+        return;
+    };
+    let Ok(cmd) = line.parse::<Command>() else {
+        return;
+    };
     assert_eq!(cmd.to_string().parse::<Command>().ok(), Some(cmd.clone()));
     // Resolving names would make the target slow and network-dependent.
     let resolves = match &cmd {
-        Command::Server { fields, .. } => fields.iter().any(|f| matches!(f, ServerField::Address(h) if h.ip().is_none())),
-        Command::Emergency(Some(_)) | Command::Abuse(Some(_)) | Command::Listen(Some(_)) | Command::GeoipDb(_) => true,
+        Command::Server { fields, .. } => fields
+            .iter()
+            .any(|f| matches!(f, ServerField::Address(h) if h.ip().is_none())),
+        Command::Emergency(Some(_))
+        | Command::Abuse(Some(_))
+        | Command::Listen(Some(_))
+        | Command::GeoipDb(_) => true,
         _ => false,
     };
     if !resolves {

@@ -7,7 +7,9 @@ use quill::cli::{parse, Parsed};
 use quill::command::Command;
 
 fuzz_target!(|data: &[u8]| {
-    let args = data.split(|&b| b == 0).map(|a| std::ffi::OsString::from(String::from_utf8_lossy(a).into_owned()));
+    let args = data
+        .split(|&b| b == 0)
+        .map(|a| std::ffi::OsString::from(String::from_utf8_lossy(a).into_owned()));
     if let Ok(Parsed::Run(inv)) = parse(args) {
         for (_, cmd) in inv.commands {
             assert_eq!(cmd.to_string().parse::<Command>().ok(), Some(cmd));

@@ -10,7 +10,9 @@ use quill::settings::Settings;
 /// host names, which would make runs slow and depend on the network. Everything else stays,
 /// including every line that does not parse, so the error paths are fuzzed too.
 fn left_out(line: &[u8]) -> bool {
-    let Ok(line) = std::str::from_utf8(line) else { return false };
+    let Ok(line) = std::str::from_utf8(line) else {
+        return false;
+    };
     match line.trim().parse::<Command>() {
         Ok(Command::Server { fields, .. }) => fields
             .iter()
@@ -33,7 +35,16 @@ fuzz_target!(|data: &[u8]| {
         .flat_map(|l| l.iter().copied().chain(std::iter::once(b'\n')))
         .collect();
     let lines = text.split(|&b| b == b'\n').count();
-    if let Err(e) = apply_text(std::path::Path::new("fuzz.cfg"), &text, &mut Settings::default()) {
-        assert!(e.line <= lines, "error line {} beyond the {} lines", e.line, lines);
+    if let Err(e) = apply_text(
+        std::path::Path::new("fuzz.cfg"),
+        &text,
+        &mut Settings::default(),
+    ) {
+        assert!(
+            e.line <= lines,
+            "error line {} beyond the {} lines",
+            e.line,
+            lines
+        );
     }
 });

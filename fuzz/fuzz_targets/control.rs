@@ -59,21 +59,32 @@ fn leaves_the_process(cmd: &Command) -> bool {
 }
 
 fuzz_target!(|data: &[u8]| {
-    let Some((&mode, body)) = data.split_first() else { return };
+    let Some((&mode, body)) = data.split_first() else {
+        return;
+    };
     let input: Vec<u8> = if mode & 1 == 1 && !body.is_empty() {
-        body.iter().copied().cycle().take(MAX_LINE + 4096 + body.len()).collect()
+        body.iter()
+            .copied()
+            .cycle()
+            .take(MAX_LINE + 4096 + body.len())
+            .collect()
     } else {
         body.to_vec()
     };
     let write_size = usize::from(mode >> 1).max(1);
 
     // The model of the framing: the first line, without CR, if short enough and UTF-8.
-    let line_end = input.iter().position(|&b| b == b'\n').unwrap_or(input.len());
+    let line_end = input
+        .iter()
+        .position(|&b| b == b'\n')
+        .unwrap_or(input.len());
     let line = &input[..line_end];
     let framed = if line.len() > MAX_LINE {
         None
     } else {
-        std::str::from_utf8(line).ok().map(|l| l.trim_end_matches('\r'))
+        std::str::from_utf8(line)
+            .ok()
+            .map(|l| l.trim_end_matches('\r'))
     };
     if let Some(cmd) = framed.and_then(|l| l.parse::<Command>().ok()) {
         if leaves_the_process(&cmd) {
@@ -81,7 +92,10 @@ fuzz_target!(|data: &[u8]| {
         }
     }
 
-    let rt = tokio::runtime::Builder::new_current_thread().enable_time().build().expect("runtime");
+    let rt = tokio::runtime::Builder::new_current_thread()
+        .enable_time()
+        .build()
+        .expect("runtime");
     let reply = rt.block_on(async {
         let (mut client, server) = tokio::io::duplex(64 * 1024);
         let sending = async {
@@ -99,13 +113,22 @@ fuzz_target!(|data: &[u8]| {
         reply
     });
     let reply = String::from_utf8(reply).expect("the reply is UTF-8");
-    assert!(reply.is_empty() || reply.ends_with('\n'), "reply without a newline: {reply:?}");
+    assert!(
+        reply.is_empty() || reply.ends_with('\n'),
+        "reply without a newline: {reply:?}"
+    );
     if framed.is_none() {
-        assert!(reply.starts_with("error: "), "a malformed line was not refused: {reply:?}");
+        assert!(
+            reply.starts_with("error: "),
+            "a malformed line was not refused: {reply:?}"
+        );
     }
     if let Some(l) = framed {
         if l.parse::<Command>().is_err() {
-            assert!(reply.starts_with("error: "), "{l:?} does not parse but got {reply:?}");
+            assert!(
+                reply.starts_with("error: "),
+                "{l:?} does not parse but got {reply:?}"
+            );
         }
     }
 });

@@ -25,7 +25,9 @@ fn feed(input: &[u8], steps: &[u8]) -> (Vec<u8>, bool) {
     let mut pos = 0;
     let mut i = 0;
     while pos < input.len() {
-        let step = steps.get(i % steps.len().max(1)).map_or(input.len(), |s| usize::from(*s) + 1);
+        let step = steps
+            .get(i % steps.len().max(1))
+            .map_or(input.len(), |s| usize::from(*s) + 1);
         i += 1;
         let end = (pos + step).min(input.len());
         held.extend_from_slice(&input[pos..end]);

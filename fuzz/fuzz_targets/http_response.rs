@@ -33,7 +33,11 @@ fn run(data: &[u8], split: bool, hsts: bool) -> Vec<u8> {
         let _ = ex.client_bytes(REQUESTS[usize::from(*r) % REQUESTS.len()], &mut sink);
     }
     let mut out = Vec::new();
-    let step = if split { rest.first().map_or(1, |b| usize::from(b % 7) + 1) } else { rest.len().max(1) };
+    let step = if split {
+        rest.first().map_or(1, |b| usize::from(b % 7) + 1)
+    } else {
+        rest.len().max(1)
+    };
     for piece in rest.chunks(step) {
         let mut o = Vec::new();
         match ex.server_bytes(piece, &mut o) {

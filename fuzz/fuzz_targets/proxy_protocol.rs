@@ -13,16 +13,20 @@ use quill::proxy::proxy_protocol::{encode, parse, MAX_HEADER};
 
 /// The addresses as `encode` announces them: IPv4 when both are (or map to) IPv4.
 fn announced(addrs: Option<(SocketAddr, SocketAddr)>) -> Option<(SocketAddr, SocketAddr)> {
-    addrs.map(|(s, d)| match (s.ip().to_canonical(), d.ip().to_canonical()) {
-        (si @ IpAddr::V4(_), di @ IpAddr::V4(_)) => {
-            (SocketAddr::new(si, s.port()), SocketAddr::new(di, d.port()))
-        }
-        _ => (s, d),
-    })
+    addrs.map(
+        |(s, d)| match (s.ip().to_canonical(), d.ip().to_canonical()) {
+            (si @ IpAddr::V4(_), di @ IpAddr::V4(_)) => {
+                (SocketAddr::new(si, s.port()), SocketAddr::new(di, d.port()))
+            }
+            _ => (s, d),
+        },
+    )
 }
 
 fuzz_target!(|data: &[u8]| {
-    let Ok(Some((header, len))) = parse(data) else { return };
+    let Ok(Some((header, len))) = parse(data) else {
+        return;
+    };
     assert!(len <= data.len() && len <= MAX_HEADER);
     for cut in 0..len {
         assert_eq!(parse(&data[..cut]), Ok(None), "prefix of {cut} bytes");

@@ -5,7 +5,9 @@
 use libfuzzer_sys::fuzz_target;
 
 fuzz_target!(|data: &[u8]| {
-    let Ok(list) = std::str::from_utf8(data) else { return };
+    let Ok(list) = std::str::from_utf8(data) else {
+        return;
+    };
     if let Ok(sel) = quill::tls::ciphers::parse(list) {
         let all = quill::tls::ciphers::defaults();
         let mut seen = Vec::new();
