@@ -298,6 +298,9 @@ fn a_client_faster_than_its_server_is_throttled_not_buffered() {
         (total, hash.finalize().to_vec())
     });
     let q = Quill::start(&["127.0.0.1:{port}", &server_addr.to_string()]);
+    // The baseline is read once every event loop runs: a loop still starting up would
+    // count its own set-up as growth.
+    q.started_fd_count().expect("/proc");
     let rss_before = q.rss_kib().expect("/proc");
     let sampler = RssSampler::start(&q);
 
