@@ -192,11 +192,26 @@ impl Lot {
             }
         }
         self.slots.borrow_mut().insert(Slot { session, ticket });
+        self.drop_stale_deadlines();
         self.gauge.fetch_add(1, Relaxed);
         if self.release_at.get().is_none() {
             self.release_at.set(Some(Instant::now() + RELEASE_AFTER));
         }
         self.parked.notify_one();
+    }
+
+    /// A session that wakes leaves its deadline in the heap until it comes due. A client
+    /// that wakes its connection every few seconds under a long `idle_timeout` would
+    /// grow the heap by one entry each time: once stale entries outnumber the parked
+    /// sessions, they go (amortised O(1) per park; the heap stays O(parked sessions)).
+    fn drop_stale_deadlines(&self) {
+        let slots = self.slots.borrow();
+        let mut deadlines = self.deadlines.borrow_mut();
+        if deadlines.len() > 2 * slots.len() + 64 {
+            deadlines.retain(|Reverse((_, key, ticket))| {
+                slots.get(*key).is_some_and(|slot| slot.ticket == *ticket)
+            });
+        }
     }
 
     /// Adds both sockets to the epoll set; on failure neither is in it.
@@ -328,5 +343,79 @@ impl Lot {
                 session.expire();
             }
         }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use std::os::fd::AsFd;
+    use std::os::unix::net::UnixStream;
+
+    /// A parked session of two socket pairs, with a long `idle_timeout`.
+    struct Fake {
+        client: (UnixStream, UnixStream),
+        server: (UnixStream, UnixStream),
+    }
+
+    impl Fake {
+        fn new() -> Fake {
+            Fake {
+                client: UnixStream::pair().unwrap(),
+                server: UnixStream::pair().unwrap(),
+            }
+        }
+    }
+
+    impl Parked for Fake {
+        fn fds(&self) -> [BorrowedFd<'_>; 2] {
+            [self.client.0.as_fd(), self.server.0.as_fd()]
+        }
+        fn info(&self) -> Option<&ConnInfo> {
+            None
+        }
+        fn remaining(&self) -> Option<Duration> {
+            Some(Duration::from_secs(3600))
+        }
+        fn resume(self: Box<Self>) {}
+        fn expire(self: Box<Self>) {}
+    }
+
+    static GAUGE: AtomicUsize = AtomicUsize::new(0);
+
+    #[test]
+    fn sessions_that_keep_waking_do_not_grow_the_deadline_heap() {
+        let rt = tokio::runtime::Builder::new_current_thread()
+            .enable_all()
+            .build()
+            .unwrap();
+        tokio::task::LocalSet::new().block_on(&rt, async {
+            install(EpollSet::new().unwrap(), &GAUGE).unwrap();
+            let lot = LOT.with(|cell| cell.borrow().clone()).unwrap();
+            let steady: Vec<usize> = (0..10)
+                .map(|_| {
+                    park(Box::new(Fake::new()));
+                    lot.slots.borrow().len() - 1
+                })
+                .collect();
+            // One connection parks and wakes 10,000 times beside ten that stay parked.
+            for _ in 0..10_000 {
+                park(Box::new(Fake::new()));
+                let key = lot.slots.borrow().iter().map(|(k, _)| k).max().unwrap();
+                assert!(lot.take(key).is_some());
+            }
+            assert_eq!(lot.slots.borrow().len(), steady.len());
+            let heap = lot.deadlines.borrow().len();
+            assert!(heap <= 2 * (steady.len() + 1) + 64, "{heap} deadlines kept");
+            // The ten parked sessions kept theirs.
+            for key in steady {
+                let ticket = lot.slots.borrow()[key].ticket;
+                assert!(lot
+                    .deadlines
+                    .borrow()
+                    .iter()
+                    .any(|Reverse((_, k, t))| *k == key && *t == ticket));
+            }
+        });
     }
 }
