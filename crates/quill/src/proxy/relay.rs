@@ -188,7 +188,7 @@ pub struct Totals {
     pub up: u64,
     /// Bytes from the server to the client so far.
     pub down: u64,
-    /// The capture of the client's first bytes, while still empty (`capture`).
+    /// The capture of the client's first bytes (`capture`; empty until the client sent).
     pub first: Option<Vec<u8>>,
     /// How long both directions had been silent when the relay stopped.
     pub silent: Duration,
@@ -201,6 +201,16 @@ impl Totals {
         Totals {
             first: capture.then(Vec::new),
             ..Totals::default()
+        }
+    }
+
+    /// The outcome of a connection that ended, for `end`, where its relay had stopped.
+    pub fn ended(self, end: End) -> Outcome {
+        Outcome {
+            up: self.up,
+            down: self.down,
+            end,
+            first: self.first.unwrap_or_default(),
         }
     }
 }
@@ -523,6 +533,7 @@ pub async fn relay<C: Stream + ?Sized, S: Stream + ?Sized>(
     down.bytes = from.down;
     let mut active = false;
     let mut idle = IdleTimer::new(opts.idle_timeout, opts.park_after);
+    // `None`: stopped quiet; `Some`: ended.
     let stop = poll_fn(|cx| {
         if !up.done {
             match up.poll(cx, client, server, down.done, &mut active) {
@@ -554,10 +565,15 @@ pub async fn relay<C: Stream + ?Sized, S: Stream + ?Sized>(
         if let Poll::Ready(end) = turn_end(fast, up.done && down.done, &mut idle, cx, &mut active) {
             return Poll::Ready(Some(end));
         }
-        let parks = opts
-            .park_after
-            .zip(idle.as_ref())
-            .is_some_and(|(after, timer)| timer.silent() >= after && up.quiet() && down.quiet());
+        // `active`: bytes moved since the timer last fired, e.g. a slow receiver's backlog
+        // that only now drained; the connection has not been silent since.
+        let parks = !active
+            && opts
+                .park_after
+                .zip(idle.as_ref())
+                .is_some_and(|(after, timer)| {
+                    timer.silent() >= after && up.quiet() && down.quiet()
+                });
         if parks {
             Poll::Ready(None)
         } else {

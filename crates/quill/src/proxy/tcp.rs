@@ -315,11 +315,11 @@ async fn wake<C: ClientStream>(asleep: Asleep<C>) {
         session,
         totals,
     } = asleep;
-    let peer = session.books.peer;
     let mut session = match session.map_ends(Resting::into_live) {
         Ok(session) => session,
-        Err(e) => {
-            tracing::debug!(%peer, "closed: could not resume a parked connection: {e}");
+        Err((session, e)) => {
+            tracing::debug!(peer = %session.books.peer, "closed: could not resume a parked connection: {e}");
+            session.finish(state, totals.ended(relay::End::Error(e)));
             return;
         }
     };
@@ -432,32 +432,39 @@ impl<C: ClientStream> Parked for Asleep<C> {
             session,
             totals,
         } = *self;
-        session.finish(
-            state,
-            Outcome {
-                up: totals.up,
-                down: totals.down,
-                end: relay::End::Idle,
-                first: totals.first.unwrap_or_default(),
-            },
-        );
+        session.finish(state, totals.ended(relay::End::Idle));
     }
 }
 
 impl<'a, E> Session<'a, E> {
-    /// The same session with other ends; `None` (the connection closed) when they cannot
-    /// be made.
-    fn map_ends<F>(self, f: impl FnOnce(E) -> io::Result<F>) -> io::Result<Session<'a, F>> {
+    /// The same session with other ends. When they cannot be made, the old ends are gone
+    /// (their sockets closed): the rest comes back, for the accounting.
+    // Both variants carry a session, so the error is no larger than the success.
+    #[allow(clippy::result_large_err)]
+    fn map_ends<F>(
+        self,
+        f: impl FnOnce(E) -> io::Result<F>,
+    ) -> Result<Session<'a, F>, (Session<'a, ()>, io::Error)> {
         let Session {
             registered,
             ends,
             books,
         } = self;
-        Ok(Session {
-            registered,
-            ends: f(ends)?,
-            books,
-        })
+        match f(ends) {
+            Ok(ends) => Ok(Session {
+                registered,
+                ends,
+                books,
+            }),
+            Err(e) => Err((
+                Session {
+                    registered,
+                    ends: (),
+                    books,
+                },
+                e,
+            )),
+        }
     }
 
     /// Accounts for the connection once it is over: byte counters, the log line, and a
@@ -721,14 +728,16 @@ impl<C: ClientStream> Session<'static, Live<C>> {
 
     /// Parks the connection (see [`super::park`]); its task ends.
     fn park(self, state: &'static State, totals: Totals) {
-        let peer = self.books.peer;
         match self.map_ends(Live::into_resting) {
             Ok(session) => park::park(Box::new(Asleep {
                 state,
                 session,
                 totals,
             })),
-            Err(e) => tracing::debug!(%peer, "closed: could not park an idle connection: {e}"),
+            Err((session, e)) => {
+                tracing::debug!(peer = %session.books.peer, "closed: could not park an idle connection: {e}");
+                session.finish(state, totals.ended(relay::End::Error(e)));
+            }
         }
     }
 }
