@@ -156,6 +156,7 @@ pub struct Settings {
     pub pending_max: usize,
     pub acls: [Acl; ACL_LISTS],
     pub client_acl: AclId,
+    /// TCP_NODELAY on both sockets of a proxied connection (default on).
     pub tcp_nodelay: bool,
     pub fastclose: FastClose,
     pub keepalive: bool,
@@ -250,7 +251,11 @@ impl Default for Settings {
             pending_max: 100,
             acls: Default::default(),
             client_acl: AclId::default(),
-            tcp_nodelay: false,
+            // On by default, unlike Pen: a response written as a head and a body (two
+            // writes) would otherwise wait for the client's delayed ACK (40 ms) at every
+            // hop. HAProxy and NGINX set it too; the relay writes what one read produced in
+            // one write, so it sends no more segments than the peer did.
+            tcp_nodelay: true,
             fastclose: FastClose::Off,
             keepalive: false,
             idle_timeout: 0,
@@ -667,7 +672,7 @@ impl Settings {
         flag(self.policy.stubborn, false, Command::Stubborn);
         flag(self.policy.weight, false, Command::Weight);
         flag(self.policy.prio, false, Command::Prio);
-        flag(self.tcp_nodelay, false, Command::TcpNodelay);
+        flag(self.tcp_nodelay, true, Command::TcpNodelay);
         flag(self.keepalive, false, Command::Keepalive);
         flag(self.dummy, false, Command::Dummy);
         out.push(Command::Tracking(Some(self.tracking)));
@@ -924,6 +929,7 @@ mod tests {
             "acl 2 permit ::1/128",
             "client_acl 1",
             "tcp_fastclose both",
+            "no tcp_nodelay",
             "source 127.0.0.1",
             "emergency 127.0.0.1:9",
             "block",
@@ -956,5 +962,19 @@ mod tests {
                 .unwrap_or_else(|e| panic!("{line}: {e}"));
         }
         assert_eq!(rebuilt, s);
+    }
+
+    #[test]
+    fn tcp_nodelay_is_on_by_default_and_only_its_absence_is_written() {
+        let on = Settings::default();
+        assert!(on.tcp_nodelay);
+        let lines = |s: &Settings| -> Vec<String> {
+            s.to_commands().iter().map(|c| c.to_string()).collect()
+        };
+        assert!(!lines(&on).iter().any(|l| l.contains("tcp_nodelay")));
+        let off = apply_all(&["no tcp_nodelay"]);
+        assert!(!off.tcp_nodelay);
+        assert!(lines(&off).contains(&"no tcp_nodelay".to_string()));
+        assert!(apply_all(&["no tcp_nodelay", "tcp_nodelay"]).tcp_nodelay);
     }
 }

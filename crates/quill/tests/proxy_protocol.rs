@@ -8,93 +8,22 @@
 mod support;
 
 use std::io::{Read, Write};
-use std::net::{SocketAddr, TcpStream};
 use std::os::unix::net::UnixStream;
-use std::path::Path;
-use std::process::{Child, Command, Stdio};
 use std::time::Duration;
 
+use support::daemon::{self, Daemon};
 use support::http_echo::{read_response, EchoServer};
 use support::*;
 
-/// A daemon of the test (nginx, haproxy), killed when dropped.
-struct Daemon {
-    child: Child,
-    log: std::path::PathBuf,
-    _dir: TempDir,
-}
-
-impl Drop for Daemon {
-    fn drop(&mut self) {
-        let _ = self.child.kill();
-        let _ = self.child.wait();
-    }
-}
-
-impl Daemon {
-    /// Starts `program args` and waits until `port` accepts connections. `None` (with a
-    /// message) when the program is not installed.
-    fn start(program: &str, args: &[String], port: u16, dir: TempDir) -> Option<Daemon> {
-        if Command::new(program).arg("-v").output().is_err() {
-            eprintln!("SKIPPED: {program} is not installed (.ci/run installs it)");
-            return None;
-        }
-        let log = dir.path().join("daemon.log");
-        let child = Command::new(program)
-            .args(args)
-            .stdin(Stdio::null())
-            .stdout(std::fs::File::create(&log).unwrap())
-            .stderr(std::fs::File::create(dir.path().join("daemon.err")).unwrap())
-            .spawn()
-            .unwrap_or_else(|e| panic!("{program}: {e}"));
-        let mut d = Daemon {
-            child,
-            log,
-            _dir: dir,
-        };
-        let addr = SocketAddr::from(([127, 0, 0, 1], port));
-        let up = poll_until(START_DEADLINE, || {
-            if let Ok(Some(status)) = d.child.try_wait() {
-                panic!("{program} exited ({status}): {}", d.stderr());
-            }
-            TcpStream::connect_timeout(&addr, Duration::from_millis(200)).is_ok()
-        });
-        assert!(up, "{program} did not listen on {port}: {}", d.stderr());
-        Some(d)
-    }
-
-    fn stderr(&self) -> String {
-        let dir = self.log.parent().unwrap_or(Path::new("."));
-        let mut s = std::fs::read_to_string(dir.join("daemon.err")).unwrap_or_default();
-        s.push_str(&std::fs::read_to_string(dir.join("error.log")).unwrap_or_default());
-        s
-    }
-}
-
 /// NGINX answering every request with the PROXY protocol addresses it read.
 fn nginx() -> Option<(Daemon, u16)> {
-    let dir = TempDir::new("nginx");
-    let port = free_port();
-    let d = dir.path().display().to_string();
-    let conf = format!(
-        "daemon off;\nmaster_process off;\nworker_processes 1;\npid {d}/nginx.pid;\n\
-         error_log {d}/error.log info;\nevents {{ worker_connections 64; }}\n\
-         http {{\n access_log off;\n client_body_temp_path {d}/body;\n proxy_temp_path {d}/proxy;\n\
-         fastcgi_temp_path {d}/fcgi;\n uwsgi_temp_path {d}/uwsgi;\n scgi_temp_path {d}/scgi;\n\
-         server {{\n  listen 127.0.0.1:{port} proxy_protocol;\n  location / {{\n   default_type text/plain;\n\
-         return 200 \"client=$proxy_protocol_addr:$proxy_protocol_port dst=$proxy_protocol_server_addr:$proxy_protocol_server_port\\n\";\n  }}\n }}\n}}\n"
-    );
-    let path = dir.path().join("nginx.conf");
-    std::fs::write(&path, conf).unwrap();
-    let args = vec![
-        "-p".to_string(),
-        d.clone(),
-        "-e".to_string(),
-        format!("{d}/error.log"),
-        "-c".to_string(),
-        path.display().to_string(),
-    ];
-    Daemon::start("/usr/sbin/nginx", &args, port, dir).map(|n| (n, port))
+    daemon::nginx(
+        " proxy_protocol",
+        "",
+        "  location / {\n   default_type text/plain;\n\
+         return 200 \"client=$proxy_protocol_addr:$proxy_protocol_port dst=$proxy_protocol_server_addr:$proxy_protocol_server_port\\n\";\n  }",
+        &[],
+    )
 }
 
 /// HAProxy answering every request with the source and destination `accept-proxy` read.

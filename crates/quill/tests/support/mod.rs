@@ -25,6 +25,7 @@
 #![allow(clippy::unwrap_used, clippy::expect_used, clippy::panic)]
 
 pub mod ctl;
+pub mod daemon;
 pub mod dns;
 pub mod hosts;
 pub mod http;

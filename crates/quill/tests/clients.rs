@@ -1,0 +1,251 @@
+//! Real clients that nobody here wrote (wrk paced by a `delay()` script, h2load, ab, curl
+//! `--parallel`, Python `requests`) through quill to a real backend: Debian's NGINX with
+//! `sendfile on`, whose every response leaves in two writes (head, then body), as many
+//! application servers' do. Each tool is skipped with a message where it is not installed;
+//! `.ci/run` installs them all.
+//!
+//! No timing is asserted. A stall of tens of milliseconds per request (Nagle's algorithm
+//! holding a response's body until the client's delayed ACK) is a functional defect, so
+//! the paced runs assert that quill serves nearly as many requests as the direct run does
+//! in the same time.
+#![allow(clippy::unwrap_used, clippy::expect_used, clippy::panic)]
+
+mod support;
+
+use std::process::Command;
+use std::sync::Mutex;
+
+use support::daemon::{nginx, nginx_files, Daemon};
+use support::*;
+
+/// The tools measure rates: one at a time, so that they do not share the two cores.
+static ONE_AT_A_TIME: Mutex<()> = Mutex::new(());
+
+const KIB: usize = 1024;
+
+/// Runs `program args`; `None` (with a message) when it is not installed.
+fn tool(program: &str, args: &[&str]) -> Option<String> {
+    match Command::new(program).args(args).output() {
+        Ok(out) => {
+            let text = format!(
+                "{}{}",
+                String::from_utf8_lossy(&out.stdout),
+                String::from_utf8_lossy(&out.stderr)
+            );
+            assert!(out.status.success(), "{program} {args:?} failed:\n{text}");
+            Some(text)
+        }
+        Err(e) if e.kind() == std::io::ErrorKind::NotFound => {
+            eprintln!("SKIPPED: {program} is not installed (.ci/run installs it)");
+            None
+        }
+        Err(e) => panic!("{program}: {e}"),
+    }
+}
+
+/// A 1 KiB page of printable bytes, served by NGINX as `/1k`.
+fn page() -> Vec<u8> {
+    (0..KIB).map(|i| b'a' + (i % 26) as u8).collect()
+}
+
+fn nginx_with_page() -> Option<(Daemon, u16)> {
+    nginx_files(&[("1k", &page())])
+}
+
+/// The number in `text` that follows `before` (up to the next space), e.g. wrk's
+/// "  3177 requests in 3.00s".
+fn number_before(text: &str, after: &str) -> u64 {
+    text.lines()
+        .find_map(|l| {
+            let at = l.find(after)?;
+            l[..at].split_whitespace().last()?.parse().ok()
+        })
+        .unwrap_or_else(|| panic!("no number before {after:?} in:\n{text}"))
+}
+
+/// wrk with one thread and `connections` connections, each sending a request every 5 ms:
+/// the requests completed in 3 s.
+fn paced_wrk(port: u16, connections: usize) -> Option<u64> {
+    let dir = TempDir::new("wrk");
+    let script = dir.path().join("pace.lua");
+    std::fs::write(&script, "function delay() return 5 end\n").unwrap();
+    let out = tool(
+        "wrk",
+        &[
+            "-t1",
+            &format!("-c{connections}"),
+            "-d3s",
+            "-s",
+            script.to_str().unwrap(),
+            &format!("http://127.0.0.1:{port}/1k"),
+        ],
+    )?;
+    assert!(!out.contains("Non-2xx"), "wrk saw errors:\n{out}");
+    assert!(
+        !out.contains("Socket errors"),
+        "wrk saw socket errors:\n{out}"
+    );
+    Some(number_before(&out, "requests in"))
+}
+
+/// The issue's reproduction: at a moderate paced load, a response written as a head and a
+/// body must not wait for the client's delayed ACK. With Nagle's algorithm on quill's
+/// client socket (`no tcp_nodelay`, Pen's default) quill served about a third of the
+/// direct run's requests here; by default it keeps up.
+#[test]
+fn paced_wrk_through_quill_keeps_up_with_the_direct_run() {
+    let _one = ONE_AT_A_TIME.lock().unwrap_or_else(|e| e.into_inner());
+    let Some((_nginx, port)) = nginx_with_page() else {
+        return;
+    };
+    let q = Quill::start(&["-r", "{port}", &format!("127.0.0.1:{port}")]);
+    let Some(direct) = paced_wrk(port, 20) else {
+        return;
+    };
+    let proxied = paced_wrk(q.addr().port(), 20).unwrap();
+    eprintln!("paced wrk, 3 s: {direct} requests direct, {proxied} through quill");
+    assert!(
+        proxied * 10 >= direct * 9,
+        "through quill {proxied} requests in 3 s, direct {direct}: responses stall"
+    );
+}
+
+/// h2load over HTTP/1.1 at full speed on two connections through quill: every request
+/// succeeds, and the rate is of the same order as the direct one (with Nagle's algorithm
+/// each response waited for a delayed ACK: a few dozen requests a second).
+#[test]
+fn h2load_http1_through_quill_succeeds_without_stalls() {
+    let _one = ONE_AT_A_TIME.lock().unwrap_or_else(|e| e.into_inner());
+    let Some((_nginx, port)) = nginx_with_page() else {
+        return;
+    };
+    let q = Quill::start(&["-r", "{port}", &format!("127.0.0.1:{port}")]);
+    let run = |port: u16| -> Option<(u64, f64)> {
+        let out = tool(
+            "h2load",
+            &[
+                "--h1",
+                "-c2",
+                "-n2000",
+                &format!("http://127.0.0.1:{port}/1k"),
+            ],
+        )?;
+        let succeeded = number_before(&out, "succeeded");
+        assert_eq!(succeeded, 2000, "h2load:\n{out}");
+        let rate: f64 = out
+            .lines()
+            .find(|l| l.starts_with("finished in"))
+            .and_then(|l| l.split(", ").nth(1)?.strip_suffix(" req/s")?.parse().ok())
+            .unwrap_or_else(|| panic!("no rate in:\n{out}"));
+        Some((succeeded, rate))
+    };
+    let Some((_, direct)) = run(port) else {
+        return;
+    };
+    let (_, proxied) = run(q.addr().port()).unwrap();
+    eprintln!("h2load: {direct:.0} req/s direct, {proxied:.0} req/s through quill");
+    assert!(
+        proxied * 10.0 >= direct,
+        "through quill {proxied:.0} req/s, direct {direct:.0} req/s: responses stall"
+    );
+}
+
+/// ApacheBench with keep-alive through the `http` mode: no failed request, every body
+/// complete.
+#[test]
+fn ab_keepalive_through_http_mode_fails_nothing() {
+    let _one = ONE_AT_A_TIME.lock().unwrap_or_else(|e| e.into_inner());
+    let Some((_nginx, port)) = nginx_with_page() else {
+        return;
+    };
+    let q = Quill::start(&["-H", "-r", "{port}", &format!("127.0.0.1:{port}")]);
+    let url = format!("http://127.0.0.1:{}/1k", q.addr().port());
+    let Some(out) = tool("ab", &["-k", "-c", "20", "-n", "5000", &url]) else {
+        return;
+    };
+    assert!(out.contains("Complete requests:      5000"), "{out}");
+    assert!(out.contains("Failed requests:        0"), "{out}");
+    assert!(out.contains("Keep-Alive requests:    5000"), "{out}");
+    assert!(!out.contains("Non-2xx"), "{out}");
+}
+
+/// curl fetching 200 URLs over at most 20 parallel connections, plain and through the
+/// `http` mode: every body byte-exact.
+#[test]
+fn curl_parallel_fetches_are_byte_exact() {
+    let _one = ONE_AT_A_TIME.lock().unwrap_or_else(|e| e.into_inner());
+    let Some((_nginx, port)) = nginx_with_page() else {
+        return;
+    };
+    for mode in [&[][..], &["-H"][..]] {
+        let mut args: Vec<&str> = mode.to_vec();
+        let backend = format!("127.0.0.1:{port}");
+        args.extend(["-r", "{port}", &backend]);
+        let q = Quill::start(&args);
+        let dir = TempDir::new("curl");
+        let mut cmd = vec![
+            "--silent".to_string(),
+            "--fail".to_string(),
+            "--parallel".to_string(),
+            "--parallel-max".to_string(),
+            "20".to_string(),
+        ];
+        for i in 0..200 {
+            cmd.push(format!("http://127.0.0.1:{}/1k", q.addr().port()));
+            cmd.push("-o".to_string());
+            cmd.push(dir.path().join(format!("{i}")).display().to_string());
+        }
+        let args: Vec<&str> = cmd.iter().map(String::as_str).collect();
+        if tool("curl", &args).is_none() {
+            return;
+        }
+        for i in 0..200 {
+            let got = std::fs::read(dir.path().join(format!("{i}"))).unwrap();
+            assert_eq!(got, page(), "response {i} through quill {mode:?}");
+        }
+    }
+}
+
+/// Python's `requests` with one keep-alive session through the `http` mode: every request
+/// of the session reaches NGINX with the client's X-Forwarded-For and X-Forwarded-Proto.
+#[test]
+fn python_requests_session_gets_forwarded_headers_on_every_request() {
+    let _one = ONE_AT_A_TIME.lock().unwrap_or_else(|e| e.into_inner());
+    let Some((_nginx, port)) = nginx(
+        "",
+        "",
+        "  location /who { default_type text/plain; \
+         return 200 \"$http_x_forwarded_for $http_x_forwarded_proto $connection\\n\"; }",
+        &[],
+    ) else {
+        return;
+    };
+    let q = Quill::start(&["-H", "-r", "{port}", &format!("127.0.0.1:{port}")]);
+    let script = format!(
+        "import requests\n\
+         s = requests.Session()\n\
+         for i in range(100):\n\
+         \x20   r = s.get('http://127.0.0.1:{}/who', timeout=10)\n\
+         \x20   r.raise_for_status()\n\
+         \x20   print(r.text.strip())\n",
+        q.addr().port()
+    );
+    let python = "/usr/bin/python3";
+    let has_requests = Command::new(python)
+        .args(["-c", "import requests"])
+        .status()
+        .is_ok_and(|s| s.success());
+    if !has_requests {
+        eprintln!("SKIPPED: python3-requests is not installed (.ci/run installs it)");
+        return;
+    }
+    let out = tool(python, &["-c", &script]).unwrap();
+    let lines: Vec<&str> = out.lines().collect();
+    assert_eq!(lines.len(), 100, "{out}");
+    // One keep-alive connection to NGINX carried all of them (quill relays one client
+    // connection over one server connection), each with its own headers.
+    let connection = lines[0].split_whitespace().nth(2).unwrap();
+    for line in &lines {
+        assert_eq!(line, &format!("127.0.0.1 http {connection}"), "{out}");
+    }
+}
