@@ -47,7 +47,10 @@ REPO_ROOT = BENCH_DIR.parent
 RESULTS_DIR = BENCH_DIR / "results"
 LOADGEN_DIR = BENCH_DIR / "loadgen"
 
-ALL_BALANCERS = ("quill", "pen", "haproxy", "nginx", "backend")
+ALL_BALANCERS = ("quill", "pen", "haproxy", "nginx", "backend", "quill-nopoll")
+# Measured only when named in --only: quill with busy polling off (QUILL_BUSY_POLL=off),
+# the A/B of what polling costs or saves.
+OPTIONAL_BALANCERS = ("quill-nopoll",)
 ANCHORS = ("pen", "haproxy", "nginx")
 
 
@@ -69,6 +72,9 @@ class Scenario:
     # Anchors left out of "best anchor" here, with the reason printed under the table.
     not_best: tuple[str, ...] = ()
     not_best_why: str = ""
+    # "paced": each wrk connection waits this long after every answer (a delay() script).
+    pace_ms: int = 0
+    connections: int = 0  # wrk connections when not the default
 
 
 def scenarios(args: argparse.Namespace) -> list[Scenario]:
@@ -92,6 +98,9 @@ def scenarios(args: argparse.Namespace) -> list[Scenario]:
                       f"system calls per request (strace -c -f, {args.syscall_requests:,} keep-alive requests)",
                       "syscalls_per_req", "calls/req", higher_is_better=False, with_backend=False,
                       once=True))
+    s += efficiency_scenarios(args)
+    if args.efficiency:
+        return [x for x in s if x.kind == "paced"]
     if not (args.no_all_cores or args.quick):
         s += [
             Scenario("keepalive-all", "wrk", "keep-alive 1 KiB, balancer on both cores", "rps", "req/s",
@@ -562,9 +571,10 @@ def balancer_argv(name: str, port: int, backend_port: int, tmp: Path, quill_bin:
     one = layout == "one-core"
     pin = ["taskset", "-c", BALANCER_CORE] if one else []
     cores = 1 if one else len(os.sched_getaffinity(0))
-    if name == "quill":
+    if name in ("quill", "quill-nopoll"):
         # No worker-count option: quill sizes itself from the cores it may use.
-        return pin + [str(quill_bin), "-f", "-r", "-x", MAX_CONNS, listen, target]
+        env = ["env", "QUILL_BUSY_POLL=off"] if name == "quill-nopoll" else []
+        return env + pin + [str(quill_bin), "-f", "-r", "-x", MAX_CONNS, listen, target]
     if name == "pen":
         return pin + ["pen", "-f", "-r", "-x", MAX_CONNS, listen, target]
     if name == "haproxy":
@@ -717,6 +727,67 @@ def describe_versions(quill_bin: Path, selected: list[str]) -> dict[str, Any]:
 # --------------------------------------------------------------------------- benchmark
 
 
+# The efficiency yardstick: what a balancer costs the whole machine per request at a load
+# that is paced, not saturated (where balancers live). wrk's connections each wait
+# `pace_ms` after every answer; the figure is the busy CPU of all cores from /proc/stat
+# (user + nice + system + irq + softirq + steal) per request, minus the same figure for the
+# backend alone in the same round: the balancer's own cost, with the wake-ups, softirq
+# work and scheduling it causes on the other core included.
+PACES_MS = (1, 5, 20)
+BULK_PACE = (20, 10)  # (delay ms, connections): about 500 MB/s of 1 MiB bodies
+
+
+def efficiency_scenarios(args: argparse.Namespace) -> list[Scenario]:
+    close = ("-H", "Connection: close")
+    paces = (5,) if args.quick else PACES_MS
+    s = []
+    for ms in paces:
+        s.append(Scenario(f"paced{ms}-keepalive", "paced",
+                          f"machine CPU per request over the backend alone, keep-alive 1 KiB, "
+                          f"each connection paced {ms} ms", "overhead_us_per_req", "us/req",
+                          higher_is_better=False, pace_ms=ms))
+    s.append(Scenario("paced5-close", "paced",
+                      "machine CPU per request over the backend alone, a new connection per "
+                      "request (Connection: close) paced 5 ms", "overhead_us_per_req", "us/req",
+                      higher_is_better=False, pace_ms=5, wrk_extra=close))
+    ms, conns = BULK_PACE
+    s.append(Scenario(f"paced{ms}-bulk", "paced",
+                      f"machine CPU per 1 MiB response over the backend alone, {conns} keep-alive "
+                      f"connections paced {ms} ms", "overhead_us_per_req", "us/req",
+                      higher_is_better=False, pace_ms=ms, connections=conns, path="/1m"))
+    return s
+
+
+def machine_busy_ticks() -> int:
+    """Busy ticks of all cores: user + nice + system + irq + softirq + steal."""
+    for line in Path("/proc/stat").read_text().splitlines():
+        if line.startswith("cpu "):
+            v = [int(x) for x in line.split()[1:9]]
+            return v[0] + v[1] + v[2] + v[5] + v[6] + v[7]
+    raise BenchError("no cpu line in /proc/stat")
+
+
+def parse_wrk_percentile(out: str, pct: str) -> float | None:
+    """A latency percentile of `wrk --latency` ("99%"), in ms."""
+    m = re.search(rf"^\s*{re.escape(pct)}\s+([\d.]+)(us|ms|s|m)\s*$", out, re.M)
+    return round(float(m.group(1)) * _UNIT_S[m.group(2)] * 1000, 3) if m else None
+
+
+def add_overheads(runs: list[Run], scs: list[Scenario]) -> None:
+    """Per round, each balancer's machine CPU per request minus the backend alone's."""
+    for sc in scs:
+        if sc.kind != "paced":
+            continue
+        for r in runs:
+            if r.scenario != sc.name or not r.ok:
+                continue
+            base = [b for b in runs if b.scenario == sc.name and b.balancer == "backend" and b.ok
+                    and b.round == r.round]
+            if base and "machine_us_per_req" in r.metrics:
+                r.metrics["overhead_us_per_req"] = round(
+                    r.metrics["machine_us_per_req"] - base[0].metrics["machine_us_per_req"], 2)
+
+
 @dataclass
 class Run:
     round: int
@@ -839,7 +910,8 @@ class Bench:
                 if sc.layout == "one-core" and run.cpus_allowed != BALANCER_CORE:
                     warn(f"{bal} pid {proc.pid} allowed on CPUs {run.cpus_allowed}, expected {BALANCER_CORE}")
             run.port = port
-            measure = {"wrk": self.measure_wrk, "latency": self.measure_latency,
+            measure = {"wrk": self.measure_wrk, "paced": self.measure_paced,
+                       "latency": self.measure_latency,
                        "idle": self.measure_idle, "syscalls": self.measure_syscalls}[sc.kind]
             measure(run, sc, port, proc)
             if proc is not None and proc.poll() is not None:
@@ -913,6 +985,36 @@ class Bench:
             m["mb_per_s"] = round(mb / w.seconds, 1)
             if run.balancer_cpu_s is not None:
                 m["cpu_s_per_gb"] = round(run.balancer_cpu_s / (mb / 1000), 3)
+
+    def measure_paced(self, run: Run, sc: Scenario, port: int, proc: subprocess.Popen[bytes] | None) -> None:
+        script = self.tmp / f"pace{sc.pace_ms}.lua"
+        script.write_text(f"function delay() return {sc.pace_ms} end\n")
+        url = f"http://127.0.0.1:{port}{sc.path}"
+        conns = sc.connections or self.args.connections
+        argv = self.load_pin(sc) + ["wrk", f"-t{WRK_THREADS}", f"-c{conns}", f"-d{self.args.duration}s",
+                                    "--latency", "-s", str(script), *sc.wrk_extra, url]
+        run.load_command = argv
+        busy0 = machine_busy_ticks()
+        out = self.cpu_accounting(run, proc, lambda: run_load(self.procs, argv, self.args.duration + 60))
+        busy = machine_busy_ticks() - busy0
+        run.load_output = out
+        try:
+            w = parse_wrk(out)
+        except ValueError as e:
+            raise StartError(f"{e}: {out.strip()[-500:]}") from None
+        run.wrk = w
+        if w.requests == 0:
+            raise StartError("wrk completed 0 requests")
+        m = run.metrics
+        m["rps"] = w.rps
+        m["achieved_rate"] = w.rps
+        m["errors"] = w.errors
+        m["machine_cpu_s"] = round(busy / CLK_TCK, 3)
+        m["machine_us_per_req"] = round(busy / CLK_TCK * 1e6 / w.requests, 2)
+        m["p50_ms"] = parse_wrk_percentile(out, "50%")
+        m["p99_ms"] = parse_wrk_percentile(out, "99%")
+        if run.balancer_cpu_s is not None:
+            m["cpu_us_per_req"] = round(run.balancer_cpu_s * 1e6 / w.requests, 3)
 
     def measure_latency(self, run: Run, sc: Scenario, port: int, proc: subprocess.Popen[bytes] | None) -> None:
         argv = self.load_pin(sc) + [str(loadgen_bin()), "latency", "--addr", f"127.0.0.1:{port}",
@@ -1053,6 +1155,9 @@ class Bench:
             prefix = f"[{i:>3}/{len(plan)}] round {rnd} {sc.name:<13} {bal:<8}"
             if run.ok:
                 v = run.metrics.get(sc.metric)
+                unit = sc.unit
+                if sc.kind == "paced":  # the overhead needs the round's backend run: later
+                    v, unit = run.metrics["machine_us_per_req"], f"{sc.unit} of machine CPU"
                 extra = ""
                 if "cpu_us_per_req" in run.metrics:
                     extra = f"  cpu {run.metrics['cpu_us_per_req']:.2f} us/req"
@@ -1062,7 +1167,7 @@ class Bench:
                     o0, o1 = run.core0_other_cpu_s or 0.0, run.core1_other_cpu_s or 0.0
                     if max(o0, o1) > INTERFERENCE_FRAC * self.args.duration:
                         extra += f"  (foreign CPU: core 0 {o0:.1f}s, core 1 {o1:.1f}s)"
-                log(f"{prefix} {v:>12,} {sc.unit}{extra}")
+                log(f"{prefix} {v:>12,} {unit}{extra}")
             else:
                 first = (run.error or "?").splitlines()
                 log(f"{prefix} FAILED: {first[0]}")
@@ -1096,6 +1201,7 @@ def tracer_of(pid: int) -> int | None:
 
 def summarize(runs: list[Run], scs: list[Scenario], selected: list[str],
               fatal: dict[str, str]) -> dict[str, Any]:
+    add_overheads(runs, scs)
     summary: dict[str, Any] = {}
     for sc in scs:
         rows: dict[str, Any] = {}
@@ -1118,8 +1224,8 @@ def summarize(runs: list[Run], scs: list[Scenario], selected: list[str],
                     "errors": sum(r.metrics.get("errors", 0) for r in ok),
                 })
                 # Secondary figures: medians of whatever else the runs measured.
-                for key in ("cpu_us_per_req", "cpu_s_per_gb", "p50_ms", "p999_ms", "accept_s",
-                            "achieved_rate"):
+                for key in ("cpu_us_per_req", "cpu_s_per_gb", "p50_ms", "p99_ms", "p999_ms", "accept_s",
+                            "achieved_rate", "machine_us_per_req"):
                     xs = [r.metrics[key] for r in ok if r.metrics.get(key) is not None]
                     if xs:
                         row[key] = round(statistics.median(xs), 3)
@@ -1188,7 +1294,10 @@ def fmt_table(summary: dict[str, Any], args: argparse.Namespace) -> str:
             other = []
             if row.get("cpu_s_per_gb") is not None:
                 other.append(f"CPU {row['cpu_s_per_gb']:.3f} s/GB")
-            if row.get("p50_ms") is not None:
+            if row.get("machine_us_per_req") is not None:
+                other.append(f"machine {row['machine_us_per_req']:.1f} us/req at "
+                             f"{row.get('achieved_rate', 0):,.0f} req/s, p99 {row.get('p99_ms') or 0:.2f} ms")
+            elif row.get("p50_ms") is not None:
                 other.append(f"p50 {row['p50_ms']:.3f} ms, p99.9 {row['p999_ms']:.3f} ms")
             if row.get("accept_s") is not None:
                 other.append(f"all held after {row['accept_s']:.2f} s")
@@ -1217,7 +1326,7 @@ def fmt_table(summary: dict[str, Any], args: argparse.Namespace) -> str:
 
 
 COLOURS = {"quill": "#2b6cb0", "pen": "#a0aec0", "haproxy": "#ed8936", "nginx": "#48bb78",
-           "backend": "#4a5568"}
+           "backend": "#4a5568", "quill-nopoll": "#90cdf4"}
 
 
 def svg_chart(summary: dict[str, Any], title: str) -> str:
@@ -1267,7 +1376,7 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
                         "no both-cores table")
     p.add_argument("--rounds", type=int, default=None, help="interleaved rounds (default 3, --quick: 1)")
     p.add_argument("--duration", type=int, default=None, help="seconds per load run (default 10, --quick: 3)")
-    p.add_argument("--only", default=",".join(ALL_BALANCERS),
+    p.add_argument("--only", default=",".join(b for b in ALL_BALANCERS if b not in OPTIONAL_BALANCERS),
                    help=f"comma list out of {','.join(ALL_BALANCERS)} (default: all)")
     p.add_argument("--scenarios", default=None,
                    help="comma list of scenario names to run (default: all; see the table headings)")
@@ -1276,6 +1385,9 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     p.add_argument("--syscall-requests", type=int, default=20000,
                    help="requests traced in the syscalls scenario (default 20000)")
     p.add_argument("--no-all-cores", action="store_true", help="skip the both-cores table")
+    p.add_argument("--efficiency", action="store_true",
+                   help="only the efficiency yardstick: machine CPU per request over the backend "
+                        "alone at paced loads (1, 5, 20 ms per connection; also in the full run)")
     p.add_argument("--quill-bin", type=Path, default=None,
                    help="quill binary (default: <repo>/target/release/quill; giving it skips the build)")
     p.add_argument("--no-build", action="store_true", help="do not build quill and the load generator")
@@ -1327,13 +1439,13 @@ def main(argv: list[str]) -> int:
             reason = cargo_build("the load generator", LOADGEN_DIR, [])
             if reason:
                 raise BenchError(reason)
-        if any(s.kind != "wrk" for s in scs) and not loadgen_bin().is_file():
+        if any(s.kind not in ("wrk", "paced") for s in scs) and not loadgen_bin().is_file():
             raise BenchError(f"load generator missing: {loadgen_bin()} (run without --no-build)")
     except BenchError as e:
         print(f"bench: {e}", file=sys.stderr)
         return 1
 
-    if "quill" in selected:
+    if "quill" in selected or "quill-nopoll" in selected:
         if not args.no_build and args.quill_bin is None:
             reason = cargo_build("quill", REPO_ROOT, ["-p", "quill"])
             if reason:
@@ -1343,6 +1455,7 @@ def main(argv: list[str]) -> int:
         if "quill" not in fatal and not (quill_bin.is_file() and os.access(quill_bin, os.X_OK)):
             fatal["quill"] = f"quill binary not found or not executable: {quill_bin}"
         if "quill" in fatal:
+            fatal["quill-nopoll"] = fatal["quill"]
             warn(f"quill will not be measured: {fatal['quill']}")
 
     machine = describe_machine()

@@ -8,7 +8,15 @@
 //! lightly loaded never polls (an idle quill costs no CPU), and a loop whose core is
 //! contended (the kernel preempts it while it polls) stops polling for a while.
 
+use std::sync::OnceLock;
 use std::time::{Duration, Instant};
+
+/// Whether busy polling may run at all: `QUILL_BUSY_POLL=off` in the environment turns it
+/// off, for the benchmark's A/B of what polling costs the whole machine at paced loads.
+pub(crate) fn allowed() -> bool {
+    static ALLOWED: OnceLock<bool> = OnceLock::new();
+    *ALLOWED.get_or_init(|| !matches!(std::env::var_os("QUILL_BUSY_POLL"), Some(v) if v == "off"))
+}
 
 /// How long a busy loop keeps polling after its last piece of work before it sleeps.
 const SPIN: Duration = Duration::from_micros(500);
@@ -87,7 +95,7 @@ impl Load {
             self.calm_until = now + CONTENDED_BACKOFF;
         }
         self.preempted = preempted;
-        self.hot = self.busy * 4 > window && now >= self.calm_until;
+        self.hot = self.busy * 4 > window && now >= self.calm_until && allowed();
         self.busy = Duration::ZERO;
         self.window_start = now;
     }
@@ -114,6 +122,9 @@ const PAUSE: Duration = Duration::from_millis(1);
 /// [`EMPTY_TURN`] counts as work. When not polling, it measures the loop's CPU time over
 /// [`COLD_WINDOW`]s and starts polling once a quarter of a window was spent working.
 pub(crate) async fn poll_while_busy() {
+    if !allowed() {
+        return;
+    }
     let mut load = Load::new();
     loop {
         if !load.hot {
