@@ -43,7 +43,9 @@ BENCH_DIR = Path(__file__).resolve().parent
 REPO_ROOT = BENCH_DIR.parent
 RESULTS_DIR = BENCH_DIR / "results"
 
-ALL = ("quill", "pen", "dnsdist", "backend")
+ALL = ("quill", "pen", "dnsdist", "backend", "quill-nopoll")
+# Measured only when named in --only: quill with busy polling off (QUILL_BUSY_POLL=off).
+OPTIONAL = ("quill-nopoll",)
 ANCHORS = ("pen", "dnsdist")
 BALANCER_CORE = "0"
 LOAD_CORE = "1"  # dnsperf and nsd
@@ -153,14 +155,17 @@ def core_times() -> dict[str, list[int]]:
     return out
 
 
-def core_load(t0: dict[str, list[int]], t1: dict[str, list[int]]) -> dict[str, float]:
-    """Fraction of each core's time not idle (softirq included: on loopback it is the
-    packet delivery of the benchmark's own traffic). A core near 1.0 limits the run."""
+def core_load(t0: dict[str, list[int]], t1: dict[str, list[int]], wall: float) -> dict[str, float]:
+    """Fraction of each core's time not idle over `wall` seconds (softirq included: on
+    loopback it is the packet delivery of the benchmark's own traffic). A core near 1.0
+    limits the run. Wall time minus idle, not the sum of the busy fields: those are
+    sampled by the scheduler tick, which a tickless kernel stops on an idle core, so the
+    short bursts of a paced load were mostly not counted (a balancer whose own runtime
+    said 23 % of core 0 showed as 1 %). Idle time is measured exactly."""
     out = {}
     for c in t1:
         d = [b - a for a, b in zip(t0.get(c, t1[c]), t1[c])]
-        total = sum(d) or 1
-        out[c] = 1.0 - (d[3] + d[4]) / total
+        out[c] = min(1.0, max(0.0, 1.0 - (d[3] + d[4]) / (wall * CLK_TCK))) if wall > 0 else 0.0
     return out
 
 
@@ -235,7 +240,12 @@ def main() -> int:
     ap.add_argument("--quick", action="store_true", help="1 round of 3 s runs")
     ap.add_argument("--rounds", type=int, default=3)
     ap.add_argument("--duration", type=int, default=10, help="seconds per dnsperf run")
-    ap.add_argument("--only", default=",".join(ALL))
+    ap.add_argument("--only", default=",".join(b for b in ALL if b not in OPTIONAL))
+    ap.add_argument("--paced", default="",
+                    help="comma list of query rates (dnsperf -Q): the efficiency yardstick, machine CPU "
+                         "per query over the backend alone at each rate (e.g. 5000,20000)")
+    ap.add_argument("--efficiency", action="store_true",
+                    help="only the paced scenarios (default rates 5000,20000 unless --paced)")
     ap.add_argument("--quill-bin")
     ap.add_argument("--no-build", action="store_true")
     ap.add_argument("--all-cores", action="store_true",
@@ -244,10 +254,13 @@ def main() -> int:
     if args.quick:
         args.rounds, args.duration = 1, 3
     only = [b for b in ALL if b in args.only.split(",")]
+    paced = [int(x) for x in args.paced.split(",") if x.strip()]
+    if args.efficiency and not paced:
+        paced = [5000, 20000]
 
     ensure_tools({"dnsperf", "nsd", "taskset"} | ({"pen"} & set(only)) | ({"dnsdist"} & set(only)))
     quill_bin = Path(args.quill_bin) if args.quill_bin else REPO_ROOT / "target" / "release" / "quill"
-    if "quill" in only and not args.quill_bin and not args.no_build:
+    if ({"quill", "quill-nopoll"} & set(only)) and not args.quill_bin and not args.no_build:
         log("== cargo build --release -p quill")
         rc, out = run_capture(["cargo", "build", "--release", "-p", "quill"], timeout=1800)
         if rc != 0:
@@ -298,15 +311,20 @@ zone:
         if not answers(backend_port, time.monotonic() + READY_TIMEOUT_S):
             raise SystemExit(f"nsd did not answer on {backend_port}:\n{(work / 'nsd.out').read_text()}")
 
-        scenarios = [("one-core", BALANCER_CORE, LOAD_CORE)]
+        # (name, balancer cores, load cores, dnsperf -Q rate or None for as fast as it can)
+        scenarios: list[tuple[str, str, str, int | None]] = []
+        if not args.efficiency:
+            scenarios.append(("one-core", BALANCER_CORE, LOAD_CORE, None))
+        scenarios += [(f"paced-{q}", BALANCER_CORE, LOAD_CORE, q) for q in paced]
         if args.all_cores:
-            scenarios.append(("all-cores", "0,1", "0,1"))
+            scenarios.append(("all-cores", "0,1", "0,1", None))
 
         def command(name: str, port: int, cores: str) -> list[str] | None:
             pin = [*NICE, "taskset", "-c", cores]
             be = f"127.0.0.1:{backend_port}"
-            if name == "quill":
-                return [*pin, str(quill_bin), "-f", "-U", "-r", f"127.0.0.1:{port}", be]
+            if name in ("quill", "quill-nopoll"):
+                env = ["env", "QUILL_BUSY_POLL=off"] if name == "quill-nopoll" else []
+                return [*env, *pin, str(quill_bin), "-f", "-U", "-r", f"127.0.0.1:{port}", be]
             if name == "pen":
                 return [*pin, "pen", "-f", "-U", "-r", f"127.0.0.1:{port}", be]
             if name == "dnsdist":
@@ -317,7 +335,7 @@ zone:
                 return [*pin, "dnsdist", "--supervised", "--disable-syslog", "-C", str(conf)]
             return None
 
-        for scenario, bal_cores, load_cores in scenarios:
+        for scenario, bal_cores, load_cores, rate in scenarios:
             for rnd in range(1, args.rounds + 1):
                 for name in only:
                     port = backend_port if name == "backend" else free_port()
@@ -331,7 +349,8 @@ zone:
                             if not answers(port, time.monotonic() + READY_TIMEOUT_S):
                                 raise RuntimeError("did not answer a query")
                         perf = [*NICE, "taskset", "-c", load_cores, "dnsperf", "-s", "127.0.0.1", "-p", str(port),
-                                "-d", str(work / "queries.txt"), "-c", str(CLIENTS), "-l", str(args.duration)]
+                                "-d", str(work / "queries.txt"), "-c", str(CLIENTS), "-l", str(args.duration),
+                                *(["-Q", str(rate)] if rate else [])]
                         rec["dnsperf"] = perf
                         own = [nsd.pid] + ([p.pid] if p else [])
                         t0 = {pid: ticks(pid) for pid in own}
@@ -343,7 +362,7 @@ zone:
                         wall = time.monotonic() - w0
                         r1 = resource.getrusage(resource.RUSAGE_CHILDREN)
                         c1 = core_busy()
-                        rec["core_load"] = core_load(l0, core_times())
+                        rec["core_load"] = core_load(l0, core_times(), wall)
                         t1 = {pid: ticks(pid) for pid in own}
                         rec.update(parse_dnsperf(out))
                         rec["dnsperf_rc"] = rc
@@ -358,6 +377,11 @@ zone:
                         # balancer (approximate: softirq work is charged to whoever runs).
                         rec["foreign_frac"] = max(0.0, busy - ours) / (wall * len(c1))
                         rec["busy_cpu_s"] = busy
+                        # The whole machine's busy time, softirq included (the efficiency
+                        # yardstick: what a query costs every core, wake-ups included).
+                        loads = rec["core_load"]
+                        rec["machine_us_per_query"] = (sum(loads.values()) * wall * 1e6 / rec["completed"]
+                                                       if rec["completed"] else None)
                         rec["our_cpu_s"] = ours
                         rec["raw"] = out[-1500:]
                     except Exception as e:  # noqa: BLE001 - a balancer failure is a result
@@ -422,6 +446,25 @@ def report(results: list[dict[str, Any]], only: list[str]) -> dict[str, Any]:
                 f"{row['lost']:>6.0f} {cpu:>9} {pct:>8.0f}%"
                 + "  cores busy " + "/".join(f"{100 * v:.0f}%" for v in row["core_load"].values())
                 + (f"  ({row['noisy_runs']} noisy run(s))" if row["noisy_runs"] else ""))
+        if scenario.startswith("paced-"):
+            machine = {}
+            for name in rows:
+                xs = [r["machine_us_per_query"] for r in results if r["scenario"] == scenario
+                      and r["balancer"] == name and r.get("machine_us_per_query")]
+                if xs:
+                    machine[name] = statistics.median(xs)
+                    rows[name]["machine_us_per_query"] = machine[name]
+            base = machine.get("backend")
+            if base is not None:
+                log("machine CPU per query over the backend alone (lower is better): " + "  ".join(
+                    f"{n} {machine[n] - base:.2f} us" for n in machine if n != "backend"))
+                for n in machine:
+                    rows[n]["overhead_us_per_query"] = machine[n] - base
+                q = rows.get("quill", {}).get("overhead_us_per_query")
+                for a in ANCHORS:
+                    o = rows.get(a, {}).get("overhead_us_per_query")
+                    if q is not None and o:
+                        log(f"  overhead quill/{a}: {q / o:.2f}x")
         ratios = {f"quill/{a}": med["quill"] / med[a] for a in (*ANCHORS, "backend") if "quill" in med and a in med}
         if ratios:
             log("throughput ratios: " + "  ".join(f"{k} {v:.2f}x" for k, v in ratios.items()))
