@@ -1,5 +1,5 @@
 //! Real clients that nobody here wrote (wrk paced by a `delay()` script, h2load, ab, curl
-//! `--parallel`, Python `requests`) through quill to a real backend: Debian's NGINX with
+//! `--parallel`, Python `requests`, nmap's TLS grading) through quill to a real backend: Debian's NGINX with
 //! `sendfile on`, whose every response leaves in two writes (head, then body), as many
 //! application servers' do. Each tool is skipped with a message where it is not installed;
 //! `.ci/run` installs them all.
@@ -248,4 +248,69 @@ fn python_requests_session_gets_forwarded_headers_on_every_request() {
     for line in &lines {
         assert_eq!(line, &format!("127.0.0.1 http {connection}"), "{out}");
     }
+}
+
+/// nmap's `ssl-enum-ciphers` script grades every protocol and cipher quill's default TLS
+/// listener offers: TLS 1.2 and 1.3 only, every cipher graded A, server preference.
+#[test]
+fn nmap_grades_every_default_tls_cipher_a() {
+    let _one = ONE_AT_A_TIME.lock().unwrap_or_else(|e| e.into_inner());
+    let dir = TempDir::new("nmap");
+    let (cert, key) = (dir.path().join("cert.pem"), dir.path().join("key.pem"));
+    let Some(_) = tool(
+        "openssl",
+        &[
+            "req",
+            "-x509",
+            "-newkey",
+            "ec",
+            "-pkeyopt",
+            "ec_paramgen_curve:P-256",
+            "-nodes",
+            "-days",
+            "30",
+            "-subj",
+            "/CN=localhost",
+            "-keyout",
+            key.to_str().unwrap(),
+            "-out",
+            cert.to_str().unwrap(),
+        ],
+    ) else {
+        return;
+    };
+    let q = Quill::start(&[
+        "-E",
+        cert.to_str().unwrap(),
+        "-K",
+        key.to_str().unwrap(),
+        "-O",
+        "dummy",
+        "{port}",
+        "127.0.0.1:9",
+    ]);
+    let port = q.addr().port().to_string();
+    let Some(out) = tool(
+        "nmap",
+        &[
+            "-Pn",
+            "-n",
+            "-p",
+            &port,
+            "--script",
+            "ssl-enum-ciphers",
+            "127.0.0.1",
+        ],
+    ) else {
+        return;
+    };
+    assert!(
+        out.contains("TLSv1.2:") && out.contains("TLSv1.3:"),
+        "{out}"
+    );
+    for old in ["SSLv3:", "TLSv1.0:", "TLSv1.1:"] {
+        assert!(!out.contains(old), "{old} offered:\n{out}");
+    }
+    assert!(out.contains("least strength: A"), "{out}");
+    assert!(!out.contains("cipher preference: client"), "{out}");
 }
