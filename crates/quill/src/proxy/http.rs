@@ -16,6 +16,10 @@ use crate::command::Hsts;
 
 /// Default limit of a request head (`http_header_max`), as large as NGINX's buffers.
 pub const DEFAULT_HEADER_MAX: usize = 16 * 1024;
+/// Default `http_request_timeout` in seconds: the time a client has to send a whole
+/// request head, the `timeout http-request 10s` of HAProxy's example configurations
+/// (Apache's mod_reqtimeout allows 20 to 40, NGINX's `client_header_timeout` 60).
+pub const DEFAULT_REQUEST_TIMEOUT: u64 = 10;
 /// Smallest `http_header_max` accepted: a request line and a few headers must fit.
 pub const MIN_HEADER_MAX: usize = 256;
 /// Header fields per request; more is answered with 431.
@@ -64,6 +68,8 @@ pub enum Refusal {
     BadRequest,
     /// 431: the head (or the trailer section) is larger than `http_header_max`.
     TooLarge,
+    /// 408: the head did not arrive whole within `http_request_timeout`.
+    Timeout,
 }
 
 impl Refusal {
@@ -72,6 +78,7 @@ impl Refusal {
         match self {
             Refusal::BadRequest => b"HTTP/1.1 400 Bad Request\r\nContent-Type: text/plain\r\nContent-Length: 12\r\nConnection: close\r\n\r\nBad Request\n",
             Refusal::TooLarge => b"HTTP/1.1 431 Request Header Fields Too Large\r\nContent-Type: text/plain\r\nContent-Length: 32\r\nConnection: close\r\n\r\nRequest Header Fields Too Large\n",
+            Refusal::Timeout => b"HTTP/1.1 408 Request Timeout\r\nContent-Type: text/plain\r\nContent-Length: 16\r\nConnection: close\r\n\r\nRequest Timeout\n",
         }
     }
 }
@@ -219,6 +226,33 @@ impl Exchange {
             Req::Head => self.pending.len() < MAX_PIPELINE || self.resp == Resp::Raw,
             _ => true,
         }
+    }
+
+    /// Whether quill is waiting for the client to send a request head, the time that
+    /// `http_request_timeout` bounds: from the first byte of a head, or from the end of
+    /// the answer to the previous request (nothing else outstanding), until the head is
+    /// complete. False while the client is held back (it cannot finish a head that is not
+    /// read), while a body or a tunnel flows, and while answers are due from the server
+    /// (a pipelining client waits for them; that wait is the server's, not the client's).
+    pub fn awaiting_head(&self) -> bool {
+        self.req == Req::Head
+            && self.accepts_client_bytes()
+            && (!self.req_head.is_empty()
+                || (self.pending.is_empty()
+                    && self.resp == Resp::Head
+                    && self.resp_head.is_empty()))
+    }
+
+    /// Whether part of a request head has arrived (and waits for the rest).
+    pub fn head_started(&self) -> bool {
+        self.req == Req::Head && !self.req_head.is_empty()
+    }
+
+    /// The request head being waited for took longer than `http_request_timeout`: the
+    /// client gets 408 (after the answers to its earlier requests), and the connection
+    /// closes.
+    pub fn head_timed_out(&mut self) {
+        self.refuse(Refusal::Timeout);
     }
 
     /// The refusal of the client's request, if one happened (the connection ends).

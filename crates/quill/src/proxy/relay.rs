@@ -168,8 +168,11 @@ pub enum End {
     /// connection, or died mid-transfer): the caller blacklists the server, as for a
     /// failed connect.
     ServerError(io::Error),
-    /// An HTTP request was refused (400 or 431) and the connection closed (`http`).
+    /// An HTTP request was refused (400, 408 or 431) and the connection closed (`http`).
     Refused,
+    /// `http`: the client sent no request within `http_request_timeout` (of connecting,
+    /// or of the answer to its previous request); closed without an answer.
+    RequestTimeout,
 }
 
 /// Which socket of a pipe an error came from.

@@ -25,6 +25,7 @@ use tokio::sync::{mpsc, watch};
 use super::http::{Exchange, HttpParams, Scheme};
 use super::park::{self, Parked};
 use super::proxy_protocol;
+use super::pump::{self, Http};
 use super::registry::{ConnInfo, Registered, Upstream};
 use super::relay::{self, relay, Outcome, RelayOptions, Stop, Stream, Totals};
 use super::stream;
@@ -347,7 +348,8 @@ struct Books<'a> {
     lease: Lease<'a>,
     /// This connection's place in `State::active`.
     _active: Held<'a>,
-    exchange: Option<Box<Exchange>>,
+    /// With `http`: the exchange and the first request head, read before connecting.
+    http: Option<Box<Http>>,
     opts: RelayOptions,
     peer: SocketAddr,
     /// The connection log line's fields; `log` is `None` when the log is off.
@@ -616,6 +618,47 @@ async fn open<C: ClientStream>(
             }
         }
     };
+    let seconds = |n: u64| (n > 0).then(|| Duration::from_secs(n).min(FOREVER));
+    // With `http`, no server is chosen before the client's first request head is whole:
+    // a client that trickles its head (slowloris) or sends nothing never costs a backend
+    // connection, only its own socket and the partial head (at most `http_header_max`).
+    let mut client = client;
+    let http = if settings.http {
+        let exchange = Exchange::new(HttpParams {
+            client: ip,
+            scheme: match client {
+                Client::Plain(_) => Scheme::Http,
+                Client::Tls(_) => Scheme::Https,
+            },
+            header_max: settings.http_header_max,
+            hsts: settings.hsts,
+        });
+        let mut http = Box::new(Http::new(exchange, seconds(settings.http_request_timeout)));
+        let capture = log.is_some();
+        let ended = match &mut client {
+            Client::Plain(c) => Box::pin(pump::first_head(c, &mut http, capture)).await,
+            Client::Tls(c) => Box::pin(pump::first_head(&mut **c, &mut http, capture)).await,
+        };
+        if let Some(outcome) = ended {
+            match outcome.end {
+                relay::End::Refused => {
+                    state.counters.http_refused.fetch_add(1, Relaxed);
+                    tracing::debug!(%peer, "request refused before any server was chosen");
+                }
+                relay::End::RequestTimeout => {
+                    tracing::debug!(%peer, "closed: no request within http_request_timeout");
+                }
+                ref end => tracing::debug!(%peer, "closed before a whole request head: {end:?}"),
+            }
+            if let Some(log) = &log {
+                log.record(ip, started_unix, None, &outcome.first);
+            }
+            return None;
+        }
+        Some(http)
+    } else {
+        None
+    };
     let upstream = if permitted {
         Box::pin(choose_and_connect(state, &settings, preamble, opts)).await
     } else if let Some(abuse) = &settings.abuse {
@@ -654,7 +697,6 @@ async fn open<C: ClientStream>(
             None => Upstream::Abuse,
         });
     }
-    let seconds = |n: u64| (n > 0).then(|| Duration::from_secs(n).min(FOREVER));
     let relay_opts = RelayOptions {
         fastclose: settings.fastclose,
         idle_timeout: seconds(settings.idle_timeout),
@@ -666,24 +708,13 @@ async fn open<C: ClientStream>(
         .as_ref()
         .and_then(|_| server.peer_addr().ok())
         .map(|a| a.ip());
-    let exchange = settings.http.then(|| {
-        Box::new(Exchange::new(HttpParams {
-            client: ip,
-            scheme: match client {
-                Client::Plain(_) => Scheme::Http,
-                Client::Tls(_) => Scheme::Https,
-            },
-            header_max: settings.http_header_max,
-            hsts: settings.hsts,
-        }))
-    });
     Some(Session {
         registered,
         ends: Live { client, server },
         books: Books {
             lease,
             _active: held,
-            exchange,
+            http,
             opts: relay_opts,
             peer,
             log,
@@ -703,23 +734,23 @@ impl<C: ClientStream> Session<'static, Live<C>> {
         let opts = self.books.opts;
         // Raw sockets on both sides without `http` take the fast path.
         let outcome = match (&mut self.ends.client, &mut self.ends.server) {
-            (Client::Plain(c), Server::Plain(s)) if self.books.exchange.is_none() => {
+            (Client::Plain(c), Server::Plain(s)) if self.books.http.is_none() => {
                 match relay(&*c, &*s, opts, from).await {
                     Stop::Ended(outcome) => outcome,
                     Stop::Quiet(totals) => return Some(totals),
                 }
             }
             (Client::Plain(c), Server::Plain(s)) => {
-                pump_streams(state, c, s, self.books.exchange.take(), opts).await
+                pump_streams(state, c, s, self.books.http.take(), opts).await
             }
             (Client::Plain(c), Server::Tls(s)) => {
-                pump_streams(state, c, &mut **s, self.books.exchange.take(), opts).await
+                pump_streams(state, c, &mut **s, self.books.http.take(), opts).await
             }
             (Client::Tls(c), Server::Plain(s)) => {
-                pump_streams(state, &mut **c, s, self.books.exchange.take(), opts).await
+                pump_streams(state, &mut **c, s, self.books.http.take(), opts).await
             }
             (Client::Tls(c), Server::Tls(s)) => {
-                pump_streams(state, &mut **c, &mut **s, self.books.exchange.take(), opts).await
+                pump_streams(state, &mut **c, &mut **s, self.books.http.take(), opts).await
             }
         };
         self.finish(state, outcome);
@@ -748,17 +779,17 @@ async fn pump_streams<C, S>(
     state: &State,
     client: &mut C,
     server: &mut S,
-    exchange: Option<Box<Exchange>>,
+    http: Option<Box<Http>>,
     opts: RelayOptions,
 ) -> Outcome
 where
     C: tokio::io::AsyncRead + tokio::io::AsyncWrite + Unpin + ?Sized,
     S: tokio::io::AsyncRead + tokio::io::AsyncWrite + Unpin + ?Sized,
 {
-    match exchange {
+    match http {
         None => Box::pin(stream::relay(client, server, opts)).await,
-        Some(exchange) => {
-            let outcome = Box::pin(super::pump::relay(client, server, Some(*exchange), opts)).await;
+        Some(http) => {
+            let outcome = Box::pin(pump::relay(client, server, Some(*http), opts)).await;
             if matches!(outcome.end, relay::End::Refused) {
                 state.counters.http_refused.fetch_add(1, Relaxed);
             }
