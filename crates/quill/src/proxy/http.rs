@@ -1102,6 +1102,52 @@ mod tests {
     }
 
     #[test]
+    fn the_wait_for_a_head_is_known_and_ends_in_408() {
+        let mut ex = exchange();
+        assert!(
+            ex.awaiting_head(),
+            "a new connection waits for its first head"
+        );
+        assert!(!ex.head_started());
+        client(&mut ex, b"GET /1 HTTP/1.1\r\n\r\n", 1000);
+        assert!(!ex.awaiting_head(), "the answer is the server's to give");
+        server(&mut ex, b"HTTP/1.1 200 OK\r\nContent-Length: 1\r\n\r\n");
+        assert!(!ex.awaiting_head(), "the answer is not over");
+        server(&mut ex, b"x");
+        assert!(ex.awaiting_head(), "keep-alive: the next head is due");
+        // A body is not a head.
+        client(
+            &mut ex,
+            b"POST /2 HTTP/1.1\r\nContent-Length: 9\r\n\r\nabc",
+            1000,
+        );
+        assert!(!ex.awaiting_head());
+        client(&mut ex, b"defghi", 1000);
+        // A pipelined head begun while an answer is due is waited for.
+        client(&mut ex, b"GET /3 HTT", 1000);
+        assert!(ex.head_started() && ex.awaiting_head());
+        ex.head_timed_out();
+        assert_eq!(ex.refusal(), Some(Refusal::Timeout));
+        assert!(!ex.awaiting_head() && !ex.accepts_client_bytes());
+        assert_eq!(ex.take_refusal(), None, "the answer to /2 is due first");
+        server(&mut ex, b"HTTP/1.1 204 No Content\r\n\r\n");
+        let answer = ex.take_refusal().unwrap();
+        assert!(answer.starts_with(b"HTTP/1.1 408 Request Timeout\r\n"));
+        let text = String::from_utf8_lossy(answer);
+        let (head, body) = text.split_once("\r\n\r\n").unwrap();
+        assert!(head.contains("\r\nConnection: close"));
+        assert!(head.contains(&format!("\r\nContent-Length: {}", body.len())));
+        // Not while the client is held back (an Upgrade waiting for its answer).
+        let mut ex = exchange();
+        client(
+            &mut ex,
+            b"GET / HTTP/1.1\r\nUpgrade: websocket\r\nConnection: Upgrade\r\n\r\n",
+            1000,
+        );
+        assert!(!ex.awaiting_head());
+    }
+
+    #[test]
     fn upgrade_waits_for_the_answer() {
         let mut ex = exchange();
         let req = b"GET /ws HTTP/1.1\r\nConnection: Upgrade\r\nUpgrade: websocket\r\n\r\n";
