@@ -422,6 +422,17 @@ fn slow_or_silent_clients_never_reach_a_backend_and_time_out() {
         assert_eq!(read_response(&mut busy).unwrap().status, 200);
     }
     assert_eq!(backend.connections(), 4);
+    // Counted once the connections are over (after a 408 quill reads what the client
+    // still sends for a while, until it closes): the slow, silent, trickling and idle
+    // clients (and the good one, idle since its answer), two of them answered 408.
+    drop((slow, silent, trickle, idle));
+    wait_until(Duration::from_secs(10), "the timeouts counted", || {
+        let status = support::ctl::status_json(&ctl);
+        status["connections"]["http_request_timeouts"]
+            .as_u64()
+            .is_some_and(|n| n >= 4)
+            && status["connections"]["http_refused"] == 2
+    });
 
     // The setting is asked, changed and written like any other.
     assert_eq!(

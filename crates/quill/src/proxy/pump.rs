@@ -25,7 +25,7 @@ use tokio::io::AsyncWriteExt;
 use tokio::io::{AsyncRead, AsyncWrite, ReadBuf};
 use tokio::time::{Instant, Sleep};
 
-use super::http::{Exchange, Fed};
+use super::http::{Exchange, Fed, Refusal};
 use super::relay::{
     fast_close, turn_end, End, IdleTimer, Outcome, RelayOptions, BUDGET, SCRATCH_SIZE,
 };
@@ -323,10 +323,12 @@ where
     let end = match unfinished {
         Ok(()) => return None,
         Err(Unfinished::Gone(end)) => end,
-        Err(Unfinished::TimedOut) if !http.exchange.head_started() => End::RequestTimeout,
+        Err(Unfinished::TimedOut) if !http.exchange.head_started() => {
+            End::RequestTimeout { answered: false }
+        }
         Err(Unfinished::TimedOut) => {
             http.exchange.head_timed_out();
-            End::Refused
+            End::RequestTimeout { answered: true }
         }
         Err(Unfinished::Refused) => End::Refused,
     };
@@ -525,7 +527,7 @@ where
                         cx.waker().wake_by_ref();
                         return Poll::Pending;
                     }
-                    _ => return Poll::Ready(End::RequestTimeout),
+                    _ => return Poll::Ready(End::RequestTimeout { answered: false }),
                 }
             }
         }
@@ -546,6 +548,12 @@ where
         turn_end(fast, up.done && down.done, &mut idle, cx, &mut active)
     })
     .await;
+    let end = match end {
+        End::Refused if exchange.and_then(|ex| ex.refusal()) == Some(Refusal::Timeout) => {
+            End::RequestTimeout { answered: true }
+        }
+        end => end,
+    };
     Outcome {
         up: up.bytes,
         down: down.bytes,

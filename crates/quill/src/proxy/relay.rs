@@ -170,9 +170,10 @@ pub enum End {
     ServerError(io::Error),
     /// An HTTP request was refused (400, 408 or 431) and the connection closed (`http`).
     Refused,
-    /// `http`: the client sent no request within `http_request_timeout` (of connecting,
-    /// or of the answer to its previous request); closed without an answer.
-    RequestTimeout,
+    /// `http`: a request head did not come whole within `http_request_timeout`. After
+    /// part of one the client was `answered` 408; a client that sent nothing (since it
+    /// connected, or since the answer to its previous request) was closed without a word.
+    RequestTimeout { answered: bool },
 }
 
 /// Which socket of a pipe an error came from.

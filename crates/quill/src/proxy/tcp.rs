@@ -640,16 +640,8 @@ async fn open<C: ClientStream>(
             Client::Tls(c) => Box::pin(pump::first_head(&mut **c, &mut http, capture)).await,
         };
         if let Some(outcome) = ended {
-            match outcome.end {
-                relay::End::Refused => {
-                    state.counters.http_refused.fetch_add(1, Relaxed);
-                    tracing::debug!(%peer, "request refused before any server was chosen");
-                }
-                relay::End::RequestTimeout => {
-                    tracing::debug!(%peer, "closed: no request within http_request_timeout");
-                }
-                ref end => tracing::debug!(%peer, "closed before a whole request head: {end:?}"),
-            }
+            count_http_end(state, &outcome.end);
+            tracing::debug!(%peer, "closed before a whole request head: {:?}", outcome.end);
             if let Some(log) = &log {
                 log.record(ip, started_unix, None, &outcome.first);
             }
@@ -790,11 +782,25 @@ where
         None => Box::pin(stream::relay(client, server, opts)).await,
         Some(http) => {
             let outcome = Box::pin(pump::relay(client, server, Some(*http), opts)).await;
-            if matches!(outcome.end, relay::End::Refused) {
-                state.counters.http_refused.fetch_add(1, Relaxed);
-            }
+            count_http_end(state, &outcome.end);
             outcome
         }
+    }
+}
+
+/// Counts how an `http` connection ended, when quill answered or cut it.
+fn count_http_end(state: &State, end: &relay::End) {
+    match end {
+        relay::End::Refused => {
+            state.counters.http_refused.fetch_add(1, Relaxed);
+        }
+        relay::End::RequestTimeout { answered } => {
+            state.counters.http_request_timeouts.fetch_add(1, Relaxed);
+            if *answered {
+                state.counters.http_refused.fetch_add(1, Relaxed);
+            }
+        }
+        _ => {}
     }
 }
 
