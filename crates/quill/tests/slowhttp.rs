@@ -238,16 +238,16 @@ fn run_attack(attack: &Attack, mode: &[&str]) -> Report {
     let raw = output.join().unwrap();
     // The last status block, without the terminal colours.
     let plain: String = strip_ansi(&raw);
-    report.attack_output = plain
+    let status: Vec<String> = plain
         .lines()
         .filter(|l| {
             ["connected:", "closed:", "error:", "Exit status:"]
                 .iter()
                 .any(|k| l.trim_start().starts_with(k))
         })
-        .map(str::trim)
-        .collect::<Vec<_>>()
-        .join(" ");
+        .map(|l| l.split_whitespace().collect::<Vec<_>>().join(" "))
+        .collect();
+    report.attack_output = status[status.len().saturating_sub(4)..].join(", ");
     let mut q = q;
     q.assert_running();
     report
