@@ -1,5 +1,6 @@
 //! The TCP data plane: accept -> conn_max -> PROXY header (`accept_proxy`) -> client ACL
-//! -> TLS handshake (`ssl_cert`) -> select -> connect (timeout, failover) -> PROXY header
+//! -> TLS handshake (`ssl_cert`) -> the first request head, whole (`http`, within
+//! `http_request_timeout`) -> select -> connect (timeout, failover) -> PROXY header
 //! (`proxy_protocol`) -> TLS handshake (`upstream_tls`) -> relay (raw sockets: the fast
 //! path; TLS on a side: the stream relay; `http`: the HTTP pump) -> close.
 //!
