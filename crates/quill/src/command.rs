@@ -211,6 +211,9 @@ pub enum Command {
     /// `http_header_max [BYTES]` (extension): largest request head with `http` (431
     /// beyond); no argument asks.
     HttpHeaderMax(Option<usize>),
+    /// `http_request_timeout [N]` (extension): seconds a client has to send a whole
+    /// request head with `http` (408 beyond; 0 = no bound); no argument asks.
+    HttpRequestTimeout(Option<u64>),
     /// `hsts MAX_AGE [include_subdomains] [preload]` / `no hsts` (extension): add
     /// `Strict-Transport-Security` to responses of TLS-terminated HTTP (needs `http`).
     Hsts(Option<Hsts>),
@@ -941,6 +944,7 @@ fn command_name(word: &str) -> Option<&'static str> {
         "transparent",
         "http",
         "http_header_max",
+        "http_request_timeout",
         "hsts",
         "proxy_protocol",
         "accept_proxy",
@@ -1215,6 +1219,9 @@ fn parse_positive(command: &'static str, w: &mut Words<'_>) -> Result<Command, P
                 });
             }
             Command::HttpHeaderMax(n)
+        }
+        "http_request_timeout" => {
+            Command::HttpRequestTimeout(w.optional_number("number of seconds")?)
         }
         "hsts" => {
             let max_age = w.number("max-age in seconds")?;
@@ -1576,6 +1583,7 @@ impl fmt::Display for Command {
             Command::Transparent(on) => on_off(f, *on, "transparent"),
             Command::Http(on) => on_off(f, *on, "http"),
             Command::HttpHeaderMax(n) => with_optional(f, "http_header_max", n),
+            Command::HttpRequestTimeout(n) => with_optional(f, "http_request_timeout", n),
             Command::Hsts(Some(h)) => write!(f, "hsts {h}"),
             Command::Hsts(None) => f.write_str("no hsts"),
             Command::ProxyProtocol(Some(v)) => write!(f, "proxy_protocol {}", v.word()),
@@ -1855,6 +1863,7 @@ mod roundtrip {
             any::<bool>().prop_map(Command::Transparent),
             any::<bool>().prop_map(Command::Http),
             proptest::option::of(256usize..).prop_map(Command::HttpHeaderMax),
+            proptest::option::of(any::<u64>()).prop_map(Command::HttpRequestTimeout),
             proptest::option::of((any::<u64>(), any::<bool>(), any::<bool>()).prop_map(
                 |(max_age, include_subdomains, preload)| Hsts {
                     max_age,

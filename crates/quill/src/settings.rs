@@ -201,6 +201,9 @@ pub struct Settings {
     pub http: bool,
     /// Largest request head with `http` (`http_header_max`).
     pub http_header_max: usize,
+    /// Seconds a client has to send a whole request head with `http`
+    /// (`http_request_timeout`; 0 = no bound).
+    pub http_request_timeout: u64,
     /// `Strict-Transport-Security` for TLS-terminated HTTP responses (`hsts`).
     pub hsts: Option<Hsts>,
     /// PROXY protocol header sent to backends (`proxy_protocol`), unless a server says
@@ -283,6 +286,7 @@ impl Default for Settings {
             tls_built: tls::Built::default(),
             http: false,
             http_header_max: crate::proxy::http::DEFAULT_HEADER_MAX,
+            http_request_timeout: crate::proxy::http::DEFAULT_REQUEST_TIMEOUT,
             hsts: None,
             proxy_protocol: None,
             accept_proxy: false,
@@ -557,6 +561,7 @@ impl Settings {
             other if other.is_tls() => self.apply_tls(cmd)?,
             Command::Http(on) => set(&mut self.http, *on),
             Command::HttpHeaderMax(v) => query_or_set(&mut self.http_header_max, *v),
+            Command::HttpRequestTimeout(v) => query_or_set(&mut self.http_request_timeout, *v),
             Command::Hsts(h) => set(&mut self.hsts, *h),
             Command::ProxyProtocol(v) => set(&mut self.proxy_protocol, *v),
             Command::AcceptProxy(on) => set(&mut self.accept_proxy, *on),
@@ -751,6 +756,9 @@ impl Settings {
         if self.http_header_max != d.http_header_max {
             out.push(Command::HttpHeaderMax(Some(self.http_header_max)));
         }
+        if self.http_request_timeout != d.http_request_timeout {
+            out.push(Command::HttpRequestTimeout(Some(self.http_request_timeout)));
+        }
         if self.hsts.is_some() {
             out.push(Command::Hsts(self.hsts));
         }
@@ -935,6 +943,7 @@ mod tests {
             "block",
             "http",
             "http_header_max 8192",
+            "http_request_timeout 0",
             "hsts 31536000 include_subdomains",
             "proxy_protocol v2",
             "accept_proxy",

@@ -37,8 +37,11 @@ pub struct Counters {
     /// Client connections closed for a missing or malformed PROXY protocol header
     /// (`accept_proxy`).
     pub bad_proxy_header: AtomicU64,
-    /// HTTP requests refused with 400 or 431 (`http`).
+    /// HTTP requests refused with 400, 408 or 431 (`http`).
     pub http_refused: AtomicU64,
+    /// HTTP connections closed because a request head did not come whole within
+    /// `http_request_timeout` (answered 408 after part of one, else closed silently).
+    pub http_request_timeouts: AtomicU64,
 }
 
 /// Shared state of one quill process.

@@ -359,3 +359,92 @@ fn half_close_idle_timeout_and_the_connection_log_work_with_http() {
         "{text}"
     );
 }
+
+#[test]
+fn slow_or_silent_clients_never_reach_a_backend_and_time_out() {
+    if skip_on_pen("Pen connects to a server as soon as a client connects") {
+        return;
+    }
+    let backend = EchoServer::start();
+    let spec = backend.spec();
+    let (q, ctl) = support::ctl::start_with_tcp_control(&[
+        "-H",
+        "-O",
+        "http_request_timeout 1",
+        "127.0.0.1:{port}",
+        &spec,
+    ]);
+    // A slowloris client: part of a head, then nothing.
+    let mut slow = q.connect_from("127.0.0.11");
+    slow.write_all(b"GET /slow HTTP/1.1\r\nHost: x\r\nX-a: b\r\n")
+        .unwrap();
+    // A client that sends nothing at all.
+    let mut silent = q.connect_from("127.0.0.12");
+    // Meanwhile a normal client is served, and it is the only one the backend sees.
+    let mut good = q.connect_from("127.0.0.13");
+    good.write_all(b"GET /good HTTP/1.1\r\n\r\n").unwrap();
+    assert_eq!(read_response(&mut good).unwrap().status, 200);
+    assert_eq!(backend.connections(), 1, "only the normal client");
+    // The slow head is answered 408 and closed (well before the default of 10 s); the
+    // silent client is closed without a word.
+    let (data, _) = expect_closed(&mut slow, Duration::from_secs(6));
+    let text = String::from_utf8_lossy(&data);
+    assert!(
+        text.starts_with("HTTP/1.1 408 Request Timeout\r\n")
+            && text.contains("\r\nConnection: close\r\n"),
+        "{text:?}"
+    );
+    expect_closed_without_data(&mut silent, Duration::from_secs(6));
+    assert_eq!(backend.connections(), 1, "no backend connection for either");
+
+    // The same bound applies to every later head of a keep-alive connection: a client
+    // that sends one good request and then trickles the next gets 408 ...
+    let mut trickle = q.connect_from("127.0.0.14");
+    trickle.write_all(b"GET /1 HTTP/1.1\r\n\r\n").unwrap();
+    assert_eq!(read_response(&mut trickle).unwrap().status, 200);
+    trickle.write_all(b"GET /2 HTTP/1.1\r\n").unwrap();
+    let (data, _) = expect_closed(&mut trickle, Duration::from_secs(6));
+    assert!(
+        String::from_utf8_lossy(&data).starts_with("HTTP/1.1 408 "),
+        "{:?}",
+        String::from_utf8_lossy(&data)
+    );
+    // ... and one that goes quiet after an answer is closed, as an idle keep-alive
+    // connection, without a word.
+    let mut idle = q.connect_from("127.0.0.15");
+    idle.write_all(b"GET /1 HTTP/1.1\r\n\r\n").unwrap();
+    assert_eq!(read_response(&mut idle).unwrap().status, 200);
+    expect_closed_without_data(&mut idle, Duration::from_secs(6));
+    // A client that keeps its requests coming is served throughout.
+    let mut busy = q.connect_from("127.0.0.16");
+    for i in 0..5 {
+        write!(busy, "GET /b{i} HTTP/1.1\r\n\r\n").unwrap();
+        assert_eq!(read_response(&mut busy).unwrap().status, 200);
+    }
+    assert_eq!(backend.connections(), 4);
+    // Counted once the connections are over (after a 408 quill reads what the client
+    // still sends for a while, until it closes): the slow, silent, trickling and idle
+    // clients (and the good one, idle since its answer), two of them answered 408.
+    drop((slow, silent, trickle, idle));
+    wait_until(Duration::from_secs(10), "the timeouts counted", || {
+        let status = support::ctl::status_json(&ctl);
+        status["connections"]["http_request_timeouts"]
+            .as_u64()
+            .is_some_and(|n| n >= 4)
+            && status["connections"]["http_refused"] == 2
+    });
+
+    // The setting is asked, changed and written like any other.
+    assert_eq!(
+        support::ctl::ctl_ok(&ctl, "http_request_timeout").trim(),
+        "1"
+    );
+    let written = support::ctl::written_config(&ctl, q.dir(), "timeout");
+    assert!(written.contains("\nhttp_request_timeout 1\n"), "{written}");
+    support::ctl::ctl_ok(&ctl, "http_request_timeout 0");
+    let written = support::ctl::written_config(&ctl, q.dir(), "none");
+    assert!(written.contains("\nhttp_request_timeout 0\n"), "{written}");
+    support::ctl::ctl_ok(&ctl, "http_request_timeout 10");
+    let written = support::ctl::written_config(&ctl, q.dir(), "default");
+    assert!(!written.contains("http_request_timeout"), "{written}");
+}

@@ -903,6 +903,68 @@ fn http_after_tls_gets_forwarded_proto_https_and_hsts() {
     );
 }
 
+/// With `http` (-H) after TLS, the server is connected only once the handshake is done
+/// and a whole request head has come; a head that trickles gets 408 through TLS.
+#[test]
+fn http_after_tls_connects_no_server_before_a_whole_head() {
+    use support::http_echo::{read_final_response, EchoServer};
+    let (_dir, ca, leaf) = tls_fixture();
+    let echo = EchoServer::start();
+    let q = Quill::start(&[
+        "-H",
+        "-E",
+        s(&leaf.cert),
+        "-K",
+        s(&leaf.key),
+        "-O",
+        "http_request_timeout 1",
+        "{port}",
+        &echo.spec(),
+    ]);
+    let config = client_config(&ca.cert, None);
+    let mut slow = tls_connect(q.addr(), "localhost", &config).unwrap();
+    slow.write_all(b"GET /slow HTTP/1.1\r\nHost: x\r\n")
+        .unwrap();
+    slow.flush().unwrap();
+    // Handshaken and silent.
+    let mut silent = tls_connect(q.addr(), "localhost", &config).unwrap();
+    let mut good = tls_connect(q.addr(), "localhost", &config).unwrap();
+    good.write_all(b"GET /good HTTP/1.1\r\nHost: x\r\n\r\n")
+        .unwrap();
+    let resp = read_final_response(&mut good).unwrap();
+    assert_eq!(resp.status, 200);
+    assert_eq!(echo.connections(), 1, "only the client that sent a request");
+    slow.sock
+        .set_read_timeout(Some(Duration::from_secs(6)))
+        .unwrap();
+    let mut answer = Vec::new();
+    slow.read_to_end(&mut answer).unwrap();
+    assert!(
+        answer.starts_with(b"HTTP/1.1 408 Request Timeout\r\n"),
+        "{:?}",
+        String::from_utf8_lossy(&answer)
+    );
+    silent
+        .sock
+        .set_read_timeout(Some(Duration::from_secs(6)))
+        .unwrap();
+    let mut nothing = Vec::new();
+    // Closed without a word (a TCP close: rustls reports the missing close_notify).
+    if let Err(e) = silent.read_to_end(&mut nothing) {
+        assert_eq!(e.kind(), io::ErrorKind::UnexpectedEof, "{e}");
+    }
+    assert!(
+        nothing.is_empty(),
+        "{:?}",
+        String::from_utf8_lossy(&nothing)
+    );
+    assert_eq!(
+        echo.connections(),
+        1,
+        "none for the slow or the silent client"
+    );
+}
+
 #[test]
 fn http_health_checks_speak_tls_to_tls_servers() {
     let (dir, ca, leaf) = tls_fixture();

@@ -122,11 +122,19 @@ pub static FAMILIES: &[Family] = &[
     },
     Family {
         name: "http_requests_refused",
-        help: "HTTP requests (http, -H) answered by quill with 400 or 431, their connection \
-               then closed.",
+        help: "HTTP requests (http, -H) answered by quill with 400, 408 or 431, their \
+               connection then closed.",
         unit: None,
         kind: Kind::Counter,
         source: Source::Global(|s| load(&s.counters.http_refused)),
+    },
+    Family {
+        name: "http_request_timeouts",
+        help: "HTTP connections (http, -H) closed because a request head did not arrive \
+               whole within http_request_timeout (408 after part of one, else no answer).",
+        unit: None,
+        kind: Kind::Counter,
+        source: Source::Global(|s| load(&s.counters.http_request_timeouts)),
     },
     Family {
         name: "connections_open",
@@ -410,6 +418,7 @@ mod tests {
         state.counters.upstream_tls_failures.store(1, Relaxed);
         state.counters.bad_proxy_header.store(3, Relaxed);
         state.counters.http_refused.store(4, Relaxed);
+        state.counters.http_request_timeouts.store(6, Relaxed);
         if let Some(s) = state.servers.get(1) {
             s.bytes_to.store(1234, Relaxed);
             s.blacklist(clock::now_ms(), 60);
@@ -425,6 +434,7 @@ mod tests {
             "quill_upstream_tls_handshake_failures_total 1",
             "quill_connections_refused_total{reason=\"proxy_header\"} 3",
             "quill_http_requests_refused_total 4",
+            "quill_http_request_timeouts_total 6",
             "quill_server_sent_bytes_total{server=\"1\",address=\"[::1]:9002\"} 1234",
             "quill_server_state{server=\"1\",address=\"[::1]:9002\",state=\"blacklisted\"} 1",
             "quill_server_state{server=\"0\",address=\"127.0.0.1:9001\",state=\"up\"} 1",

@@ -219,6 +219,7 @@ pub fn json(ctx: &Context) -> String {
             "no_server": state.counters.no_server.load(Relaxed),
             "refused_proxy_header": state.counters.bad_proxy_header.load(Relaxed),
             "http_refused": state.counters.http_refused.load(Relaxed),
+            "http_request_timeouts": state.counters.http_request_timeouts.load(Relaxed),
             "max": settings.conn_max,
         },
         "clients": { "tracked": state.clients.len(), "max": settings.clients_max },

@@ -1,7 +1,7 @@
 //! `dummy`: quill answers HTTP/1.x requests itself with a small body naming its port.
 //!
 //! A tiny keep-alive web server for demos, tests and benchmarks, not a general one: it reads
-//! request heads, skips `Content-Length` bodies, answers every request with 200 (pipelined
+//! request heads, skips `Content-Length` bodies, answers every request with 200 once its body is in (pipelined
 //! requests are answered in order, in one write), and closes on `Connection: close`, on
 //! HTTP/1.0 without keep-alive, on chunked request bodies (501) and on heads over 64 KiB.
 
@@ -74,6 +74,8 @@ pub async fn serve<S: AsyncRead + AsyncWrite + Unpin>(mut sock: S, port: u16) {
     let mut out: Vec<u8> = Vec::new();
     // Body bytes of the current request still to be skipped.
     let mut skip = 0usize;
+    // The request whose body is being skipped: answered once it is.
+    let mut due: Option<Request> = None;
     loop {
         let start = buf.len();
         buf.resize(start + 4096, 0);
@@ -93,6 +95,18 @@ pub async fn serve<S: AsyncRead + AsyncWrite + Unpin>(mut sock: S, port: u16) {
                     break;
                 }
             }
+            // A request is answered once its body is in, as servers that read the body
+            // first do (a client that sends its body slowly holds the connection).
+            if let Some(req) = due.take() {
+                out.extend_from_slice(head.as_bytes());
+                if !req.head_method {
+                    out.extend_from_slice(body.as_bytes());
+                }
+                if req.close {
+                    close = true;
+                    break;
+                }
+            }
             let Some(req) = parse_head(&buf[consumed..]) else {
                 break;
             };
@@ -103,14 +117,7 @@ pub async fn serve<S: AsyncRead + AsyncWrite + Unpin>(mut sock: S, port: u16) {
                 break;
             }
             skip = req.body_len;
-            out.extend_from_slice(head.as_bytes());
-            if !req.head_method {
-                out.extend_from_slice(body.as_bytes());
-            }
-            if req.close {
-                close = true;
-                break;
-            }
+            due = Some(req);
         }
         buf.drain(..consumed);
         if buf.len() > MAX_HEAD {
@@ -147,5 +154,24 @@ mod tests {
         let r = parse_head(b"GET / HTTP/1.1\r\nConnection: close\r\n\r\n").unwrap();
         assert!(r.close);
         assert!(parse_head(b"GET / HTTP/1.1\r\n").is_none());
+    }
+
+    #[tokio::test]
+    async fn a_request_is_answered_once_its_body_is_in() {
+        let (mut client, server) = tokio::io::duplex(4096);
+        tokio::spawn(serve(server, 80));
+        client
+            .write_all(b"POST / HTTP/1.1\r\nContent-Length: 5\r\nConnection: close\r\n\r\nhel")
+            .await
+            .unwrap();
+        let mut buf = [0u8; 512];
+        let early =
+            tokio::time::timeout(std::time::Duration::from_millis(50), client.read(&mut buf)).await;
+        assert!(early.is_err(), "answered before the body was in");
+        client.write_all(b"lo").await.unwrap();
+        let mut answer = Vec::new();
+        client.read_to_end(&mut answer).await.unwrap();
+        assert!(answer.starts_with(b"HTTP/1.1 200 OK\r\n"));
+        assert!(answer.ends_with(b"quill dummy server on port 80\n"));
     }
 }

@@ -16,6 +16,10 @@ use crate::command::Hsts;
 
 /// Default limit of a request head (`http_header_max`), as large as NGINX's buffers.
 pub const DEFAULT_HEADER_MAX: usize = 16 * 1024;
+/// Default `http_request_timeout` in seconds: the time a client has to send a whole
+/// request head, the `timeout http-request 10s` of HAProxy's example configurations
+/// (Apache's mod_reqtimeout allows 20 to 40, NGINX's `client_header_timeout` 60).
+pub const DEFAULT_REQUEST_TIMEOUT: u64 = 10;
 /// Smallest `http_header_max` accepted: a request line and a few headers must fit.
 pub const MIN_HEADER_MAX: usize = 256;
 /// Header fields per request; more is answered with 431.
@@ -64,6 +68,8 @@ pub enum Refusal {
     BadRequest,
     /// 431: the head (or the trailer section) is larger than `http_header_max`.
     TooLarge,
+    /// 408: the head did not arrive whole within `http_request_timeout`.
+    Timeout,
 }
 
 impl Refusal {
@@ -72,6 +78,7 @@ impl Refusal {
         match self {
             Refusal::BadRequest => b"HTTP/1.1 400 Bad Request\r\nContent-Type: text/plain\r\nContent-Length: 12\r\nConnection: close\r\n\r\nBad Request\n",
             Refusal::TooLarge => b"HTTP/1.1 431 Request Header Fields Too Large\r\nContent-Type: text/plain\r\nContent-Length: 32\r\nConnection: close\r\n\r\nRequest Header Fields Too Large\n",
+            Refusal::Timeout => b"HTTP/1.1 408 Request Timeout\r\nContent-Type: text/plain\r\nContent-Length: 16\r\nConnection: close\r\n\r\nRequest Timeout\n",
         }
     }
 }
@@ -219,6 +226,33 @@ impl Exchange {
             Req::Head => self.pending.len() < MAX_PIPELINE || self.resp == Resp::Raw,
             _ => true,
         }
+    }
+
+    /// Whether quill is waiting for the client to send a request head, the time that
+    /// `http_request_timeout` bounds: from the first byte of a head, or from the end of
+    /// the answer to the previous request (nothing else outstanding), until the head is
+    /// complete. False while the client is held back (it cannot finish a head that is not
+    /// read), while a body or a tunnel flows, and while answers are due from the server
+    /// (a pipelining client waits for them; that wait is the server's, not the client's).
+    pub fn awaiting_head(&self) -> bool {
+        self.req == Req::Head
+            && self.accepts_client_bytes()
+            && (!self.req_head.is_empty()
+                || (self.pending.is_empty()
+                    && self.resp == Resp::Head
+                    && self.resp_head.is_empty()))
+    }
+
+    /// Whether part of a request head has arrived (and waits for the rest).
+    pub fn head_started(&self) -> bool {
+        self.req == Req::Head && !self.req_head.is_empty()
+    }
+
+    /// The request head being waited for took longer than `http_request_timeout`: the
+    /// client gets 408 (after the answers to its earlier requests), and the connection
+    /// closes.
+    pub fn head_timed_out(&mut self) {
+        self.refuse(Refusal::Timeout);
     }
 
     /// The refusal of the client's request, if one happened (the connection ends).
@@ -1065,6 +1099,52 @@ mod tests {
         server(&mut ex, b"k");
         assert_eq!(ex.take_refusal(), Some(Refusal::BadRequest.response()));
         assert_eq!(ex.take_refusal(), None, "handed out once");
+    }
+
+    #[test]
+    fn the_wait_for_a_head_is_known_and_ends_in_408() {
+        let mut ex = exchange();
+        assert!(
+            ex.awaiting_head(),
+            "a new connection waits for its first head"
+        );
+        assert!(!ex.head_started());
+        client(&mut ex, b"GET /1 HTTP/1.1\r\n\r\n", 1000);
+        assert!(!ex.awaiting_head(), "the answer is the server's to give");
+        server(&mut ex, b"HTTP/1.1 200 OK\r\nContent-Length: 1\r\n\r\n");
+        assert!(!ex.awaiting_head(), "the answer is not over");
+        server(&mut ex, b"x");
+        assert!(ex.awaiting_head(), "keep-alive: the next head is due");
+        // A body is not a head.
+        client(
+            &mut ex,
+            b"POST /2 HTTP/1.1\r\nContent-Length: 9\r\n\r\nabc",
+            1000,
+        );
+        assert!(!ex.awaiting_head());
+        client(&mut ex, b"defghi", 1000);
+        // A pipelined head begun while an answer is due is waited for.
+        client(&mut ex, b"GET /3 HTT", 1000);
+        assert!(ex.head_started() && ex.awaiting_head());
+        ex.head_timed_out();
+        assert_eq!(ex.refusal(), Some(Refusal::Timeout));
+        assert!(!ex.awaiting_head() && !ex.accepts_client_bytes());
+        assert_eq!(ex.take_refusal(), None, "the answer to /2 is due first");
+        server(&mut ex, b"HTTP/1.1 204 No Content\r\n\r\n");
+        let answer = ex.take_refusal().unwrap();
+        assert!(answer.starts_with(b"HTTP/1.1 408 Request Timeout\r\n"));
+        let text = String::from_utf8_lossy(answer);
+        let (head, body) = text.split_once("\r\n\r\n").unwrap();
+        assert!(head.contains("\r\nConnection: close"));
+        assert!(head.contains(&format!("\r\nContent-Length: {}", body.len())));
+        // Not while the client is held back (an Upgrade waiting for its answer).
+        let mut ex = exchange();
+        client(
+            &mut ex,
+            b"GET / HTTP/1.1\r\nUpgrade: websocket\r\nConnection: Upgrade\r\n\r\n",
+            1000,
+        );
+        assert!(!ex.awaiting_head());
     }
 
     #[test]

@@ -8,6 +8,11 @@
 //! per-thread output buffer; a connection owns bytes only while its receiver is slow, or
 //! while the exchange holds the client back (an `Upgrade` waiting for its answer), so an
 //! idle keep-alive connection holds no buffer.
+//!
+//! With `http`, [`first_head`] runs before any server is chosen: the client's first
+//! request head must arrive whole, within `http_request_timeout`, before a backend
+//! connection exists (a slowloris client never reaches a server). The relay then bounds
+//! every later head the same way ([`HeadTimer`]).
 
 use std::cell::RefCell;
 use std::future::{poll_fn, Future};
@@ -16,10 +21,11 @@ use std::pin::Pin;
 use std::task::{ready, Context, Poll};
 use std::time::Duration;
 
+use tokio::io::AsyncWriteExt;
 use tokio::io::{AsyncRead, AsyncWrite, ReadBuf};
-use tokio::time::Sleep;
+use tokio::time::{Instant, Sleep};
 
-use super::http::{Exchange, Fed};
+use super::http::{Exchange, Fed, Refusal};
 use super::relay::{
     fast_close, turn_end, End, IdleTimer, Outcome, RelayOptions, BUDGET, SCRATCH_SIZE,
 };
@@ -248,20 +254,221 @@ impl Flow {
     }
 }
 
-/// Relays between `client` and `server` until the connection ends, through `exchange`
-/// when given (HTTP rewriting), verbatim otherwise.
+/// An `http` connection before its relay: its exchange, what [`first_head`] read, and the
+/// bound on request heads.
+pub struct Http {
+    pub exchange: Exchange,
+    pub preread: Preread,
+    /// `http_request_timeout` (`None`: no bound).
+    pub head_limit: Option<Duration>,
+}
+
+impl Http {
+    pub fn new(exchange: Exchange, head_limit: Option<Duration>) -> Http {
+        Http {
+            exchange,
+            preread: Preread::default(),
+            head_limit,
+        }
+    }
+}
+
+/// What was read from the client before a server was chosen: its first request head,
+/// complete, and whatever came with it.
+#[derive(Default)]
+pub struct Preread {
+    /// For the server: the rewritten head and the bytes that followed it in the same reads.
+    out: Vec<u8>,
+    /// Read but not taken by the exchange yet (what follows an `Upgrade` head).
+    held: Vec<u8>,
+    /// Bytes read from the client.
+    bytes: u64,
+    /// The start of the first read (connection log), when asked for.
+    first: Option<Vec<u8>>,
+}
+
+/// How waiting for the first head ended, when it did not end with the head.
+enum Unfinished {
+    /// The client closed (or failed) before its head was complete.
+    Gone(End),
+    /// Refused (400, 431): the answer is due.
+    Refused,
+    /// `http_request_timeout` passed.
+    TimedOut,
+}
+
+/// Reads the client's first request head into `http` (through its exchange, with the
+/// per-thread scratch buffer; a head in pieces is held by the exchange, bounded by
+/// `http_header_max`) within `http_request_timeout`, before any server is chosen. `None`:
+/// the head is complete and the relay can start. Otherwise the connection is over and
+/// answered: a client that sent part of a head gets 408 when time runs out, a bad or
+/// oversized head 400 or 431, and one that sent nothing is closed without a word (as
+/// NGINX does); the outcome is for the books (`down` = bytes of the answer).
+pub async fn first_head<C>(client: &mut C, http: &mut Http, capture: bool) -> Option<Outcome>
+where
+    C: AsyncRead + AsyncWrite + Unpin + ?Sized,
+{
+    if capture {
+        http.preread.first = Some(Vec::new());
+    }
+    let limit = http.head_limit;
+    let read = poll_fn(|cx| poll_first_head(cx, client, http));
+    let unfinished = match limit {
+        None => read.await,
+        Some(limit) => match tokio::time::timeout(limit, read).await {
+            Ok(r) => r,
+            Err(_) => Err(Unfinished::TimedOut),
+        },
+    };
+    let end = match unfinished {
+        Ok(()) => return None,
+        Err(Unfinished::Gone(end)) => end,
+        Err(Unfinished::TimedOut) if !http.exchange.head_started() => {
+            End::RequestTimeout { answered: false }
+        }
+        Err(Unfinished::TimedOut) => {
+            http.exchange.head_timed_out();
+            End::RequestTimeout { answered: true }
+        }
+        Err(Unfinished::Refused) => End::Refused,
+    };
+    let mut down = 0;
+    if let Some(answer) = http.exchange.take_refusal() {
+        down = answer.len() as u64;
+        // The answer, then what the client still sends is drained for a while, so that
+        // closing does not reset the connection before the client has read it. All of it
+        // within `LINGER`: a client that does not read cannot hold the connection.
+        let _ = tokio::time::timeout(LINGER, async {
+            client.write_all(answer).await?;
+            client.shutdown().await?;
+            let mut drained = 0;
+            poll_fn(|cx| poll_linger_bytes(cx, client, &mut drained)).await;
+            io::Result::Ok(())
+        })
+        .await;
+    }
+    let preread = std::mem::take(&mut http.preread);
+    Some(Outcome {
+        up: preread.bytes,
+        down,
+        end,
+        first: preread.first.unwrap_or_default(),
+    })
+}
+
+/// Reads until the exchange has a complete first head (`Ok`), or refuses it, or the
+/// client is gone.
+fn poll_first_head<C>(
+    cx: &mut Context<'_>,
+    client: &mut C,
+    http: &mut Http,
+) -> Poll<Result<(), Unfinished>>
+where
+    C: AsyncRead + Unpin + ?Sized,
+{
+    SCRATCH.with(|scratch| {
+        let mut scratch = scratch.borrow_mut();
+        loop {
+            let mut buf = ReadBuf::new(&mut scratch[..]);
+            match Pin::new(&mut *client).poll_read(cx, &mut buf) {
+                Poll::Pending => return Poll::Pending,
+                Poll::Ready(Err(e)) => return Poll::Ready(Err(Unfinished::Gone(End::Error(e)))),
+                Poll::Ready(Ok(())) => {}
+            }
+            let input = buf.filled();
+            if input.is_empty() {
+                return Poll::Ready(Err(Unfinished::Gone(End::Closed)));
+            }
+            let pre = &mut http.preread;
+            pre.bytes += input.len() as u64;
+            if let Some(first) = pre.first.as_mut().filter(|f| f.is_empty()) {
+                first.extend_from_slice(&input[..input.len().min(crate::connlog::REQUEST_BYTES)]);
+            }
+            match http.exchange.client_bytes(input, &mut pre.out) {
+                Fed::Verbatim => pre.out.extend_from_slice(input),
+                // What follows a refused request is never forwarded.
+                Fed::Consumed(n) if n < input.len() && http.exchange.refusal().is_none() => {
+                    pre.held.extend_from_slice(&input[n..]);
+                }
+                Fed::Consumed(_) => {}
+            }
+            // A complete head is the first thing the exchange ever writes out. A refusal
+            // after it (a bad second request in the same read) is the relay's to send,
+            // after the answer to the first.
+            if !pre.out.is_empty() {
+                return Poll::Ready(Ok(()));
+            }
+            if http.exchange.refusal().is_some() {
+                return Poll::Ready(Err(Unfinished::Refused));
+            }
+        }
+    })
+}
+
+/// `http_request_timeout` for the heads that follow the first on a keep-alive
+/// connection: from the end of the previous answer (or the first byte of a pipelined
+/// head) until the head is complete ([`Exchange::awaiting_head`]). Cheap when heads come
+/// whole: the timer is created at the first wait and then only moved forward when it
+/// fires before the current wait's deadline, so a wait that ends in time costs no timer
+/// operation, only a clock read when it begins.
+struct HeadTimer {
+    limit: Duration,
+    /// When the current wait began; `None` while quill is not waiting for a head.
+    since: Option<Instant>,
+    sleep: Option<Pin<Box<Sleep>>>,
+}
+
+impl HeadTimer {
+    /// True when the current wait passed the limit.
+    fn expired(&mut self, cx: &mut Context<'_>, waiting: bool) -> bool {
+        if !waiting {
+            self.since = None;
+            return false;
+        }
+        let since = *self.since.get_or_insert_with(Instant::now);
+        let deadline = since + self.limit;
+        let sleep = self
+            .sleep
+            .get_or_insert_with(|| Box::pin(tokio::time::sleep_until(deadline)));
+        while sleep.as_mut().poll(cx).is_ready() {
+            if sleep.deadline() >= deadline {
+                return true;
+            }
+            sleep.as_mut().reset(deadline);
+        }
+        false
+    }
+}
+
+/// Relays between `client` and `server` until the connection ends, through the exchange
+/// of `http` when given (HTTP rewriting; the bytes [`first_head`] read go first),
+/// verbatim otherwise.
 pub async fn relay<C, S>(
     client: &mut C,
     server: &mut S,
-    mut exchange: Option<Exchange>,
+    http: Option<Http>,
     opts: RelayOptions,
 ) -> Outcome
 where
     C: AsyncRead + AsyncWrite + Unpin + ?Sized,
     S: AsyncRead + AsyncWrite + Unpin + ?Sized,
 {
+    let (mut exchange, preread, mut head) = match http {
+        Some(h) => {
+            let timer = h.head_limit.map(|limit| HeadTimer {
+                limit,
+                since: None,
+                sleep: None,
+            });
+            (Some(h.exchange), h.preread, timer)
+        }
+        None => (None, Preread::default(), None),
+    };
     let mut up = Flow {
-        first: opts.capture.then(Vec::new),
+        out: preread.out,
+        held: preread.held,
+        bytes: preread.bytes,
+        first: opts.capture.then(|| preread.first.unwrap_or_default()),
         ..Flow::default()
     };
     let mut down = Flow::default();
@@ -304,6 +511,26 @@ where
             .exchange
             .as_ref()
             .is_some_and(|ex| ex.refusal().is_some());
+        if let Some(timer) = head.as_mut() {
+            // Waiting on the client alone: nothing of its own is still being written.
+            let waiting = !refusing
+                && !up.eof
+                && up.out.is_empty()
+                && up.held.is_empty()
+                && down.out.is_empty()
+                && exchange.as_ref().is_some_and(Exchange::awaiting_head);
+            if timer.expired(cx, waiting) {
+                match exchange.as_mut() {
+                    Some(ex) if ex.head_started() => {
+                        // 408 once the earlier answers are out: the next turn queues it.
+                        ex.head_timed_out();
+                        cx.waker().wake_by_ref();
+                        return Poll::Pending;
+                    }
+                    _ => return Poll::Ready(End::RequestTimeout { answered: false }),
+                }
+            }
+        }
         if refused && down.done {
             if refusing {
                 // The refusal is out and the client's write side shut: drain, then close.
@@ -321,6 +548,12 @@ where
         turn_end(fast, up.done && down.done, &mut idle, cx, &mut active)
     })
     .await;
+    let end = match end {
+        End::Refused if exchange.and_then(|ex| ex.refusal()) == Some(Refusal::Timeout) => {
+            End::RequestTimeout { answered: true }
+        }
+        end => end,
+    };
     Outcome {
         up: up.bytes,
         down: down.bytes,
@@ -340,6 +573,16 @@ fn poll_linger<C: AsyncRead + Unpin + ?Sized>(
     if timer.as_mut().poll(cx).is_ready() {
         return Poll::Ready(End::Refused);
     }
+    poll_linger_bytes(cx, client, drained)
+}
+
+/// Reads and drops the client's bytes until it closes (or fails) or `LINGER_BYTES` were
+/// dropped: then `Ready`.
+fn poll_linger_bytes<C: AsyncRead + Unpin + ?Sized>(
+    cx: &mut Context<'_>,
+    client: &mut C,
+    drained: &mut usize,
+) -> Poll<End> {
     SCRATCH.with(|scratch| {
         let mut scratch = scratch.borrow_mut();
         loop {

@@ -168,8 +168,12 @@ pub enum End {
     /// connection, or died mid-transfer): the caller blacklists the server, as for a
     /// failed connect.
     ServerError(io::Error),
-    /// An HTTP request was refused (400 or 431) and the connection closed (`http`).
+    /// An HTTP request was refused (400, 408 or 431) and the connection closed (`http`).
     Refused,
+    /// `http`: a request head did not come whole within `http_request_timeout`. After
+    /// part of one the client was `answered` 408; a client that sent nothing (since it
+    /// connected, or since the answer to its previous request) was closed without a word.
+    RequestTimeout { answered: bool },
 }
 
 /// Which socket of a pipe an error came from.

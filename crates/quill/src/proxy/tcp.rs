@@ -1,5 +1,6 @@
 //! The TCP data plane: accept -> conn_max -> PROXY header (`accept_proxy`) -> client ACL
-//! -> TLS handshake (`ssl_cert`) -> select -> connect (timeout, failover) -> PROXY header
+//! -> TLS handshake (`ssl_cert`) -> the first request head, whole (`http`, within
+//! `http_request_timeout`) -> select -> connect (timeout, failover) -> PROXY header
 //! (`proxy_protocol`) -> TLS handshake (`upstream_tls`) -> relay (raw sockets: the fast
 //! path; TLS on a side: the stream relay; `http`: the HTTP pump) -> close.
 //!
@@ -25,6 +26,7 @@ use tokio::sync::{mpsc, watch};
 use super::http::{Exchange, HttpParams, Scheme};
 use super::park::{self, Parked};
 use super::proxy_protocol;
+use super::pump::{self, Http};
 use super::registry::{ConnInfo, Registered, Upstream};
 use super::relay::{self, relay, Outcome, RelayOptions, Stop, Stream, Totals};
 use super::stream;
@@ -347,7 +349,8 @@ struct Books<'a> {
     lease: Lease<'a>,
     /// This connection's place in `State::active`.
     _active: Held<'a>,
-    exchange: Option<Box<Exchange>>,
+    /// With `http`: the exchange and the first request head, read before connecting.
+    http: Option<Box<Http>>,
     opts: RelayOptions,
     peer: SocketAddr,
     /// The connection log line's fields; `log` is `None` when the log is off.
@@ -616,6 +619,39 @@ async fn open<C: ClientStream>(
             }
         }
     };
+    let seconds = |n: u64| (n > 0).then(|| Duration::from_secs(n).min(FOREVER));
+    // With `http`, no server is chosen before the client's first request head is whole:
+    // a client that trickles its head (slowloris) or sends nothing never costs a backend
+    // connection, only its own socket and the partial head (at most `http_header_max`).
+    let mut client = client;
+    let http = if settings.http {
+        let exchange = Exchange::new(HttpParams {
+            client: ip,
+            scheme: match client {
+                Client::Plain(_) => Scheme::Http,
+                Client::Tls(_) => Scheme::Https,
+            },
+            header_max: settings.http_header_max,
+            hsts: settings.hsts,
+        });
+        let mut http = Box::new(Http::new(exchange, seconds(settings.http_request_timeout)));
+        let capture = log.is_some();
+        let ended = match &mut client {
+            Client::Plain(c) => Box::pin(pump::first_head(c, &mut http, capture)).await,
+            Client::Tls(c) => Box::pin(pump::first_head(&mut **c, &mut http, capture)).await,
+        };
+        if let Some(outcome) = ended {
+            count_http_end(state, &outcome.end);
+            tracing::debug!(%peer, "closed before a whole request head: {:?}", outcome.end);
+            if let Some(log) = &log {
+                log.record(ip, started_unix, None, &outcome.first);
+            }
+            return None;
+        }
+        Some(http)
+    } else {
+        None
+    };
     let upstream = if permitted {
         Box::pin(choose_and_connect(state, &settings, preamble, opts)).await
     } else if let Some(abuse) = &settings.abuse {
@@ -654,7 +690,6 @@ async fn open<C: ClientStream>(
             None => Upstream::Abuse,
         });
     }
-    let seconds = |n: u64| (n > 0).then(|| Duration::from_secs(n).min(FOREVER));
     let relay_opts = RelayOptions {
         fastclose: settings.fastclose,
         idle_timeout: seconds(settings.idle_timeout),
@@ -666,24 +701,13 @@ async fn open<C: ClientStream>(
         .as_ref()
         .and_then(|_| server.peer_addr().ok())
         .map(|a| a.ip());
-    let exchange = settings.http.then(|| {
-        Box::new(Exchange::new(HttpParams {
-            client: ip,
-            scheme: match client {
-                Client::Plain(_) => Scheme::Http,
-                Client::Tls(_) => Scheme::Https,
-            },
-            header_max: settings.http_header_max,
-            hsts: settings.hsts,
-        }))
-    });
     Some(Session {
         registered,
         ends: Live { client, server },
         books: Books {
             lease,
             _active: held,
-            exchange,
+            http,
             opts: relay_opts,
             peer,
             log,
@@ -703,23 +727,23 @@ impl<C: ClientStream> Session<'static, Live<C>> {
         let opts = self.books.opts;
         // Raw sockets on both sides without `http` take the fast path.
         let outcome = match (&mut self.ends.client, &mut self.ends.server) {
-            (Client::Plain(c), Server::Plain(s)) if self.books.exchange.is_none() => {
+            (Client::Plain(c), Server::Plain(s)) if self.books.http.is_none() => {
                 match relay(&*c, &*s, opts, from).await {
                     Stop::Ended(outcome) => outcome,
                     Stop::Quiet(totals) => return Some(totals),
                 }
             }
             (Client::Plain(c), Server::Plain(s)) => {
-                pump_streams(state, c, s, self.books.exchange.take(), opts).await
+                pump_streams(state, c, s, self.books.http.take(), opts).await
             }
             (Client::Plain(c), Server::Tls(s)) => {
-                pump_streams(state, c, &mut **s, self.books.exchange.take(), opts).await
+                pump_streams(state, c, &mut **s, self.books.http.take(), opts).await
             }
             (Client::Tls(c), Server::Plain(s)) => {
-                pump_streams(state, &mut **c, s, self.books.exchange.take(), opts).await
+                pump_streams(state, &mut **c, s, self.books.http.take(), opts).await
             }
             (Client::Tls(c), Server::Tls(s)) => {
-                pump_streams(state, &mut **c, &mut **s, self.books.exchange.take(), opts).await
+                pump_streams(state, &mut **c, &mut **s, self.books.http.take(), opts).await
             }
         };
         self.finish(state, outcome);
@@ -748,22 +772,36 @@ async fn pump_streams<C, S>(
     state: &State,
     client: &mut C,
     server: &mut S,
-    exchange: Option<Box<Exchange>>,
+    http: Option<Box<Http>>,
     opts: RelayOptions,
 ) -> Outcome
 where
     C: tokio::io::AsyncRead + tokio::io::AsyncWrite + Unpin + ?Sized,
     S: tokio::io::AsyncRead + tokio::io::AsyncWrite + Unpin + ?Sized,
 {
-    match exchange {
+    match http {
         None => Box::pin(stream::relay(client, server, opts)).await,
-        Some(exchange) => {
-            let outcome = Box::pin(super::pump::relay(client, server, Some(*exchange), opts)).await;
-            if matches!(outcome.end, relay::End::Refused) {
-                state.counters.http_refused.fetch_add(1, Relaxed);
-            }
+        Some(http) => {
+            let outcome = Box::pin(pump::relay(client, server, Some(*http), opts)).await;
+            count_http_end(state, &outcome.end);
             outcome
         }
+    }
+}
+
+/// Counts how an `http` connection ended, when quill answered or cut it.
+fn count_http_end(state: &State, end: &relay::End) {
+    match end {
+        relay::End::Refused => {
+            state.counters.http_refused.fetch_add(1, Relaxed);
+        }
+        relay::End::RequestTimeout { answered } => {
+            state.counters.http_request_timeouts.fetch_add(1, Relaxed);
+            if *answered {
+                state.counters.http_refused.fetch_add(1, Relaxed);
+            }
+        }
+        _ => {}
     }
 }
 
