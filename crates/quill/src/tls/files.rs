@@ -54,23 +54,76 @@ pub fn certified_key(
     let cert_bytes = read(cert)?;
     let chain = certificates(cert, &cert_bytes)?;
     let key_bytes = if key == cert { cert_bytes } else { read(key)? };
-    let der = PrivateKeyDer::from_pem_slice(&key_bytes).map_err(|e| TlsError::NoKey {
-        file: key.to_path_buf(),
-        detail: match e {
-            rustls_pki_types::pem::Error::NoItemsFound => String::new(),
-            other => format!(" ({other})"),
-        },
+    let der = PrivateKeyDer::from_pem_slice(&key_bytes).map_err(|e| {
+        if is_encrypted_key(&key_bytes) {
+            return TlsError::EncryptedKey {
+                file: key.to_path_buf(),
+            };
+        }
+        TlsError::NoKey {
+            file: key.to_path_buf(),
+            detail: match e {
+                rustls_pki_types::pem::Error::NoItemsFound => String::new(),
+                other => format!(" ({other})"),
+            },
+        }
     })?;
-    CertifiedKey::from_der(chain, der, provider).map_err(|e| match e {
-        rustls::Error::InconsistentKeys(_) => TlsError::KeyMismatch {
+    let signing_key =
+        provider
+            .key_provider
+            .load_private_key(der)
+            .map_err(|e| TlsError::BadKey {
+                file: key.to_path_buf(),
+                reason: e.to_string(),
+            })?;
+    // Not `CertifiedKey::from_der`: its check parses the leaf as a client would verify it
+    // (webpki), which refuses X.509 v1 certificates ("UnsupportedCertVersion", blamed on
+    // the key). A server only needs its key and its certificate's public key to agree;
+    // whether the certificate is acceptable is for its clients to judge, as with NGINX,
+    // HAProxy and Pen.
+    let leaf = chain.first().ok_or_else(|| TlsError::NoCertificate {
+        file: cert.to_path_buf(),
+        detail: String::new(),
+    })?;
+    let leaf_spki = leaf_public_key(cert, leaf)?;
+    if signing_key
+        .public_key()
+        .is_some_and(|spki| spki.as_ref() != leaf_spki.as_slice())
+    {
+        return Err(TlsError::KeyMismatch {
             cert: cert.to_path_buf(),
             key: key.to_path_buf(),
-        },
-        other => TlsError::BadKey {
-            file: key.to_path_buf(),
-            reason: other.to_string(),
-        },
-    })
+        });
+    }
+    Ok(CertifiedKey::new(chain, signing_key))
+}
+
+/// The DER SubjectPublicKeyInfo of a certificate (any X.509 version). Warns once, at
+/// build time, when the certificate is outside its validity period: it is still served
+/// (clients decide), but an operator should hear of it before the clients do.
+fn leaf_public_key(file: &Path, der: &CertificateDer<'_>) -> Result<Vec<u8>, TlsError> {
+    use x509_parser::prelude::{FromDer, X509Certificate};
+    let (_, parsed) = X509Certificate::from_der(der.as_ref()).map_err(|e| TlsError::BadCert {
+        file: file.to_path_buf(),
+        reason: e.to_string(),
+    })?;
+    let validity = parsed.validity();
+    if !validity.is_valid() {
+        tracing::warn!(
+            "{}: the certificate is valid from {} to {} only: clients will refuse it",
+            file.display(),
+            validity.not_before,
+            validity.not_after
+        );
+    }
+    Ok(parsed.public_key().raw.to_vec())
+}
+
+/// Whether a key file holds a passphrase-protected key: PKCS#8 `ENCRYPTED PRIVATE KEY`,
+/// or OpenSSL's traditional `Proc-Type: 4,ENCRYPTED` header.
+fn is_encrypted_key(bytes: &[u8]) -> bool {
+    let has = |needle: &[u8]| bytes.windows(needle.len()).any(|w| w == needle);
+    has(b"-----BEGIN ENCRYPTED PRIVATE KEY-----") || has(b"Proc-Type: 4,ENCRYPTED")
 }
 
 /// Adds the certificates of a PEM bundle as trust anchors.

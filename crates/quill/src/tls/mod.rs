@@ -51,6 +51,10 @@ pub enum TlsError {
     NoKey { file: PathBuf, detail: String },
     #[error("{key}: the private key does not match the certificate in {cert}")]
     KeyMismatch { cert: PathBuf, key: PathBuf },
+    #[error("{file}: the private key is encrypted (a passphrase protects it); quill reads unencrypted keys only: decrypt it, e.g. openssl pkey -in KEY -out KEY.plain, and keep that file private")]
+    EncryptedKey { file: PathBuf },
+    #[error("{file}: unusable certificate: {reason}")]
+    BadCert { file: PathBuf, reason: String },
     #[error("{file}: unusable private key: {reason}")]
     BadKey { file: PathBuf, reason: String },
     #[error("{file}: unusable CA certificate: {reason}")]
