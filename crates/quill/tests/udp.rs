@@ -183,6 +183,75 @@ fn failover_blacklist_all_then_whitelist_over_the_control_socket() {
     assert_eq!(picks.len(), 2, "both servers serve again: {picks:?}");
 }
 
+/// A server with nothing listening answers the first datagram of a flow with ICMP port
+/// unreachable: quill reads that error at once, blacklists the server, and sends the same
+/// datagram on to the next server. So a client that never retries (`dig +tries=1`, each
+/// run from a new source port) is answered every time, the first time included.
+#[test]
+fn a_refusing_server_is_blacklisted_at_once_and_no_query_is_lost() {
+    if skip_on_pen("Pen 0.34 does not fail over UDP flows") {
+        return;
+    }
+    let live = DnsBackend::start(2);
+    // A port that nothing listens on (bound once to find it, then released).
+    let dead = format!("127.0.0.1:{}", free_udp_port());
+    let spec = live.spec();
+    let q = UdpQuill::start(&["-d", "-r", "-b", "60", "-t", "5", "{port}", &dead, &spec]);
+    // Our own client first: a new flow, one datagram, no retry.
+    for src in ["127.0.0.2", "127.0.0.3", "127.0.0.4"] {
+        assert_eq!(
+            q.client(src).ask(WAIT),
+            Some(live.ip()),
+            "a new flow from {src}, asked once: {}",
+            q.stderr()
+        );
+    }
+    assert!(
+        q.stderr().contains("server 0 failed") && q.stderr().contains("blacklisted"),
+        "{}",
+        q.stderr()
+    );
+    if !have_dig() {
+        eprintln!("SKIPPED: dig is not installed (.ci/run installs dnsutils)");
+        return;
+    }
+    // And dig, a client nobody here wrote, without retries, 10 times over.
+    let q = UdpQuill::start(&["-r", "-b", "60", "-t", "5", "{port}", &dead, &spec]);
+    for i in 0..10 {
+        assert_eq!(
+            dig(q.addr(), "127.0.0.1", 2),
+            Some(live.ip()),
+            "dig +tries=1, query {i}: {}",
+            q.stderr()
+        );
+    }
+}
+
+/// Pen's issue #31 (UDP balancing was uneven): with round robin, 10,000 datagrams from
+/// 1,000 client ports spread over four servers within ±5 % of a quarter each.
+#[test]
+fn round_robin_spreads_a_thousand_flows_evenly() {
+    let backends: Vec<DnsBackend> = (1..=4).map(DnsBackend::start).collect();
+    let specs: Vec<String> = backends.iter().map(DnsBackend::spec).collect();
+    let mut args = vec!["-r", "{port}"];
+    args.extend(specs.iter().map(String::as_str));
+    let q = UdpQuill::start(&args);
+    for _ in 0..1000 {
+        let c = q.client("127.0.0.2");
+        for _ in 0..10 {
+            assert!(c.ask(WAIT).is_some(), "a query went unanswered");
+        }
+    }
+    let counts: Vec<usize> = backends.iter().map(DnsBackend::received).collect();
+    assert_eq!(counts.iter().sum::<usize>(), 10_000, "{counts:?}");
+    for (i, n) in counts.iter().enumerate() {
+        assert!(
+            (2375..=2625).contains(n),
+            "server {i} got {n} of 10,000 datagrams: {counts:?}"
+        );
+    }
+}
+
 #[test]
 fn a_server_that_never_answers_is_blacklisted_after_the_timeout() {
     if skip_on_pen("Pen 0.34 does not fail over UDP flows") {

@@ -27,9 +27,12 @@
 //! A flow ends:
 //! * when it has been silent in both directions for `udp_idle_timeout` seconds;
 //! * when its server fails: the connected socket reports ICMP port/host unreachable
-//!   (ECONNREFUSED...), or a datagram went unanswered for `timeout` seconds. The server is
-//!   then blacklisted for `blacklist` seconds, and the flow's next datagram starts a new
-//!   flow, which selection sends to another server;
+//!   (ECONNREFUSED...; the flow's task waits for the socket's error readiness too, so the
+//!   refusal is read as soon as it arrives), or a datagram went unanswered for `timeout`
+//!   seconds. The server is then blacklisted for `blacklist` seconds, and the flow's next
+//!   datagram starts a new flow, which selection sends to another server. A refused new
+//!   flow's first datagram (kept until the first answer, up to [`RETRY_MAX`] bytes) is
+//!   sent on at once that way, so a client that does not retry loses nothing;
 //! * at shutdown: at once if it is waiting for no answer, otherwise when the answer comes or
 //!   the answer timeout passes.
 //!
@@ -46,6 +49,7 @@ use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use tokio::io::unix::{AsyncFd, AsyncFdReadyGuard};
+use tokio::io::Interest;
 use tokio::sync::watch;
 use tokio::task::AbortHandle;
 
@@ -61,6 +65,11 @@ pub const LISTEN_BATCH: usize = 32;
 pub const REPLY_BATCH: usize = 8;
 /// Batches read in a row before letting the loop's other tasks (the flows) run.
 const BUDGET: usize = 8;
+/// A new flow keeps a copy of its first datagram, if at most this long, until the server
+/// answers: a server that refuses it (ICMP port unreachable) is blacklisted and the copy
+/// goes to the next server, so the client's first query is not lost. DNS queries and
+/// most other request datagrams fit; what does not is left to the client's retry.
+const RETRY_MAX: usize = 2048;
 
 /// Which upstream a flow uses.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -88,6 +97,8 @@ struct Flow {
     last_active: Cell<u64>,
     /// `clock::now_ms()` of the oldest datagram sent since the last reply; 0 = none.
     awaiting_since: Cell<u64>,
+    /// The first datagram, until the first answer (at most [`RETRY_MAX`] bytes).
+    first: RefCell<Option<Box<[u8]>>>,
     /// Bytes not yet added to the server's totals (added on the timer and at the end).
     bytes_up: Cell<u64>,
     bytes_down: Cell<u64>,
@@ -116,6 +127,9 @@ impl Flow {
     fn answered(&self, now: u64, bytes: u64) {
         self.last_active.set(now);
         self.awaiting_since.set(0);
+        if self.first.borrow().is_some() {
+            self.first.replace(None);
+        }
         self.bytes_down.set(self.bytes_down.get() + bytes);
     }
 
@@ -378,6 +392,9 @@ impl Worker {
         let Some(flow) = self.new_flow(r, now) else {
             return;
         };
+        if let Some(first) = rest.first().filter(|d| d.len() <= RETRY_MAX) {
+            flow.first.replace(Some(Box::from(*first)));
+        }
         let (sent, err) = sock::send_many(flow.sock.get_ref(), rest, None);
         flow.sent(now, rest[..sent].iter().map(|d| d.len()).sum());
         if let Some(e) = err {
@@ -472,6 +489,7 @@ impl Worker {
             blacklist_secs: settings.blacklist,
             last_active: Cell::new(now),
             awaiting_since: Cell::new(0),
+            first: RefCell::new(None),
             bytes_up: Cell::new(0),
             bytes_down: Cell::new(0),
             state: Arc::clone(state),
@@ -621,7 +639,11 @@ impl Worker {
 enum End {
     Idle,
     Stopped,
+    /// The server did not answer in time.
     Failed(String),
+    /// The server refused (ICMP port or host unreachable, read back as the socket's
+    /// error): its first datagram, if still unanswered, goes to the next server.
+    Refused(io::Error),
 }
 
 /// The task of one flow: replies to the client, idle expiry, answer timeout.
@@ -634,14 +656,18 @@ async fn run_flow(worker: Rc<Worker>, flow: Rc<Flow>) {
     tokio::pin!(sleep);
     let end = loop {
         tokio::select! {
-            r = flow.sock.readable() => {
+            // ERROR too: an ICMP error queued on the connected socket raises EPOLLERR
+            // alone, which readability does not include, and the error is only read back
+            // by the next receive. Without it a refusing server was noticed only through
+            // the answer timeout or the client's next datagram.
+            r = flow.sock.ready(Interest::READABLE | Interest::ERROR) => {
                 let mut guard = match r {
                     Ok(g) => g,
                     Err(e) => break End::Failed(e.to_string()),
                 };
                 match worker.relay_replies(&flow, &mut guard) {
                     Ok(()) => {}
-                    Err(e) if is_server_failure(&e) => break End::Failed(e.to_string()),
+                    Err(e) if is_server_failure(&e) => break End::Refused(e),
                     Err(e) => {
                         tracing::debug!(client = %flow.client, "udp flow ended: {e}");
                         break End::Stopped;
@@ -667,10 +693,22 @@ async fn run_flow(worker: Rc<Worker>, flow: Rc<Flow>) {
             }
         }
     };
-    match end {
-        End::Failed(why) => flow.server_failed(&why),
+    match &end {
+        End::Failed(why) => flow.server_failed(why),
+        End::Refused(e) => flow.server_failed(e),
         End::Idle => tracing::debug!(client = %flow.client, "udp flow expired"),
         End::Stopped => {}
     }
     worker.remove(&flow);
+    if matches!(end, End::Refused(_)) && !worker.stopping.get() {
+        // The refused server is blacklisted now, so selection picks the next one.
+        if let Some(first) = flow.first.take() {
+            let from = Received {
+                from: flow.client,
+                local: flow.local,
+                len: first.len(),
+            };
+            worker.flow_datagrams(&from, &[&first], clock::now_ms());
+        }
+    }
 }
