@@ -5,6 +5,7 @@ use std::process::ExitCode;
 use quill::cli::{self, Parsed};
 
 fn main() -> ExitCode {
+    quill::demo::die_with_parent();
     match cli::parse(std::env::args_os().skip(1)) {
         Ok(Parsed::Help) => {
             print!("{}", cli::USAGE);
