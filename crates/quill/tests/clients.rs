@@ -297,28 +297,7 @@ fn nmap_grades_every_default_tls_cipher_a() {
     let _one = ONE_AT_A_TIME.lock().unwrap_or_else(|e| e.into_inner());
     let dir = TempDir::new("nmap");
     let (cert, key) = (dir.path().join("cert.pem"), dir.path().join("key.pem"));
-    let Some(_) = tool(
-        "openssl",
-        &[
-            "req",
-            "-x509",
-            "-newkey",
-            "ec",
-            "-pkeyopt",
-            "ec_paramgen_curve:P-256",
-            "-nodes",
-            "-days",
-            "30",
-            "-subj",
-            "/CN=localhost",
-            "-keyout",
-            key.to_str().unwrap(),
-            "-out",
-            cert.to_str().unwrap(),
-        ],
-    ) else {
-        return;
-    };
+    self_signed(&cert, &key);
     let q = Quill::start(&[
         "-E",
         cert.to_str().unwrap(),
@@ -353,4 +332,103 @@ fn nmap_grades_every_default_tls_cipher_a() {
     }
     assert!(out.contains("least strength: A"), "{out}");
     assert!(!out.contains("cipher preference: client"), "{out}");
+}
+
+/// testssl.sh's protocol, cipher, forward-secrecy and vulnerability checks against quill's
+/// default TLS listener, and against Pen's A+ recipe in `http` mode (TLS 1.2 and up, ECDHE
+/// suites only, HSTS): no finding worse than LOW. (Certificate trust is left out: the test
+/// certificate is self-signed by design.)
+#[test]
+fn testssl_finds_nothing_worse_than_low() {
+    let _one = ONE_AT_A_TIME.lock().unwrap_or_else(|e| e.into_inner());
+    let Some((_nginx, port)) = nginx_with_page() else {
+        return;
+    };
+    let dir = TempDir::new("testssl");
+    let (cert, key) = (dir.path().join("cert.pem"), dir.path().join("key.pem"));
+    self_signed(&cert, &key);
+    let backend = format!("127.0.0.1:{port}");
+    let tls = ["-E", cert.to_str().unwrap(), "-K", key.to_str().unwrap()];
+    let default: Vec<&str> = tls
+        .iter()
+        .copied()
+        .chain(["-O", "dummy", "{port}", "127.0.0.1:9"])
+        .collect();
+    let recipe: Vec<&str> = tls
+        .iter()
+        .copied()
+        .chain([
+            "-H",
+            "-O",
+            "ssl_option no_tlsv1.1",
+            "-O",
+            "ssl_ciphers ECDHE-ECDSA-AES256-GCM-SHA384:ECDHE-ECDSA-AES128-GCM-SHA256:ECDHE-ECDSA-CHACHA20-POLY1305",
+            "-O",
+            "hsts 31536000",
+            "{port}",
+            &backend,
+        ])
+        .collect();
+    for (name, args) in [("default", default), ("Pen's A+ recipe", recipe)] {
+        let q = Quill::start(&args);
+        let json = dir.path().join(format!("{}.json", q.addr().port()));
+        let target = format!("127.0.0.1:{}", q.addr().port());
+        let Some(_) = tool(
+            "testssl",
+            &[
+                "--quiet",
+                "--color",
+                "0",
+                "--warnings",
+                "off",
+                "-p",
+                "-s",
+                "-f",
+                "-U",
+                "--jsonfile",
+                json.to_str().unwrap(),
+                &target,
+            ],
+        ) else {
+            return;
+        };
+        let findings = std::fs::read_to_string(&json).unwrap();
+        let findings: serde_json::Value = serde_json::from_str(&findings).unwrap();
+        let worse: Vec<String> = findings
+            .as_array()
+            .unwrap()
+            .iter()
+            .filter(|f| matches!(f["severity"].as_str(), Some("MEDIUM" | "HIGH" | "CRITICAL")))
+            .map(|f| format!("{} {}: {}", f["severity"], f["id"], f["finding"]))
+            .collect();
+        assert!(
+            worse.is_empty(),
+            "testssl against quill's {name}: {worse:#?}"
+        );
+    }
+}
+
+/// A self-signed P-256 certificate for `localhost` made with `openssl req`.
+fn self_signed(cert: &std::path::Path, key: &std::path::Path) {
+    tool(
+        "openssl",
+        &[
+            "req",
+            "-x509",
+            "-newkey",
+            "ec",
+            "-pkeyopt",
+            "ec_paramgen_curve:P-256",
+            "-nodes",
+            "-days",
+            "30",
+            "-subj",
+            "/CN=localhost",
+            "-keyout",
+            key.to_str().unwrap(),
+            "-out",
+            cert.to_str().unwrap(),
+        ],
+    )
+    .expect("openssl is needed (.ci/run installs it)");
 }
