@@ -979,6 +979,16 @@ class Bench:
         url = f"http://127.0.0.1:{port}{sc.path}"
         argv = self.load_pin(sc) + ["wrk", f"-t{WRK_THREADS}", f"-c{self.args.connections}",
                                     f"-d{self.args.duration}s", *sc.wrk_extra, url]
+        w = self.run_wrk(run, proc, argv)
+        if sc.path == "/1m":
+            mb = w.requests * BULK_SIZE / 1e6  # the body only, as the figure of merit
+            m["mb_per_s"] = round(mb / w.seconds, 1)
+            if run.balancer_cpu_s is not None:
+                m["cpu_s_per_gb"] = round(run.balancer_cpu_s / (mb / 1000), 3)
+
+    def run_wrk(self, run: Run, proc: subprocess.Popen[bytes] | None, argv: list[str]) -> WrkResult:
+        """Runs wrk under CPU accounting; records its output, requests/s, errors and the
+        balancer's CPU per request."""
         run.load_command = argv
         out = self.cpu_accounting(run, proc, lambda: run_load(self.procs, argv, self.args.duration + 60))
         run.load_output = out
@@ -994,11 +1004,7 @@ class Bench:
         m["errors"] = w.errors
         if run.balancer_cpu_s is not None:
             m["cpu_us_per_req"] = round(run.balancer_cpu_s * 1e6 / w.requests, 3)
-        if sc.path == "/1m":
-            mb = w.requests * BULK_SIZE / 1e6  # the body only, as the figure of merit
-            m["mb_per_s"] = round(mb / w.seconds, 1)
-            if run.balancer_cpu_s is not None:
-                m["cpu_s_per_gb"] = round(run.balancer_cpu_s / (mb / 1000), 3)
+        return w
 
     def measure_paced(self, run: Run, sc: Scenario, port: int, proc: subprocess.Popen[bytes] | None) -> None:
         script = self.tmp / f"pace{sc.pace_ms}.lua"
@@ -1007,28 +1013,16 @@ class Bench:
         conns = sc.connections or self.args.connections
         argv = self.load_pin(sc) + ["wrk", f"-t{WRK_THREADS}", f"-c{conns}", f"-d{self.args.duration}s",
                                     "--latency", "-s", str(script), *sc.wrk_extra, url]
-        run.load_command = argv
         idle0 = machine_idle()
-        out = self.cpu_accounting(run, proc, lambda: run_load(self.procs, argv, self.args.duration + 60))
+        w = self.run_wrk(run, proc, argv)
         busy = machine_busy_s(idle0, machine_idle())
-        run.load_output = out
-        try:
-            w = parse_wrk(out)
-        except ValueError as e:
-            raise StartError(f"{e}: {out.strip()[-500:]}") from None
-        run.wrk = w
-        if w.requests == 0:
-            raise StartError("wrk completed 0 requests")
+        out = run.load_output or ""
         m = run.metrics
-        m["rps"] = w.rps
         m["achieved_rate"] = w.rps
-        m["errors"] = w.errors
         m["machine_cpu_s"] = round(busy, 3)
         m["machine_us_per_req"] = round(busy * 1e6 / w.requests, 2)
         m["p50_ms"] = parse_wrk_percentile(out, "50%")
         m["p99_ms"] = parse_wrk_percentile(out, "99%")
-        if run.balancer_cpu_s is not None:
-            m["cpu_us_per_req"] = round(run.balancer_cpu_s * 1e6 / w.requests, 3)
 
     def measure_latency(self, run: Run, sc: Scenario, port: int, proc: subprocess.Popen[bytes] | None) -> None:
         argv = self.load_pin(sc) + [str(loadgen_bin()), "latency", "--addr", f"127.0.0.1:{port}",
