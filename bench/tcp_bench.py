@@ -980,6 +980,7 @@ class Bench:
         argv = self.load_pin(sc) + ["wrk", f"-t{WRK_THREADS}", f"-c{self.args.connections}",
                                     f"-d{self.args.duration}s", *sc.wrk_extra, url]
         w = self.run_wrk(run, proc, argv)
+        m = run.metrics
         if sc.path == "/1m":
             mb = w.requests * BULK_SIZE / 1e6  # the body only, as the figure of merit
             m["mb_per_s"] = round(mb / w.seconds, 1)
