@@ -19,6 +19,8 @@ use crate::net::ListenAddr;
 #[derive(Debug)]
 pub enum Parsed {
     Run(Invocation),
+    /// `--check`: build everything a start with these arguments would, start nothing.
+    Check(Invocation),
     Help,
     Version,
     Demo,
@@ -88,6 +90,7 @@ fn err(arg: impl Into<String>, reason: impl ToString) -> CliError {
 /// The usage text of `--help`.
 pub const USAGE: &str = "\
 usage: quill [options] [host:]port|/path/to/socket h1[:p1[:maxc1[:hard1[:weight1[:prio1]]]]] [h2...]
+       quill --check [options] ...   check the arguments and files of that start, bind nothing
        quill demo            run two dummy backends and a balancer on loopback
 
 Selection (Pen's):
@@ -131,241 +134,299 @@ fn takes_value(opt: char) -> bool {
     "BCFOSTbceijlmopqtuwxEKGAL".contains(opt)
 }
 
-/// Parses the arguments after the program name.
+/// Parses the arguments after the program name; the first error ends it.
 pub fn parse<I: IntoIterator<Item = OsString>>(args: I) -> Result<Parsed, CliError> {
+    let (parsed, mut errors) = parse_all(args);
+    if errors.is_empty() {
+        Ok(parsed)
+    } else {
+        Err(errors.swap_remove(0))
+    }
+}
+
+/// Process-level options, which are not commands.
+#[derive(Default)]
+struct Process {
+    foreground: bool,
+    protocol: Protocol,
+    control: Option<String>,
+    config: Option<PathBuf>,
+    pidfile: Option<PathBuf>,
+    exit_enabled: bool,
+    user: Option<String>,
+    jail: Option<PathBuf>,
+    takeover: bool,
+    check: bool,
+    debug: u32,
+    emergency: Option<String>,
+    abuse: Option<String>,
+}
+
+/// Parses the arguments after the program name, on past each bad argument: the result is
+/// what could be parsed and every error, in the order of the arguments (`--check` reports
+/// them all; a start refuses to run with any).
+pub fn parse_all<I: IntoIterator<Item = OsString>>(args: I) -> (Parsed, Vec<CliError>) {
     use lexopt::Arg::{Long, Short, Value};
     let mut parser = lexopt::Parser::from_args(args);
-    let mut foreground = false;
-    let mut protocol = Protocol::Tcp;
-    let mut control = None;
-    let mut config = None;
-    let mut pidfile = None;
-    let mut exit_enabled = false;
-    let mut user = None;
-    let mut jail = None;
-    let mut takeover = false;
-    let mut debug: u32 = 0;
+    let mut p = Process::default();
     let mut commands: Vec<(String, Command)> = Vec::new();
-    let mut emergency: Option<String> = None;
-    let mut abuse: Option<String> = None;
     let mut positional: Vec<String> = Vec::new();
+    let mut errors = Vec::new();
 
     loop {
-        let arg = parser.next().map_err(|e| err("", e))?;
-        let Some(arg) = arg else { break };
-        match arg {
-            Long("help") => return Ok(Parsed::Help),
-            Long("version") => return Ok(Parsed::Version),
-            Long("takeover") => takeover = true,
-            Long(other) => return Err(err(format!("--{other}"), "unknown option")),
-            Value(v) => positional.push(
-                v.into_string()
-                    .map_err(|v| err(v.to_string_lossy(), "not valid UTF-8"))?,
-            ),
-            Short(c) => {
-                let flag = format!("-{c}");
-                let value = if takes_value(c) {
-                    let v = parser.value().map_err(|_| err(&flag, "needs a value"))?;
-                    Some(
-                        v.into_string()
-                            .map_err(|v| err(v.to_string_lossy(), "not valid UTF-8"))?,
-                    )
-                } else {
-                    None
-                };
-                let v = value.as_deref().unwrap_or("");
-                let arg = if value.is_some() {
-                    format!("{flag} {v}")
-                } else {
-                    flag.clone()
-                };
-                let number = |what: &str| -> Result<u64, CliError> {
-                    if !v.is_empty() && v.bytes().all(|b| b.is_ascii_digit()) {
-                        v.parse()
-                            .map_err(|_| err(&arg, format!("{what} is too large")))
-                    } else {
-                        Err(err(&arg, format!("{what} must be a number")))
-                    }
-                };
-                let size = |what: &str| {
-                    number(what)
-                        .and_then(|n| usize::try_from(n).map_err(|_| err(&arg, "too large")))
-                };
-                let cmd = match c {
-                    'b' => Command::Blacklist(Some(number("blacklist time")?)),
-                    'c' => Command::ClientsMax(Some(size("client table size")?)),
-                    't' => {
-                        let t = number("timeout")?;
-                        if t == 0 {
-                            return Err(err(&arg, "timeout must be at least 1 second"));
-                        }
-                        Command::Timeout(Some(t))
-                    }
-                    'x' => Command::ConnMax(Some(size("connection limit")?)),
-                    'T' => Command::Tracking(Some(number("tracking time")?)),
-                    'm' => {
-                        let n = size("multi-accept count")?;
-                        Command::MultiAccept(n.max(1))
-                    }
-                    'q' => Command::Backlog(
-                        u32::try_from(number("backlog")?)
-                            .map_err(|_| err(&arg, "backlog is too large"))?,
-                    ),
-                    'h' => Command::Hash(true),
-                    'H' => Command::Http(true),
-                    'N' => Command::HashOnly(true),
-                    'r' => Command::RoundRobin(true),
-                    's' => Command::Stubborn(true),
-                    'W' => Command::Weight(true),
-                    'P' => Command::EventEngine(EventEngine::Poll),
-                    'Q' => Command::EventEngine(EventEngine::Kqueue),
-                    'D' => Command::Compat(CompatWord::DelayedForward, true),
-                    'n' => Command::Compat(CompatWord::Block, true),
-                    'a' => Command::Compat(CompatWord::Ascii, true),
-                    'S' => {
-                        // Obsolete server-table size: checked, then ignored (the table grows).
-                        number("server count")?;
-                        continue;
-                    }
-                    'f' => {
-                        foreground = true;
-                        continue;
-                    }
-                    'U' => {
-                        protocol = Protocol::Udp;
-                        continue;
-                    }
-                    'C' => {
-                        control = Some(v.to_string());
-                        continue;
-                    }
-                    'F' => {
-                        config = Some(PathBuf::from(v));
-                        continue;
-                    }
-                    'p' => {
-                        pidfile = Some(PathBuf::from(v));
-                        continue;
-                    }
-                    'X' => {
-                        exit_enabled = true;
-                        continue;
-                    }
-                    'u' => {
-                        user = Some(v.to_string());
-                        continue;
-                    }
-                    'j' => {
-                        jail = Some(PathBuf::from(v));
-                        continue;
-                    }
-                    'l' => Command::Log(Some(
-                        Word::new(v).ok_or_else(|| err(&arg, "not a usable file name"))?,
-                    )),
-                    'w' => Command::WebStats(Some(
-                        Word::new(v).ok_or_else(|| err(&arg, "not a usable file name"))?,
-                    )),
-                    'd' => {
-                        debug += 1;
-                        continue;
-                    }
-                    'e' => {
-                        emergency = Some(v.to_string());
-                        continue;
-                    }
-                    'B' => {
-                        abuse = Some(v.to_string());
-                        continue;
-                    }
-                    'o' | 'O' => v.parse::<Command>().map_err(|e| err(&arg, e))?,
-                    'E' | 'K' | 'G' | 'A' => {
-                        let file =
-                            Word::new(v).ok_or_else(|| err(&arg, "not a usable file name"))?;
-                        match c {
-                            'E' => Command::SslCert(Some(file)),
-                            'K' => Command::SslKey(Some(file)),
-                            'G' => Command::SslCa(Some(file)),
-                            _ => Command::SslCaDir(Some(file)),
-                        }
-                    }
-                    'R' => Command::SslVerifyClient(true),
-                    'L' => format!("ssl_protocol {v}")
-                        .parse::<Command>()
-                        .map_err(|e| err(&arg, e))?,
-                    'Z' => Command::Compat(CompatWord::SslCompat, true),
-                    'i' => {
-                        return Err(err(
-                            &arg,
-                            "installing a Windows service does not apply here",
-                        ))
-                    }
-                    _ => return Err(err(&flag, "unknown option (see quill --help)")),
-                };
-                commands.push((arg, cmd));
+        let arg = match parser.next() {
+            Ok(Some(arg)) => arg,
+            Ok(None) => break,
+            Err(e) => {
+                // lexopt cannot go on after its own error (e.g. `--help=x`).
+                errors.push(err("", e));
+                break;
             }
+        };
+        match arg {
+            Long("help") => return (Parsed::Help, Vec::new()),
+            Long("version") => return (Parsed::Version, Vec::new()),
+            Long("takeover") => p.takeover = true,
+            Long("check") => p.check = true,
+            Long(other) => errors.push(err(format!("--{other}"), "unknown option")),
+            Value(v) => match v.into_string() {
+                Ok(v) => positional.push(v),
+                Err(v) => errors.push(err(v.to_string_lossy(), "not valid UTF-8")),
+            },
+            Short(c) => match short_option(c, &mut parser, &mut p) {
+                Ok(Some(command)) => commands.push(command),
+                Ok(None) => {}
+                Err(e) => errors.push(e),
+            },
         }
     }
 
-    if positional.first().map(String::as_str) == Some("demo") && positional.len() == 1 {
-        return Ok(Parsed::Demo);
+    if positional.first().map(String::as_str) == Some("demo") && positional.len() == 1 && !p.check {
+        return (Parsed::Demo, errors);
     }
     let mut positional = positional.into_iter();
+    let mut listen_bad = false;
     let listen = match positional.next() {
-        Some(arg) => {
-            let addr = ListenAddr::parse(&arg).map_err(|e| err(&arg, e))?;
-            let word = Word::new(&arg).ok_or_else(|| err(&arg, "not a usable address"))?;
-            commands.insert(0, (arg, Command::Listen(Some(word))));
-            Some(addr)
-        }
+        Some(arg) => match (ListenAddr::parse(&arg), Word::new(&arg)) {
+            (Ok(addr), Some(word)) => {
+                commands.insert(0, (arg, Command::Listen(Some(word))));
+                Some(addr)
+            }
+            (Err(e), _) => {
+                errors.push(err(&arg, e));
+                listen_bad = true;
+                None
+            }
+            (Ok(_), None) => {
+                errors.push(err(&arg, "not a usable address"));
+                listen_bad = true;
+                None
+            }
+        },
         // With a configuration file, the file may say where to listen.
-        None if config.is_some() => None,
+        None if p.config.is_some() => None,
         None => {
-            return Err(err(
+            errors.push(err(
                 "",
                 "missing the listening [host:]port (see quill --help)",
             ));
+            None
         }
     };
     let default_port = listen.as_ref().and_then(ListenAddr::port);
-    if debug > 0 {
+    if p.debug > 0 {
         commands.insert(
             0,
             (
-                format!("-{}", "d".repeat(debug as usize)),
-                Command::Debug(Some(debug)),
+                format!("-{}", "d".repeat(p.debug as usize)),
+                Command::Debug(Some(p.debug)),
             ),
         );
     }
     for (opt, value, make) in [
         (
             "-e",
-            emergency,
+            p.emergency,
             Command::Emergency as fn(Option<HostPort>) -> Command,
         ),
-        ("-B", abuse, Command::Abuse),
+        ("-B", p.abuse, Command::Abuse),
     ] {
         if let Some(v) = value {
             let arg = format!("{opt} {v}");
-            let hp = HostPort::parse(&v, default_port).map_err(|e| err(&arg, e))?;
-            commands.push((arg, make(Some(hp))));
+            match HostPort::parse(&v, default_port) {
+                Ok(hp) => commands.push((arg, make(Some(hp)))),
+                Err(e) => errors.push(err(&arg, e)),
+            }
         }
     }
-    for (index, spec) in positional.enumerate() {
-        let fields = parse_server_spec(&spec, default_port).map_err(|e| err(&spec, e))?;
-        commands.push((spec, Command::Server { index, fields }));
+    // The servers' default port is the listening one: with a bad listening address, their
+    // errors would only repeat it.
+    let servers = if listen_bad {
+        Vec::new()
+    } else {
+        positional.collect()
+    };
+    for (index, spec) in servers.into_iter().enumerate() {
+        match parse_server_spec(&spec, default_port) {
+            Ok(fields) => commands.push((spec, Command::Server { index, fields })),
+            Err(e) => errors.push(err(&spec, e)),
+        }
     }
-    Ok(Parsed::Run(Invocation {
-        foreground,
-        protocol,
-        control,
-        config,
-        pidfile,
-        exit_enabled,
-        user,
-        jail,
+    let inv = Invocation {
+        foreground: p.foreground,
+        protocol: p.protocol,
+        control: p.control,
+        config: p.config,
+        pidfile: p.pidfile,
+        exit_enabled: p.exit_enabled,
+        user: p.user,
+        jail: p.jail,
         commands,
-        takeover,
-    }))
+        takeover: p.takeover,
+    };
+    let parsed = if p.check {
+        Parsed::Check(inv)
+    } else {
+        Parsed::Run(inv)
+    };
+    (parsed, errors)
+}
+
+/// One short option (`-c`, with its value if it takes one): the command it stands for, or
+/// `None` for a process-level option, which is recorded in `p`.
+fn short_option(
+    c: char,
+    parser: &mut lexopt::Parser,
+    p: &mut Process,
+) -> Result<Option<(String, Command)>, CliError> {
+    let flag = format!("-{c}");
+    let value = if takes_value(c) {
+        let v = parser.value().map_err(|_| err(&flag, "needs a value"))?;
+        Some(
+            v.into_string()
+                .map_err(|v| err(v.to_string_lossy(), "not valid UTF-8"))?,
+        )
+    } else {
+        None
+    };
+    let v = value.as_deref().unwrap_or("");
+    let arg = if value.is_some() {
+        format!("{flag} {v}")
+    } else {
+        flag.clone()
+    };
+    let number = |what: &str| -> Result<u64, CliError> {
+        if !v.is_empty() && v.bytes().all(|b| b.is_ascii_digit()) {
+            v.parse()
+                .map_err(|_| err(&arg, format!("{what} is too large")))
+        } else {
+            Err(err(&arg, format!("{what} must be a number")))
+        }
+    };
+    let size = |what: &str| {
+        number(what).and_then(|n| usize::try_from(n).map_err(|_| err(&arg, "too large")))
+    };
+    let file = || Word::new(v).ok_or_else(|| err(&arg, "not a usable file name"));
+    let cmd = match c {
+        'b' => Command::Blacklist(Some(number("blacklist time")?)),
+        'c' => Command::ClientsMax(Some(size("client table size")?)),
+        't' => {
+            let t = number("timeout")?;
+            if t == 0 {
+                return Err(err(&arg, "timeout must be at least 1 second"));
+            }
+            Command::Timeout(Some(t))
+        }
+        'x' => Command::ConnMax(Some(size("connection limit")?)),
+        'T' => Command::Tracking(Some(number("tracking time")?)),
+        'm' => {
+            let n = size("multi-accept count")?;
+            Command::MultiAccept(n.max(1))
+        }
+        'q' => Command::Backlog(
+            u32::try_from(number("backlog")?).map_err(|_| err(&arg, "backlog is too large"))?,
+        ),
+        'h' => Command::Hash(true),
+        'H' => Command::Http(true),
+        'N' => Command::HashOnly(true),
+        'r' => Command::RoundRobin(true),
+        's' => Command::Stubborn(true),
+        'W' => Command::Weight(true),
+        'P' => Command::EventEngine(EventEngine::Poll),
+        'Q' => Command::EventEngine(EventEngine::Kqueue),
+        'D' => Command::Compat(CompatWord::DelayedForward, true),
+        'n' => Command::Compat(CompatWord::Block, true),
+        'a' => Command::Compat(CompatWord::Ascii, true),
+        'S' => {
+            // Obsolete server-table size: checked, then ignored (the table grows).
+            number("server count")?;
+            return Ok(None);
+        }
+        'f' => {
+            p.foreground = true;
+            return Ok(None);
+        }
+        'U' => {
+            p.protocol = Protocol::Udp;
+            return Ok(None);
+        }
+        'C' => {
+            p.control = Some(v.to_string());
+            return Ok(None);
+        }
+        'F' => {
+            p.config = Some(PathBuf::from(v));
+            return Ok(None);
+        }
+        'p' => {
+            p.pidfile = Some(PathBuf::from(v));
+            return Ok(None);
+        }
+        'X' => {
+            p.exit_enabled = true;
+            return Ok(None);
+        }
+        'u' => {
+            p.user = Some(v.to_string());
+            return Ok(None);
+        }
+        'j' => {
+            p.jail = Some(PathBuf::from(v));
+            return Ok(None);
+        }
+        'l' => Command::Log(Some(file()?)),
+        'w' => Command::WebStats(Some(file()?)),
+        'd' => {
+            p.debug += 1;
+            return Ok(None);
+        }
+        'e' => {
+            p.emergency = Some(v.to_string());
+            return Ok(None);
+        }
+        'B' => {
+            p.abuse = Some(v.to_string());
+            return Ok(None);
+        }
+        'o' | 'O' => v.parse::<Command>().map_err(|e| err(&arg, e))?,
+        'E' => Command::SslCert(Some(file()?)),
+        'K' => Command::SslKey(Some(file()?)),
+        'G' => Command::SslCa(Some(file()?)),
+        'A' => Command::SslCaDir(Some(file()?)),
+        'R' => Command::SslVerifyClient(true),
+        'L' => format!("ssl_protocol {v}")
+            .parse::<Command>()
+            .map_err(|e| err(&arg, e))?,
+        'Z' => Command::Compat(CompatWord::SslCompat, true),
+        'i' => {
+            return Err(err(
+                &arg,
+                "installing a Windows service does not apply here",
+            ))
+        }
+        _ => return Err(err(&flag, "unknown option (see quill --help)")),
+    };
+    Ok(Some((arg, cmd)))
 }
 
 /// Parses `host[:port[:maxc[:hard[:weight[:prio]]]]]`, IPv6 hosts in brackets.

@@ -5,7 +5,8 @@
 //! every line of every included file applied, so a bad file never leaves a half-applied
 //! configuration. `include` nests at most [`MAX_DEPTH`] deep and a file that includes
 //! itself (directly or not) is refused. Relative include paths are taken relative to the
-//! including file's directory.
+//! including file's directory. Start-up and reloads stop at the first error; `quill --check`
+//! reads on past each bad line and reports every one ([`check`]).
 
 use std::fmt;
 use std::fs;
@@ -41,14 +42,78 @@ impl fmt::Display for ConfigError {
 
 impl std::error::Error for ConfigError {}
 
+/// Where a configuration command came from: the file and line that set it.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Origin {
+    pub file: PathBuf,
+    pub line: usize,
+}
+
+impl fmt::Display for Origin {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        write!(f, "{}:{}", self.file.display(), self.line)
+    }
+}
+
 /// Applies the commands of `path` (and of the files it includes) to `settings`, collecting
-/// the runtime actions they ask for.
+/// the runtime actions they ask for. Stops at the first error.
 pub fn load(
     path: &Path,
     settings: &mut Settings,
     actions: &mut Vec<Action>,
 ) -> Result<(), ConfigError> {
-    load_nested(path, settings, actions, &mut Vec::new())
+    let mut reader = Reader {
+        settings,
+        actions,
+        stack: Vec::new(),
+        errors: None,
+        applied: None,
+    };
+    reader.file(path)
+}
+
+/// What [`check`] found: every error, in the order of the lines, and every command that
+/// applied with the line it came from (so that an error found later, such as a certificate
+/// that cannot be read, can name the line that gave the file).
+#[derive(Debug, Default)]
+pub struct Checked {
+    pub errors: Vec<ConfigError>,
+    pub applied: Vec<(Origin, Command)>,
+}
+
+/// Like [`load`], but a bad line does not stop the reading: it is reported and the next
+/// line is applied, so that one run names every error (`quill --check`).
+pub fn check(path: &Path, settings: &mut Settings, actions: &mut Vec<Action>) -> Checked {
+    let mut checked = Checked::default();
+    let mut reader = Reader {
+        settings,
+        actions,
+        stack: Vec::new(),
+        errors: Some(&mut checked.errors),
+        applied: Some(&mut checked.applied),
+    };
+    // With `errors` set, every error is collected and none is returned.
+    let _ = reader.file(path);
+    checked
+}
+
+/// Applies configuration text read from `path` (named in errors); `include` lines are
+/// followed relative to `path`. Exposed for the fuzz target.
+pub fn apply_text(
+    path: &Path,
+    bytes: &[u8],
+    settings: &mut Settings,
+) -> Result<Vec<Action>, ConfigError> {
+    let mut actions = Vec::new();
+    let mut reader = Reader {
+        settings,
+        actions: &mut actions,
+        stack: Vec::new(),
+        errors: None,
+        applied: None,
+    };
+    reader.text(path, bytes)?;
+    Ok(actions)
 }
 
 fn read_limited(path: &Path) -> std::io::Result<Vec<u8>> {
@@ -63,88 +128,111 @@ fn read_limited(path: &Path) -> std::io::Result<Vec<u8>> {
     Ok(bytes)
 }
 
-fn load_nested(
-    path: &Path,
-    settings: &mut Settings,
-    actions: &mut Vec<Action>,
-    stack: &mut Vec<PathBuf>,
-) -> Result<(), ConfigError> {
-    let whole = |reason: String| ConfigError {
-        file: path.to_path_buf(),
-        line: 0,
-        reason,
-    };
-    let canonical = fs::canonicalize(path).map_err(|e| whole(format!("cannot read: {e}")))?;
-    if stack.contains(&canonical) {
-        return Err(whole(
-            "include loop: this file is already being read".to_string(),
-        ));
-    }
-    if stack.len() >= MAX_DEPTH {
-        return Err(whole(format!("includes nested more than {MAX_DEPTH} deep")));
-    }
-    let bytes = read_limited(path).map_err(|e| whole(format!("cannot read: {e}")))?;
-    stack.push(canonical);
-    apply_bytes(path, &bytes, settings, actions, stack)?;
-    stack.pop();
-    Ok(())
+/// One reading of a file and its includes.
+struct Reader<'a> {
+    settings: &'a mut Settings,
+    actions: &'a mut Vec<Action>,
+    /// The files being read, outermost first (canonical paths, for loop detection).
+    stack: Vec<PathBuf>,
+    /// `None`: the first error ends the reading. `Some`: errors are collected here and the
+    /// reading goes on with the next line.
+    errors: Option<&'a mut Vec<ConfigError>>,
+    /// Where applied commands are recorded with their lines, when asked.
+    applied: Option<&'a mut Vec<(Origin, Command)>>,
 }
 
-/// Applies configuration text read from `path` (named in errors); `include` lines are
-/// followed relative to `path`. Exposed for the fuzz target.
-pub fn apply_text(
-    path: &Path,
-    bytes: &[u8],
-    settings: &mut Settings,
-) -> Result<Vec<Action>, ConfigError> {
-    let mut actions = Vec::new();
-    apply_bytes(path, bytes, settings, &mut actions, &mut Vec::new())?;
-    Ok(actions)
-}
+impl Reader<'_> {
+    /// Returns `e` to end the reading, or records it and lets the reading go on.
+    fn fail(&mut self, e: ConfigError) -> Result<(), ConfigError> {
+        match &mut self.errors {
+            None => Err(e),
+            Some(list) => {
+                list.push(e);
+                Ok(())
+            }
+        }
+    }
 
-fn apply_bytes(
-    path: &Path,
-    bytes: &[u8],
-    settings: &mut Settings,
-    actions: &mut Vec<Action>,
-    stack: &mut Vec<PathBuf>,
-) -> Result<(), ConfigError> {
-    for (index, raw) in bytes.split(|&b| b == b'\n').enumerate() {
-        let at = |reason: String| ConfigError {
+    fn file(&mut self, path: &Path) -> Result<(), ConfigError> {
+        let whole = |reason: String| ConfigError {
             file: path.to_path_buf(),
-            line: index + 1,
+            line: 0,
             reason,
         };
-        let line = std::str::from_utf8(raw)
-            .map_err(|_| at("not valid UTF-8".to_string()))?
-            .trim();
-        if line.is_empty() || line.starts_with('#') {
-            continue;
+        let canonical = match fs::canonicalize(path) {
+            Ok(c) => c,
+            Err(e) => return self.fail(whole(format!("cannot read: {e}"))),
+        };
+        if self.stack.contains(&canonical) {
+            return self.fail(whole(
+                "include loop: this file is already being read".to_string(),
+            ));
         }
-        let cmd: Command = line.parse().map_err(|e| at(format!("{e}")))?;
-        match cmd {
-            Command::Include(file) => {
-                let target = Path::new(file.as_str());
-                let target = match path.parent() {
-                    Some(dir) if target.is_relative() => dir.join(target),
-                    _ => target.to_path_buf(),
-                };
-                load_nested(&target, settings, actions, stack)?;
-            }
-            cmd if cmd.is_setting() => {
-                let applied = settings.apply(&cmd).map_err(|e| at(e.to_string()))?;
-                actions.extend(applied.actions);
-            }
-            other => {
-                return Err(at(format!(
-                    "'{other}' is an operation, not a configuration command"
-                )))
-            }
+        if self.stack.len() >= MAX_DEPTH {
+            return self.fail(whole(format!("includes nested more than {MAX_DEPTH} deep")));
         }
+        let bytes = match read_limited(path) {
+            Ok(b) => b,
+            Err(e) => return self.fail(whole(format!("cannot read: {e}"))),
+        };
+        self.stack.push(canonical);
+        let read = self.text(path, &bytes);
+        self.stack.pop();
+        read
     }
-    Ok(())
-}
 
+    fn text(&mut self, path: &Path, bytes: &[u8]) -> Result<(), ConfigError> {
+        for (index, raw) in bytes.split(|&b| b == b'\n').enumerate() {
+            let at = |reason: String| ConfigError {
+                file: path.to_path_buf(),
+                line: index + 1,
+                reason,
+            };
+            let Ok(line) = std::str::from_utf8(raw) else {
+                self.fail(at("not valid UTF-8".to_string()))?;
+                continue;
+            };
+            let line = line.trim();
+            if line.is_empty() || line.starts_with('#') {
+                continue;
+            }
+            let cmd: Command = match line.parse() {
+                Ok(cmd) => cmd,
+                Err(e) => {
+                    self.fail(at(format!("{e}")))?;
+                    continue;
+                }
+            };
+            match cmd {
+                Command::Include(file) => {
+                    let target = Path::new(file.as_str());
+                    let target = match path.parent() {
+                        Some(dir) if target.is_relative() => dir.join(target),
+                        _ => target.to_path_buf(),
+                    };
+                    self.file(&target)?;
+                }
+                cmd if cmd.is_setting() => match self.settings.apply(&cmd) {
+                    Ok(applied) => {
+                        self.actions.extend(applied.actions);
+                        if let Some(list) = &mut self.applied {
+                            let origin = Origin {
+                                file: path.to_path_buf(),
+                                line: index + 1,
+                            };
+                            list.push((origin, cmd));
+                        }
+                    }
+                    Err(e) => self.fail(at(e.to_string()))?,
+                },
+                other => self.fail(at(format!(
+                    "'{other}' is an operation, not a configuration command"
+                )))?,
+            }
+        }
+        Ok(())
+    }
+}
 /// The text of a configuration file that rebuilds `settings` (what `write` saves).
 pub fn render(settings: &Settings) -> String {
     let mut out =
@@ -216,6 +304,44 @@ mod tests {
         assert_eq!(load_new(&op).unwrap_err().line, 1);
         let bin = d.file("bin.cfg", "roundrobin\n\u{0}\u{1}\u{ff}garbage\n");
         assert_eq!(load_new(&bin).unwrap_err().line, 2);
+    }
+
+    #[test]
+    fn check_reports_every_bad_line_and_where_each_command_came_from() {
+        let d = Dir::new("check");
+        let inner = d.file("inner.cfg", "hash\nserver 0 max lots\n");
+        let main = d.file(
+            "main.cfg",
+            "roundrobin\nbogus\ninclude inner.cfg\ninclude gone.cfg\ntimeout 7\n",
+        );
+        let mut s = Settings::default();
+        let checked = check(&main, &mut s, &mut Vec::new());
+        let at: Vec<(PathBuf, usize)> = checked
+            .errors
+            .iter()
+            .map(|e| (e.file.clone(), e.line))
+            .collect();
+        assert_eq!(
+            at,
+            [
+                (main.clone(), 2),
+                (inner.clone(), 2),
+                (d.0.join("gone.cfg"), 0)
+            ]
+        );
+        // The lines after each error were applied all the same.
+        assert_eq!(s.timeout, 7);
+        let origins: Vec<String> = checked.applied.iter().map(|(o, _)| o.to_string()).collect();
+        assert_eq!(
+            origins,
+            [
+                format!("{}:1", main.display()),
+                format!("{}:1", inner.display()),
+                format!("{}:5", main.display())
+            ]
+        );
+        // `load` stops at the first.
+        assert_eq!(load_new(&main).unwrap_err().line, 2);
     }
 
     #[test]

@@ -149,7 +149,7 @@ fn level_enabled(level: &tracing::Level) -> bool {
 
 /// Logs go to stderr in the foreground and to syslog (facility user, as Pen) for a daemon.
 /// The syslog socket is connected here, before any chroot can hide /dev/log.
-fn init_logging(foreground: bool) {
+pub fn init_logging(foreground: bool) {
     use tracing_subscriber::layer::SubscriberExt;
     use tracing_subscriber::util::SubscriberInitExt;
     let filter = tracing_subscriber::filter::filter_fn(|meta| level_enabled(meta.level()));

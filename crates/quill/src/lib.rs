@@ -7,6 +7,7 @@
 
 pub mod acl;
 pub mod balance;
+pub mod check;
 pub mod cli;
 pub mod command;
 pub mod config;

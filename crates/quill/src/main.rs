@@ -6,34 +6,58 @@ use quill::cli::{self, Parsed};
 
 fn main() -> ExitCode {
     quill::demo::die_with_parent();
-    match cli::parse(std::env::args_os().skip(1)) {
-        Ok(Parsed::Help) => {
+    let (parsed, errors) = cli::parse_all(std::env::args_os().skip(1));
+    match parsed {
+        Parsed::Help => {
             print!("{}", cli::USAGE);
             ExitCode::SUCCESS
         }
-        Ok(Parsed::Version) => {
+        Parsed::Version => {
             println!("quill {}", env!("CARGO_PKG_VERSION"));
             ExitCode::SUCCESS
         }
-        Ok(Parsed::Demo) => match quill::demo::run() {
+        Parsed::Check(inv) => check(&inv, errors),
+        _ if !errors.is_empty() => {
+            for e in &errors {
+                eprintln!("quill: {e}");
+            }
+            ExitCode::from(2)
+        }
+        Parsed::Demo => match quill::demo::run() {
             Ok(()) => ExitCode::SUCCESS,
             Err(e) => {
                 eprintln!("quill demo: {e}");
                 ExitCode::FAILURE
             }
         },
-        Ok(Parsed::Run(inv)) => match quill::daemon::run(inv) {
+        Parsed::Run(inv) => match quill::daemon::run(inv) {
             Ok(()) => ExitCode::SUCCESS,
             Err(e) => {
                 eprintln!("quill: {e}");
                 ExitCode::from(e.exit_code())
             }
         },
-        Err(e) => {
-            eprintln!("quill: {e}");
-            ExitCode::from(2)
-        }
     }
+}
+
+/// `quill --check ...`: every problem on its own line (`FILE:LINE: reason` for the files),
+/// then a verdict; exit status 0 when a start would go ahead, 2 otherwise.
+fn check(inv: &cli::Invocation, errors: Vec<cli::CliError>) -> ExitCode {
+    quill::daemon::init_logging(true);
+    let problems = quill::check::run(inv, errors);
+    if problems.is_empty() {
+        println!("quill: configuration ok");
+        return ExitCode::SUCCESS;
+    }
+    for p in &problems {
+        eprintln!("{p}");
+    }
+    let n = problems.len();
+    eprintln!(
+        "quill: configuration check failed: {n} error{}",
+        if n == 1 { "" } else { "s" }
+    );
+    ExitCode::from(2)
 }
 
 /// mimalloc instead of glibc's malloc: a connection is a handful of small, long-lived

@@ -48,6 +48,8 @@ pub enum DsrError {
         server: String,
         port: u16,
     },
+    #[error("dsr_if {interface}: no such network interface")]
+    NoInterface { interface: String },
     #[error("dsr_if {interface}: cannot read the interface's MAC address: {source}")]
     Mac {
         interface: String,

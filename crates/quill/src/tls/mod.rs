@@ -8,8 +8,11 @@
 //! previous build, so a reload does not cost clients a full handshake. Nothing here is on the
 //! per-connection path except [`ServerTls::accept`] and [`UpstreamTls::connect`].
 
+mod check;
 pub mod ciphers;
 mod files;
+
+pub use check::check;
 
 use std::collections::HashMap;
 use std::fmt;

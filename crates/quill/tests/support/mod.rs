@@ -435,6 +435,11 @@ impl Quill {
     }
 
     /// The instance's private temporary directory (what `{dir}` stood for).
+    /// The arguments it was started with, placeholders substituted (without the `-f`).
+    pub fn args(&self) -> &[String] {
+        &self.args
+    }
+
     pub fn dir(&self) -> &Path {
         self.dir.path()
     }
