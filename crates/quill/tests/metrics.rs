@@ -97,7 +97,7 @@ fn prometheus_counters_match_the_traffic_sent() {
     ]);
 
     // Before any traffic: valid, and every counter at 0.
-    let before = parse_metrics(python, &get(m, "/metrics").text());
+    let before = parse_metrics(python, &get_openmetrics(m).text());
     assert_eq!(value(&before, "quill_connections_accepted_total", &[]), 0.0);
 
     // 2N connections with payloads of different sizes, tallied per backend.
@@ -120,7 +120,7 @@ fn prometheus_counters_match_the_traffic_sent() {
     wait_until(DEADLINE, "every connection is closed", || {
         status(m)["connections"]["open"] == 0
     });
-    let r = get(m, "/metrics");
+    let r = get_openmetrics(m);
     assert_eq!(r.status, 200);
     assert!(
         r.header("content-type")
@@ -211,7 +211,7 @@ fn a_failed_server_shows_as_blacklisted_with_its_failures() {
         let (name, _, _) = exchange_through(&q, "127.0.0.1", b"ping");
         assert_eq!(name, "alpha");
     }
-    let samples = parse_metrics(python, &get(m, "/metrics").text());
+    let samples = parse_metrics(python, &get_openmetrics(m).text());
     let beta = [("server", "1"), ("address", &b.spec()[..])];
     assert_eq!(value(&samples, "quill_server_failures_total", &beta), 1.0);
     let mut l = beta.to_vec();

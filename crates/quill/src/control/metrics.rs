@@ -21,9 +21,68 @@ use crate::balance::servers::Condition;
 use crate::balance::{clock, ServerState};
 use crate::dsr::DsrCounters;
 use crate::state::State;
+use crate::tls::Certificate;
 
-/// The content type of [`encode`]'s output (OpenMetrics text, which Prometheus reads).
+/// The content type of [`encode`]'s output (OpenMetrics text, which Prometheus asks for).
 pub const CONTENT_TYPE: &str = "application/openmetrics-text; version=1.0.0; charset=utf-8";
+
+/// The content type of [`to_text_format`]'s output: Prometheus's own text format, served
+/// to clients that do not ask for OpenMetrics (curl, `promtool check metrics`), as the
+/// Prometheus client libraries do.
+pub const TEXT_CONTENT_TYPE: &str = "text/plain; version=0.0.4; charset=utf-8";
+
+/// Whether an `Accept` header asks for OpenMetrics (Prometheus does, with a higher q than
+/// the text format; a media range of q=0 refuses it).
+pub fn wants_openmetrics(accept: &str) -> bool {
+    accept.split(',').any(|range| {
+        let mut parts = range.split(';').map(str::trim);
+        let media = parts.next().unwrap_or_default();
+        media.eq_ignore_ascii_case("application/openmetrics-text")
+            && !parts.any(|p| {
+                p.strip_prefix("q=")
+                    .and_then(|q| q.parse::<f32>().ok())
+                    .is_some_and(|q| q <= 0.0)
+            })
+    })
+}
+
+/// Rewrites [`encode`]'s OpenMetrics text in the Prometheus text format 0.0.4: a counter
+/// family is named with its `_total` suffix in `# HELP` and `# TYPE` (OpenMetrics names the
+/// family without it), and `# UNIT` and `# EOF` lines, which 0.0.4 does not have, go.
+/// Samples are the same in both formats.
+pub fn to_text_format(openmetrics: &str) -> String {
+    let counters: std::collections::HashSet<&str> = openmetrics
+        .lines()
+        .filter_map(|l| l.strip_prefix("# TYPE "))
+        .filter_map(|l| l.strip_suffix(" counter"))
+        .collect();
+    let mut out = String::with_capacity(openmetrics.len());
+    for line in openmetrics.lines() {
+        if line.starts_with("# UNIT ") || line == "# EOF" {
+            continue;
+        }
+        let meta = ["# HELP ", "# TYPE "]
+            .into_iter()
+            .find_map(|p| line.strip_prefix(p).map(|rest| (p, rest)));
+        match meta {
+            Some((prefix, rest)) => {
+                let (name, tail) = rest.split_once(' ').unwrap_or((rest, ""));
+                out.push_str(prefix);
+                out.push_str(name);
+                if counters.contains(name) && !name.ends_with("_total") {
+                    out.push_str("_total");
+                }
+                if !tail.is_empty() {
+                    out.push(' ');
+                    out.push_str(tail);
+                }
+            }
+            None => out.push_str(line),
+        }
+        out.push('\n');
+    }
+    out
+}
 
 /// Whether a family only grows (a counter, exported as `NAME_total`) or goes up and down.
 #[derive(Debug, Clone, Copy)]
@@ -50,6 +109,9 @@ pub enum Source {
     /// One value for the process, from a part that may not run (e.g. the DSR plane): the
     /// family is left out when the reader gives `None`.
     IfRunning(fn(&State) -> Option<u64>),
+    /// One value per certificate quill serves (TLS termination), labelled `file` (its PEM
+    /// file) and `sni` (the name it is served for, empty for the default certificate).
+    PerCertificate(fn(&Certificate) -> u64),
 }
 
 /// One metric family.
@@ -142,6 +204,22 @@ pub static FAMILIES: &[Family] = &[
         unit: None,
         kind: Kind::Gauge,
         source: Source::Global(|s| s.active.load(Relaxed) as u64),
+    },
+    Family {
+        name: "connections_max",
+        help: "The connection limit in force (conn_max, -x): clients beyond it are refused \
+               (connections_refused_total, reason conn_max).",
+        unit: None,
+        kind: Kind::Gauge,
+        source: Source::Global(|s| s.settings().conn_max as u64),
+    },
+    Family {
+        name: "tls_certificate_expiry_timestamp",
+        help: "When each certificate quill serves expires (its notAfter), in seconds since \
+               the Unix epoch, as read at start-up or the last reload.",
+        unit: Some(Unit::Seconds),
+        kind: Kind::Gauge,
+        source: Source::PerCertificate(|c| u64::try_from(c.not_after).unwrap_or(0)),
     },
     Family {
         name: "connections_parked",
@@ -371,6 +449,16 @@ impl Collector for Metrics {
                         write_value(family.encode_family(labels)?, f.kind, read(rt))?;
                     }
                 }
+                Source::PerCertificate(read) => {
+                    let served = settings.tls_built.server.as_deref();
+                    for c in served.map_or(&[][..], |t| t.certificates()) {
+                        let labels = [
+                            ("file", c.file.to_string_lossy()),
+                            ("sni", Cow::Borrowed(c.sni.as_str())),
+                        ];
+                        write_value(family.encode_family(&labels)?, f.kind, read(c))?;
+                    }
+                }
             }
         }
         Ok(())
@@ -382,6 +470,31 @@ mod tests {
     use super::*;
     use crate::command::Command;
     use crate::settings::Settings;
+
+    #[test]
+    fn the_text_format_names_counters_with_total_and_drops_unit_and_eof() {
+        let om = "# HELP quill_a Things.\n# TYPE quill_a counter\nquill_a_total 3\n\
+                  # HELP quill_up_seconds Age.\n# TYPE quill_up_seconds gauge\n\
+                  # UNIT quill_up_seconds seconds\nquill_up_seconds 7\n# EOF\n";
+        assert_eq!(
+            to_text_format(om),
+            "# HELP quill_a_total Things.\n# TYPE quill_a_total counter\nquill_a_total 3\n\
+             # HELP quill_up_seconds Age.\n# TYPE quill_up_seconds gauge\nquill_up_seconds 7\n"
+        );
+    }
+
+    #[test]
+    fn openmetrics_only_when_asked_for() {
+        let prometheus = "application/openmetrics-text;version=1.0.0,application/openmetrics-text;\
+                          version=0.0.1;q=0.75,text/plain;version=0.0.4;q=0.5,*/*;q=0.1";
+        assert!(wants_openmetrics(prometheus));
+        assert!(wants_openmetrics("Application/OpenMetrics-Text"));
+        assert!(!wants_openmetrics("*/*"));
+        assert!(!wants_openmetrics("text/plain"));
+        assert!(!wants_openmetrics(
+            "application/openmetrics-text;q=0, text/plain"
+        ));
+    }
 
     #[test]
     fn families_have_unique_valid_names() {

@@ -327,10 +327,22 @@ async fn handle(site: &Site, peer: IpAddr, req: Request<Incoming>) -> Reply {
             reply(StatusCode::OK, "text/css; charset=utf-8", DASHBOARD_CSS)
         }
         "/favicon.svg" if read_only => reply(StatusCode::OK, "image/svg+xml", FAVICON_SVG),
-        "/metrics" if read_only => match metrics::encode(&site.registry) {
-            Ok(body) => reply(StatusCode::OK, metrics::CONTENT_TYPE, body),
-            Err(_) => text(StatusCode::INTERNAL_SERVER_ERROR, "cannot encode metrics\n"),
-        },
+        "/metrics" if read_only => {
+            let openmetrics = req
+                .headers()
+                .get(header::ACCEPT)
+                .and_then(|a| a.to_str().ok())
+                .is_some_and(metrics::wants_openmetrics);
+            match metrics::encode(&site.registry) {
+                Ok(body) if openmetrics => reply(StatusCode::OK, metrics::CONTENT_TYPE, body),
+                Ok(body) => reply(
+                    StatusCode::OK,
+                    metrics::TEXT_CONTENT_TYPE,
+                    metrics::to_text_format(&body),
+                ),
+                Err(_) => text(StatusCode::INTERNAL_SERVER_ERROR, "cannot encode metrics\n"),
+            }
+        }
         "/status.json" if read_only => json_reply(report::json(&site.ctx)),
         "/history.json" if read_only => json_reply(site.history.json()),
         "/clients.json" if read_only => json_reply(

@@ -45,12 +45,12 @@ fn certificates(path: &Path, bytes: &[u8]) -> Result<Vec<CertificateDer<'static>
 }
 
 /// The certificate chain of `cert` (leaf first) with the private key of `key` (which may
-/// be the same file), checked to belong together.
+/// be the same file), checked to belong together, and the leaf's notAfter (Unix seconds).
 pub fn certified_key(
     cert: &Path,
     key: &Path,
     provider: &CryptoProvider,
-) -> Result<CertifiedKey, TlsError> {
+) -> Result<(CertifiedKey, i64), TlsError> {
     let cert_bytes = read(cert)?;
     let chain = certificates(cert, &cert_bytes)?;
     let key_bytes = if key == cert { cert_bytes } else { read(key)? };
@@ -85,7 +85,7 @@ pub fn certified_key(
         file: cert.to_path_buf(),
         detail: String::new(),
     })?;
-    let leaf_spki = leaf_public_key(cert, leaf)?;
+    let (leaf_spki, not_after) = leaf_public_key(cert, leaf)?;
     if signing_key
         .public_key()
         .is_some_and(|spki| spki.as_ref() != leaf_spki.as_slice())
@@ -95,13 +95,14 @@ pub fn certified_key(
             key: key.to_path_buf(),
         });
     }
-    Ok(CertifiedKey::new(chain, signing_key))
+    Ok((CertifiedKey::new(chain, signing_key), not_after))
 }
 
-/// The DER SubjectPublicKeyInfo of a certificate (any X.509 version). Warns once, at
-/// build time, when the certificate is outside its validity period: it is still served
-/// (clients decide), but an operator should hear of it before the clients do.
-fn leaf_public_key(file: &Path, der: &CertificateDer<'_>) -> Result<Vec<u8>, TlsError> {
+/// The DER SubjectPublicKeyInfo of a certificate (any X.509 version) and its notAfter
+/// (Unix seconds). Warns once, at build time, when the certificate is outside its validity
+/// period: it is still served (clients decide), but an operator should hear of it before
+/// the clients do.
+fn leaf_public_key(file: &Path, der: &CertificateDer<'_>) -> Result<(Vec<u8>, i64), TlsError> {
     use x509_parser::prelude::{FromDer, X509Certificate};
     let (_, parsed) = X509Certificate::from_der(der.as_ref()).map_err(|e| TlsError::BadCert {
         file: file.to_path_buf(),
@@ -116,7 +117,8 @@ fn leaf_public_key(file: &Path, der: &CertificateDer<'_>) -> Result<Vec<u8>, Tls
             validity.not_after
         );
     }
-    Ok(parsed.public_key().raw.to_vec())
+    let not_after = validity.not_after.timestamp();
+    Ok((parsed.public_key().raw.to_vec(), not_after))
 }
 
 /// Whether a key file holds a passphrase-protected key: PKCS#8 `ENCRYPTED PRIVATE KEY`,

@@ -225,6 +225,20 @@ pub struct ServerTls {
     by_name: HashMap<String, Arc<ServerConfig>>,
     sessions: Arc<dyn StoresServerSessions>,
     ticketer: Arc<dyn ProducesTickets>,
+    /// The certificates served, default first, as read when this was built (metrics).
+    certificates: Vec<Certificate>,
+}
+
+/// A certificate quill serves, for the metrics: read once per build, never per scrape, so
+/// a renewed file shows after the reload that serves it.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Certificate {
+    /// The PEM file it came from.
+    pub file: PathBuf,
+    /// The SNI name it is served for (from the SNI directory); empty for the default.
+    pub sni: String,
+    /// The leaf's notAfter, in seconds since the Unix epoch.
+    pub not_after: i64,
 }
 
 /// Why a client handshake failed (for the log; the client only sees an alert or a close).
@@ -237,6 +251,11 @@ pub enum HandshakeError {
 }
 
 impl ServerTls {
+    /// The certificates served, default first, then the SNI directory's by name.
+    pub fn certificates(&self) -> &[Certificate] {
+        &self.certificates
+    }
+
     /// The configuration for the name the client asked for (SNI), or the default one.
     fn config_for(&self, name: Option<&str>) -> Arc<ServerConfig> {
         if !self.by_name.is_empty() {
@@ -403,7 +422,12 @@ fn build_server(
         .key
         .as_ref()
         .map_or_else(|| cert_path.clone(), |k| PathBuf::from(k.as_str()));
-    let mut key = files::certified_key(&cert_path, &key_path, &provider)?;
+    let (mut key, not_after) = files::certified_key(&cert_path, &key_path, &provider)?;
+    let mut certificates = vec![Certificate {
+        file: cert_path.clone(),
+        sni: String::new(),
+        not_after,
+    }];
     if let Some(ocsp) = &conf.ocsp {
         let path = PathBuf::from(ocsp.as_str());
         let der = files::read(&path)?;
@@ -443,7 +467,12 @@ fn build_server(
     let mut by_name = HashMap::new();
     if let Some(dir) = &conf.sni_path {
         for site in files::sni_sites(&PathBuf::from(dir.as_str()))? {
-            let key = files::certified_key(&site.cert, &site.key, &provider)?;
+            let (key, not_after) = files::certified_key(&site.cert, &site.key, &provider)?;
+            certificates.push(Certificate {
+                file: site.cert.clone(),
+                sni: site.name.clone(),
+                not_after,
+            });
             check_suites_fit_key(conf, &provider, &key, &site.cert)?;
             let verifier = match &site.ca {
                 Some(ca) if conf.verify_client => {
@@ -461,6 +490,7 @@ fn build_server(
         by_name,
         sessions,
         ticketer,
+        certificates,
     })
 }
 

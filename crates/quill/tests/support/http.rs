@@ -134,6 +134,22 @@ pub fn get(addr: SocketAddr, path: &str) -> Response {
         .unwrap_or_else(|e| panic!("GET http://{addr}{path}: {e}"))
 }
 
+/// The `Accept` header Prometheus sends: OpenMetrics first, the text format as a fallback.
+pub const PROMETHEUS_ACCEPT: &str = "Accept: application/openmetrics-text;version=1.0.0,application/openmetrics-text;version=0.0.1;q=0.75,text/plain;version=0.0.4;q=0.5,*/*;q=0.1";
+
+/// `GET /metrics` as Prometheus asks for it (OpenMetrics).
+pub fn get_openmetrics(addr: SocketAddr) -> Response {
+    request_from(
+        "127.0.0.1",
+        addr,
+        "GET",
+        "/metrics",
+        &[PROMETHEUS_ACCEPT],
+        b"",
+    )
+    .unwrap_or_else(|e| panic!("GET http://{addr}/metrics: {e}"))
+}
+
 /// `POST /control` with `line` from `src`, with the header the dashboard sends.
 pub fn post_control(src: &str, addr: SocketAddr, line: &str) -> Response {
     request_from(
