@@ -15,7 +15,7 @@ use crate::cli::{CliError, Invocation, Protocol};
 use crate::command::Command;
 use crate::config::{self, ConfigError, Origin};
 use crate::control::ControlAddr;
-use crate::daemon::StartError;
+use crate::daemon::{self, StartError};
 use crate::privileges;
 use crate::settings::Settings;
 use crate::tls::TlsError;
@@ -171,30 +171,15 @@ fn settings(inv: &Invocation, problems: &mut Vec<Problem>) -> (Settings, Vec<(So
 /// address, the binary upgrade's needs, and the pid file's directory (not written here).
 fn process(inv: &Invocation) -> Vec<StartError> {
     let mut found = Vec::new();
-    let control = match &inv.control {
-        None => None,
-        Some(c) => {
-            if rustix::process::geteuid().is_root() && inv.user.is_none() {
-                found.push(StartError::ControlAsRoot);
-            }
-            match ControlAddr::parse(c) {
-                Ok(addr) => Some(addr),
-                Err(reason) => {
-                    found.push(StartError::Control {
-                        addr: c.clone(),
-                        reason,
-                    });
-                    None
-                }
-            }
-        }
-    };
-    if inv.takeover {
-        if inv.protocol == Protocol::Udp {
+    match daemon::control_address(inv) {
+        Err(e) => found.push(e),
+        Ok(_) if inv.takeover && inv.protocol == Protocol::Udp => {
             found.push(crate::control::upgrade::UpgradeError::Udp.into());
-        } else if !matches!(control, Some(ControlAddr::Unix(_))) {
+        }
+        Ok(control) if inv.takeover && !matches!(control, Some(ControlAddr::Unix(_))) => {
             found.push(crate::control::upgrade::UpgradeError::NeedsUnixControl.into());
         }
+        Ok(_) => {}
     }
     if let Some(path) = &inv.pidfile {
         let dir = match path.parent() {

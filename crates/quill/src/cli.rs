@@ -327,106 +327,79 @@ fn short_option(
         number(what).and_then(|n| usize::try_from(n).map_err(|_| err(&arg, "too large")))
     };
     let file = || Word::new(v).ok_or_else(|| err(&arg, "not a usable file name"));
-    let cmd = match c {
-        'b' => Command::Blacklist(Some(number("blacklist time")?)),
-        'c' => Command::ClientsMax(Some(size("client table size")?)),
-        't' => {
-            let t = number("timeout")?;
-            if t == 0 {
-                return Err(err(&arg, "timeout must be at least 1 second"));
-            }
-            Command::Timeout(Some(t))
-        }
-        'x' => Command::ConnMax(Some(size("connection limit")?)),
-        'T' => Command::Tracking(Some(number("tracking time")?)),
-        'm' => {
-            let n = size("multi-accept count")?;
-            Command::MultiAccept(n.max(1))
-        }
-        'q' => Command::Backlog(
-            u32::try_from(number("backlog")?).map_err(|_| err(&arg, "backlog is too large"))?,
-        ),
-        'h' => Command::Hash(true),
-        'H' => Command::Http(true),
-        'N' => Command::HashOnly(true),
-        'r' => Command::RoundRobin(true),
-        's' => Command::Stubborn(true),
-        'W' => Command::Weight(true),
-        'P' => Command::EventEngine(EventEngine::Poll),
-        'Q' => Command::EventEngine(EventEngine::Kqueue),
-        'D' => Command::Compat(CompatWord::DelayedForward, true),
-        'n' => Command::Compat(CompatWord::Block, true),
-        'a' => Command::Compat(CompatWord::Ascii, true),
+    // Process-level options are recorded in `p`; every other option stands for a command.
+    match c {
         'S' => {
             // Obsolete server-table size: checked, then ignored (the table grows).
             number("server count")?;
-            return Ok(None);
         }
-        'f' => {
-            p.foreground = true;
-            return Ok(None);
+        'f' => p.foreground = true,
+        'U' => p.protocol = Protocol::Udp,
+        'C' => p.control = Some(v.to_string()),
+        'F' => p.config = Some(PathBuf::from(v)),
+        'p' => p.pidfile = Some(PathBuf::from(v)),
+        'X' => p.exit_enabled = true,
+        'u' => p.user = Some(v.to_string()),
+        'j' => p.jail = Some(PathBuf::from(v)),
+        'd' => p.debug += 1,
+        'e' => p.emergency = Some(v.to_string()),
+        'B' => p.abuse = Some(v.to_string()),
+        _ => {
+            let cmd = match c {
+                'b' => Command::Blacklist(Some(number("blacklist time")?)),
+                'c' => Command::ClientsMax(Some(size("client table size")?)),
+                't' => {
+                    let t = number("timeout")?;
+                    if t == 0 {
+                        return Err(err(&arg, "timeout must be at least 1 second"));
+                    }
+                    Command::Timeout(Some(t))
+                }
+                'x' => Command::ConnMax(Some(size("connection limit")?)),
+                'T' => Command::Tracking(Some(number("tracking time")?)),
+                'm' => {
+                    let n = size("multi-accept count")?;
+                    Command::MultiAccept(n.max(1))
+                }
+                'q' => Command::Backlog(
+                    u32::try_from(number("backlog")?)
+                        .map_err(|_| err(&arg, "backlog is too large"))?,
+                ),
+                'h' => Command::Hash(true),
+                'H' => Command::Http(true),
+                'N' => Command::HashOnly(true),
+                'r' => Command::RoundRobin(true),
+                's' => Command::Stubborn(true),
+                'W' => Command::Weight(true),
+                'P' => Command::EventEngine(EventEngine::Poll),
+                'Q' => Command::EventEngine(EventEngine::Kqueue),
+                'D' => Command::Compat(CompatWord::DelayedForward, true),
+                'n' => Command::Compat(CompatWord::Block, true),
+                'a' => Command::Compat(CompatWord::Ascii, true),
+                'l' => Command::Log(Some(file()?)),
+                'w' => Command::WebStats(Some(file()?)),
+                'o' | 'O' => v.parse::<Command>().map_err(|e| err(&arg, e))?,
+                'E' => Command::SslCert(Some(file()?)),
+                'K' => Command::SslKey(Some(file()?)),
+                'G' => Command::SslCa(Some(file()?)),
+                'A' => Command::SslCaDir(Some(file()?)),
+                'R' => Command::SslVerifyClient(true),
+                'L' => format!("ssl_protocol {v}")
+                    .parse::<Command>()
+                    .map_err(|e| err(&arg, e))?,
+                'Z' => Command::Compat(CompatWord::SslCompat, true),
+                'i' => {
+                    return Err(err(
+                        &arg,
+                        "installing a Windows service does not apply here",
+                    ))
+                }
+                _ => return Err(err(&flag, "unknown option (see quill --help)")),
+            };
+            return Ok(Some((arg, cmd)));
         }
-        'U' => {
-            p.protocol = Protocol::Udp;
-            return Ok(None);
-        }
-        'C' => {
-            p.control = Some(v.to_string());
-            return Ok(None);
-        }
-        'F' => {
-            p.config = Some(PathBuf::from(v));
-            return Ok(None);
-        }
-        'p' => {
-            p.pidfile = Some(PathBuf::from(v));
-            return Ok(None);
-        }
-        'X' => {
-            p.exit_enabled = true;
-            return Ok(None);
-        }
-        'u' => {
-            p.user = Some(v.to_string());
-            return Ok(None);
-        }
-        'j' => {
-            p.jail = Some(PathBuf::from(v));
-            return Ok(None);
-        }
-        'l' => Command::Log(Some(file()?)),
-        'w' => Command::WebStats(Some(file()?)),
-        'd' => {
-            p.debug += 1;
-            return Ok(None);
-        }
-        'e' => {
-            p.emergency = Some(v.to_string());
-            return Ok(None);
-        }
-        'B' => {
-            p.abuse = Some(v.to_string());
-            return Ok(None);
-        }
-        'o' | 'O' => v.parse::<Command>().map_err(|e| err(&arg, e))?,
-        'E' => Command::SslCert(Some(file()?)),
-        'K' => Command::SslKey(Some(file()?)),
-        'G' => Command::SslCa(Some(file()?)),
-        'A' => Command::SslCaDir(Some(file()?)),
-        'R' => Command::SslVerifyClient(true),
-        'L' => format!("ssl_protocol {v}")
-            .parse::<Command>()
-            .map_err(|e| err(&arg, e))?,
-        'Z' => Command::Compat(CompatWord::SslCompat, true),
-        'i' => {
-            return Err(err(
-                &arg,
-                "installing a Windows service does not apply here",
-            ))
-        }
-        _ => return Err(err(&flag, "unknown option (see quill --help)")),
-    };
-    Ok(Some((arg, cmd)))
+    }
+    Ok(None)
 }
 
 /// Parses `host[:port[:maxc[:hard[:weight[:prio]]]]]`, IPv6 hosts in brackets.

@@ -117,6 +117,22 @@ pub fn build_settings(inv: &Invocation) -> Result<(Settings, Vec<Action>), Start
     Ok((settings, actions))
 }
 
+/// The control socket's address (`-C`), refused for a root process that keeps root.
+pub fn control_address(inv: &Invocation) -> Result<Option<ControlAddr>, StartError> {
+    let Some(c) = &inv.control else {
+        return Ok(None);
+    };
+    if rustix::process::geteuid().is_root() && inv.user.is_none() {
+        return Err(StartError::ControlAsRoot);
+    }
+    ControlAddr::parse(c)
+        .map(Some)
+        .map_err(|reason| StartError::Control {
+            addr: c.clone(),
+            reason,
+        })
+}
+
 /// The number of event loops: the `workers` setting, or one per core we may run on.
 fn worker_count(settings: &Settings) -> usize {
     if settings.workers > 0 {
@@ -220,19 +236,7 @@ pub fn run(inv: Invocation) -> Result<(), StartError> {
     let (settings, actions) = build_settings(&inv)?;
     set_log_level(settings.debug);
     let listen_addr = settings.listen.clone().ok_or(StartError::NoListen)?;
-    let control_addr = match &inv.control {
-        None => None,
-        Some(c) => {
-            if rustix::process::geteuid().is_root() && inv.user.is_none() {
-                return Err(StartError::ControlAsRoot);
-            }
-            let addr = ControlAddr::parse(c).map_err(|reason| StartError::Control {
-                addr: c.clone(),
-                reason,
-            })?;
-            Some(addr)
-        }
-    };
+    let control_addr = control_address(&inv)?;
 
     let workers = worker_count(&settings);
     // DSR: no listening socket (the VIP is not ours); a packet socket on the interface,
