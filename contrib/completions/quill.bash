@@ -22,7 +22,8 @@ emergency abuse multi_accept backlog workers udp_idle_timeout listen control_acl
 metrics_listen log web_stats abort_on_error geoip_db ssl_cert ssl_key ssl_ca ssl_ca_dir
 ssl_verify_client ssl_protocol ssl_option ssl_ciphers ssl_sni_path ssl_ocsp_response
 ssl_client_renegotiation_interval ssl_compat upstream_tls upstream_ca upstream_sni check
-check_interval check_timeout check_rise check_fall slow_start shutdown_grace dsr_if
+check_interval check_timeout check_rise check_fall slow_start shutdown_grace announce_table
+announce_grace dsr_if
 tarpit_acl transparent http http_header_max http_request_timeout hsts proxy_protocol
 accept_proxy'
 

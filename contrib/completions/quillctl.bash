@@ -17,20 +17,21 @@ emergency abuse multi_accept backlog workers udp_idle_timeout listen control_acl
 metrics_listen log web_stats abort_on_error geoip_db ssl_cert ssl_key ssl_ca ssl_ca_dir
 ssl_verify_client ssl_protocol ssl_option ssl_ciphers ssl_sni_path ssl_ocsp_response
 ssl_client_renegotiation_interval ssl_compat upstream_tls upstream_ca upstream_sni check
-check_interval check_timeout check_rise check_fall slow_start shutdown_grace dsr_if
+check_interval check_timeout check_rise check_fall slow_start shutdown_grace announce_table
+announce_grace dsr_if
 tarpit_acl transparent http http_header_max http_request_timeout hsts proxy_protocol
 accept_proxy'
 
 # Operations on the running process, for the control socket only.
 _quillctl_operations='servers status mode recent connection close control pid include write
-exit'
+exit health'
 
 # The commands that have a `no` form.
 _quillctl_negatable='roundrobin hash hash_only stubborn weight prio tcp_nodelay keepalive dummy
 source emergency abuse block delayed_forward ascii acl log web_stats metrics_listen
 abort_on_error ssl_cert ssl_key ssl_ca ssl_ca_dir ssl_verify_client ssl_option ssl_ciphers
 ssl_sni_path ssl_ocsp_response ssl_compat upstream_tls upstream_ca upstream_sni check
-tarpit_acl transparent http hsts proxy_protocol accept_proxy'
+tarpit_acl transparent http hsts proxy_protocol accept_proxy announce_table'
 
 # The fields of `server N field value ...`.
 _quillctl_server_fields='acl address port max hard weight prio blacklist drain check

@@ -202,6 +202,16 @@ pub enum Command {
     /// `shutdown_grace N` (extension): seconds open connections may run on after quill
     /// stops accepting (TERM, `exit`, a binary upgrade); 0 = as long as they last.
     ShutdownGrace(u64),
+    /// `announce_table N` / `no announce_table` (extension): keep a route for the listening
+    /// address in kernel routing table N while this node can serve it, for BIRD or FRR to
+    /// announce (BGP/ECMP scale-out); never 0 or the kernel's own tables 253-255.
+    AnnounceTable(Option<u32>),
+    /// `announce_grace N` (extension): seconds quill goes on serving after it withdrew the
+    /// route when it stops, so that the routers move the flows first.
+    AnnounceGrace(u64),
+    /// `health` (extension): whether this node can serve (for keepalived's track_script:
+    /// quillctl exits 0 when it can, 1 when it cannot).
+    Health,
     /// `slow_start N` (extension): seconds over which a server that comes back up ramps
     /// from a small share of its weight to all of it (0 = at once).
     SlowStart(u64),
@@ -481,6 +491,7 @@ impl Command {
                 | Command::Close(_)
                 | Command::Control
                 | Command::Pid
+                | Command::Health
                 | Command::Include(_)
                 | Command::Write(_)
                 | Command::Exit
@@ -941,6 +952,9 @@ pub const NAMES: &[&str] = &[
     "check_fall",
     "slow_start",
     "shutdown_grace",
+    "announce_table",
+    "announce_grace",
+    "health",
     "dsr_if",
     "tarpit_acl",
     "transparent",
@@ -1023,6 +1037,7 @@ fn parse_negated(command: &'static str, w: &mut Words<'_>) -> Result<Command, Pa
         "upstream_sni" => Command::UpstreamSni(None),
         "check" => Command::Check(None),
         "tarpit_acl" => Command::NoTarpitAcl,
+        "announce_table" => Command::AnnounceTable(None),
         "transparent" => Command::Transparent(false),
         "http" => Command::Http(false),
         "hsts" => Command::Hsts(None),
@@ -1196,6 +1211,20 @@ fn parse_positive(command: &'static str, w: &mut Words<'_>) -> Result<Command, P
         "check_fall" => Command::CheckFall(w.count()?),
         "slow_start" => Command::SlowStart(w.number("number of seconds")?),
         "shutdown_grace" => Command::ShutdownGrace(w.number("number of seconds")?),
+        "announce_table" => {
+            let table: u32 = w.number("routing table number")?;
+            if table == 0 || (253..=255).contains(&table) {
+                return Err(ParseError::Invalid {
+                    command: "announce_table",
+                    what:
+                        "routing table number (1-252 or above 255: 0 and 253-255 are the kernel's)",
+                    value: table.to_string(),
+                });
+            }
+            Command::AnnounceTable(Some(table))
+        }
+        "announce_grace" => Command::AnnounceGrace(w.number("number of seconds")?),
+        "health" => Command::Health,
         "dsr_if" => {
             let name = w.word("an interface name")?;
             // Linux interface names: 1-15 bytes, no '/' (they are sysfs file names).
@@ -1582,6 +1611,10 @@ impl fmt::Display for Command {
             Command::CheckFall(n) => write!(f, "check_fall {n}"),
             Command::SlowStart(n) => write!(f, "slow_start {n}"),
             Command::ShutdownGrace(n) => write!(f, "shutdown_grace {n}"),
+            Command::AnnounceTable(Some(n)) => write!(f, "announce_table {n}"),
+            Command::AnnounceTable(None) => f.write_str("no announce_table"),
+            Command::AnnounceGrace(n) => write!(f, "announce_grace {n}"),
+            Command::Health => f.write_str("health"),
             Command::DsrIf(name) => write!(f, "dsr_if {name}"),
             Command::TarpitAcl(list) => with_optional(f, "tarpit_acl", list),
             Command::NoTarpitAcl => f.write_str("no tarpit_acl"),
@@ -1881,6 +1914,10 @@ mod roundtrip {
             (1u32..).prop_map(Command::CheckFall),
             any::<u64>().prop_map(Command::SlowStart),
             any::<u64>().prop_map(Command::ShutdownGrace),
+            proptest::option::of(prop_oneof![1u32..253, 256u32..=u32::MAX])
+                .prop_map(Command::AnnounceTable),
+            any::<u64>().prop_map(Command::AnnounceGrace),
+            Just(Command::Health),
             "[a-z][a-z0-9.-]{0,14}".prop_map(|w| Command::DsrIf(Word(w))),
             proptest::option::of(acl_id()).prop_map(Command::TarpitAcl),
             Just(Command::NoTarpitAcl),

@@ -365,7 +365,7 @@ mod tests {
     #[test]
     fn render_round_trips() {
         let d = Dir::new("render");
-        let main = d.file("main.cfg", "weight\nacl 2 deny 10.0.0.0 255.0.0.0\nserver 1 address 127.0.0.1 port 81 weight 3\nlog /tmp/x.log\n");
+        let main = d.file("main.cfg", "weight\nannounce_table 100\nannounce_grace 7\nacl 2 deny 10.0.0.0 255.0.0.0\nserver 1 address 127.0.0.1 port 81 weight 3\nlog /tmp/x.log\n");
         let s = load_new(&main).unwrap();
         let again = d.file("again.cfg", &render(&s));
         assert_eq!(load_new(&again).unwrap(), s);

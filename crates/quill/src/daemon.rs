@@ -476,9 +476,16 @@ pub fn run(inv: Invocation) -> Result<(), StartError> {
     let tasks = rt.block_on(async {
         // Health checks and the metrics listener live on this (control) runtime, never on
         // an event loop.
+        let (withdraw_tx, withdraw_rx) = watch::channel(false);
+        let (withdrawn_tx, withdrawn_rx) = tokio::sync::oneshot::channel();
         let mut tasks = vec![
             tokio::spawn(crate::health::supervise(Arc::clone(&state))),
             tokio::spawn(control::web::run(Arc::clone(&ctx), metrics_rx)),
+            tokio::spawn(crate::announce::supervise(
+                Arc::clone(&state),
+                withdraw_rx,
+                withdrawn_tx,
+            )),
         ];
         if let Some(l) = control_listener {
             let ctx = Arc::clone(&ctx);
@@ -503,6 +510,10 @@ pub fn run(inv: Invocation) -> Result<(), StartError> {
             }
         }
         handle_signals(&ctx, &mut signals).await;
+        // After a binary upgrade the route is the new process's: it stays.
+        if !ctx.upgraded.load(Relaxed) {
+            withdraw_first(&state, &withdraw_tx, withdrawn_rx).await;
+        }
         tasks
     });
     systemd::stopping();
@@ -550,6 +561,25 @@ pub fn run(inv: Invocation) -> Result<(), StartError> {
     });
     drop(cleanup);
     Ok(())
+}
+
+/// Stopping with an announced route: the route goes first, then quill serves on (accepting
+/// too) for `announce_grace` seconds, so that the routers move new flows elsewhere before
+/// the listeners close. Without a route, nothing waits.
+async fn withdraw_first(
+    state: &State,
+    withdraw: &watch::Sender<bool>,
+    withdrawn: tokio::sync::oneshot::Receiver<bool>,
+) {
+    let _ = withdraw.send(true);
+    let had = tokio::time::timeout(Duration::from_secs(5), withdrawn)
+        .await
+        .is_ok_and(|r| r.unwrap_or(false));
+    let grace = state.settings().announce_grace;
+    if had && grace > 0 {
+        tracing::info!("stopping: route withdrawn; serving on for {grace} s (announce_grace)");
+        tokio::time::sleep(Duration::from_secs(grace)).await;
+    }
 }
 
 /// After a binary upgrade: binds the metrics listener as soon as the old process has

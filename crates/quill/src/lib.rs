@@ -6,6 +6,7 @@
 //! [`state::State`], beside the runtime tables the data plane ([`proxy`]) updates.
 
 pub mod acl;
+pub mod announce;
 pub mod balance;
 pub mod check;
 pub mod cli;

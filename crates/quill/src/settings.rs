@@ -223,7 +223,16 @@ pub struct Settings {
     pub tarpit_acl: Option<AclId>,
     /// Connect to backends from the client's address (IP_TRANSPARENT).
     pub transparent: bool,
+    /// The kernel routing table in which quill keeps a route for the listening address
+    /// while this node can serve it (`announce_table N`; BIRD/FRR announce it).
+    pub announce_table: Option<u32>,
+    /// Seconds quill serves on after withdrawing that route when it stops.
+    pub announce_grace: u64,
 }
+
+/// Default `announce_grace`: a few BGP update rounds (or a BFD detection time, well
+/// within a second, plus the routers' reprogramming).
+pub const DEFAULT_ANNOUNCE_GRACE: u64 = 3;
 
 /// Default `shutdown_grace`: long enough for requests in flight, short enough for a
 /// service manager's stop timeout.
@@ -296,6 +305,8 @@ impl Default for Settings {
             dsr_if: None,
             tarpit_acl: None,
             transparent: false,
+            announce_table: None,
+            announce_grace: DEFAULT_ANNOUNCE_GRACE,
         }
     }
 }
@@ -581,6 +592,8 @@ impl Settings {
             Command::TarpitAcl(Some(list)) => set(&mut self.tarpit_acl, Some(*list)),
             Command::NoTarpitAcl => set(&mut self.tarpit_acl, None),
             Command::Transparent(on) => set(&mut self.transparent, *on),
+            Command::AnnounceTable(table) => set(&mut self.announce_table, *table),
+            Command::AnnounceGrace(n) => set(&mut self.announce_grace, *n),
             other => return Err(ApplyError::NotASetting(other.to_string())),
         })
     }
@@ -791,6 +804,12 @@ impl Settings {
         }
         if let Some(name) = &self.dsr_if {
             out.push(Command::DsrIf(name.clone()));
+        }
+        if self.announce_table.is_some() {
+            out.push(Command::AnnounceTable(self.announce_table));
+        }
+        if self.announce_grace != d.announce_grace {
+            out.push(Command::AnnounceGrace(self.announce_grace));
         }
         if let Some(list) = self.tarpit_acl {
             out.push(Command::TarpitAcl(Some(list)));

@@ -77,6 +77,9 @@ pub struct State {
     pub dsr: std::sync::OnceLock<Arc<crate::dsr::DsrCounters>>,
     /// Bumped each time new settings are published (the health checks re-plan on it).
     pub generation: tokio::sync::watch::Sender<u64>,
+    /// The routing table quill's route for the service address is in now
+    /// (`announce_table`), 0 when none is.
+    pub announced: std::sync::atomic::AtomicU32,
 }
 
 impl State {
@@ -101,6 +104,7 @@ impl State {
             started: std::time::Instant::now(),
             dsr: std::sync::OnceLock::new(),
             generation: tokio::sync::watch::Sender::new(0),
+            announced: std::sync::atomic::AtomicU32::new(0),
         })
     }
 

@@ -73,6 +73,11 @@ pub fn execute(ctx: &Context, cmd: &Command) -> Result<String, String> {
         }
         Command::Control => Ok(ctx.control_addr.clone().unwrap_or_default()),
         Command::Pid => Ok(std::process::id().to_string()),
+        // An error reply when this node cannot serve: quillctl then exits 1, which is what
+        // keepalived's track_script (or any probe) reads.
+        Command::Health => crate::announce::can_serve(&state.settings(), state)
+            .map(|()| "ok".to_string())
+            .map_err(|why| format!("cannot serve: {why}")),
         Command::Include(file) => ctx
             .include(Path::new(file.as_str()))
             .map(|()| String::new())

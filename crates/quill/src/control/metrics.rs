@@ -222,6 +222,14 @@ pub static FAMILIES: &[Family] = &[
         source: Source::PerCertificate(|c| u64::try_from(c.not_after).unwrap_or(0)),
     },
     Family {
+        name: "announced",
+        help: "1 while quill's route for the service address is in the kernel table of \
+               announce_table (BIRD or FRR announce it), 0 otherwise.",
+        unit: None,
+        kind: Kind::Gauge,
+        source: Source::Global(|s| u64::from(s.announced.load(Relaxed) != 0)),
+    },
+    Family {
         name: "connections_parked",
         help: "Of the open TCP connections, those parked while idle (idle_park): no task, \
                no reactor entry, only their session kept.",

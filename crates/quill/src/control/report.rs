@@ -226,6 +226,12 @@ pub fn json(ctx: &Context) -> String {
         "servers": servers,
         "emergency": settings.emergency.as_ref().map(|e| json!({ "address": e.name.to_string(), "connections": state.emergency.conns.load(Relaxed) })),
         "abuse": settings.abuse.as_ref().map(|e| json!({ "address": e.name.to_string(), "connections": state.abuse.conns.load(Relaxed) })),
+        "can_serve": crate::announce::can_serve(&settings, state).is_ok(),
+        "announce": settings.announce_table.map(|table| json!({
+            "table": table,
+            "announced": state.announced.load(Relaxed) == table,
+            "address": crate::announce::service_address(&settings).ok().map(|a| a.to_string()),
+        })),
     });
     doc.to_string()
 }

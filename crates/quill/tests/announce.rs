@@ -1,0 +1,291 @@
+//! Scale-out hooks: `announce_table N` keeps a route for the service address in kernel table
+//! N (for BIRD or FRR to announce) exactly while the node can serve it, and withdraws it
+//! first when quill stops, serving on for `announce_grace`; `health` answers keepalived's
+//! question. Each test runs quill in a network namespace of its own (root; skipped with the
+//! reason elsewhere, run by CI), where the routes it writes are checked with `ip route`.
+#![allow(clippy::unwrap_used, clippy::expect_used, clippy::panic)]
+
+mod support;
+
+use std::io::{Read, Write};
+use std::net::{SocketAddr, TcpStream};
+use std::process::{Child, Stdio};
+use std::time::{Duration, Instant};
+
+use support::ctl::{ctl_ok, quillctl};
+use support::netns::{self, Netns};
+use support::*;
+
+const VIP: &str = "10.99.0.1";
+const TABLE: &str = "100";
+
+/// A namespace with the service address on `lo`, two dummy web servers, and quill in front
+/// of them announcing into table 100; its control socket is a file the test can reach.
+struct Node {
+    ns: Netns,
+    quill: Child,
+    backends: Vec<Child>,
+    dir: TempDir,
+}
+
+impl Node {
+    fn start(extra: &[&str]) -> Node {
+        let ns = Netns::new("announce");
+        ns.ip(&["addr", "add", &format!("{VIP}/32"), "dev", "lo"]);
+        let backends = ["127.0.0.1:8001", "127.0.0.1:8002"]
+            .iter()
+            .map(|addr| {
+                ns.cmd(bin().to_str().unwrap())
+                    .args(["-f", "-O", "dummy", addr])
+                    .stdout(Stdio::null())
+                    .stderr(Stdio::null())
+                    .spawn()
+                    .unwrap()
+            })
+            .collect();
+        let dir = TempDir::new("announce");
+        let ctl = dir.path().join("ctl");
+        let mut args: Vec<String> = [
+            "-f",
+            "-r",
+            "-C",
+            ctl.to_str().unwrap(),
+            "-u",
+            "root",
+            "-O",
+            "announce_table 100",
+            "-O",
+            "announce_grace 2",
+        ]
+        .iter()
+        .map(|s| s.to_string())
+        .collect();
+        args.extend(extra.iter().map(|s| s.to_string()));
+        args.extend([
+            format!("{VIP}:80"),
+            "127.0.0.1:8001".into(),
+            "127.0.0.1:8002".into(),
+        ]);
+        let quill = ns
+            .cmd(bin().to_str().unwrap())
+            .args(&args)
+            .stdout(Stdio::null())
+            .stderr(std::fs::File::create(dir.path().join("stderr")).unwrap())
+            .spawn()
+            .unwrap();
+        let node = Node {
+            ns,
+            quill,
+            backends,
+            dir,
+        };
+        wait_until(START_DEADLINE, "the control socket", || ctl.exists());
+        node
+    }
+
+    fn ctl(&self) -> String {
+        self.dir.path().join("ctl").to_string_lossy().into_owned()
+    }
+
+    /// quill's routes in table 100 of the namespace, as `ip route` prints them (nothing
+    /// when the table does not exist: the kernel drops an empty table).
+    fn routes(&self) -> String {
+        let out = std::process::Command::new("ip")
+            .args([
+                "-n",
+                &self.ns.name,
+                "route",
+                "show",
+                "table",
+                TABLE,
+                "proto",
+                "250",
+            ])
+            .output()
+            .unwrap();
+        String::from_utf8_lossy(&out.stdout).trim().to_string()
+    }
+
+    fn announced(&self) -> bool {
+        self.routes().contains(VIP)
+    }
+
+    /// One HTTP request to the service address from inside the namespace.
+    fn request(&self) -> std::io::Result<String> {
+        self.ns.run(|| {
+            let addr: SocketAddr = format!("{VIP}:80").parse().unwrap();
+            let mut s = TcpStream::connect_timeout(&addr, Duration::from_secs(2))?;
+            s.set_read_timeout(Some(Duration::from_secs(5)))?;
+            s.write_all(b"GET / HTTP/1.0\r\nHost: x\r\n\r\n")?;
+            let mut reply = String::new();
+            s.read_to_string(&mut reply)?;
+            Ok(reply)
+        })
+    }
+
+    fn stderr(&self) -> String {
+        std::fs::read_to_string(self.dir.path().join("stderr")).unwrap_or_default()
+    }
+}
+
+impl Drop for Node {
+    fn drop(&mut self) {
+        for c in self
+            .backends
+            .iter_mut()
+            .chain(std::iter::once(&mut self.quill))
+        {
+            let _ = c.kill();
+            let _ = c.wait();
+        }
+    }
+}
+
+#[test]
+fn the_route_follows_whether_any_server_can_serve() {
+    if netns::skip() {
+        return;
+    }
+    let node = Node::start(&["-d"]);
+    wait_until(IO_TIMEOUT, "the route in table 100", || node.announced());
+    let route = node.routes();
+    assert!(
+        route.contains(&format!("{VIP} dev lo")),
+        "ip route show table 100: {route}"
+    );
+    assert_eq!(quillctl(&node.ctl(), &["health"]).code, Some(0));
+    let status: serde_json::Value =
+        serde_json::from_str(&ctl_ok(&node.ctl(), "status json")).unwrap();
+    assert_eq!(status["announce"]["table"], 100);
+    assert_eq!(status["announce"]["announced"], true);
+
+    // One server out: still servable, still announced.
+    ctl_ok(&node.ctl(), "server 0 blacklist 600");
+    assert!(node.request().unwrap().contains("200"));
+    assert!(node.announced());
+    // Both out: withdrawn, and health says why (quillctl exits 1, as track_script reads).
+    ctl_ok(&node.ctl(), "server 1 drain");
+    wait_until(IO_TIMEOUT, "the route withdrawn", || !node.announced());
+    let health = quillctl(&node.ctl(), &["health"]);
+    assert_eq!(health.code, Some(1), "{health:?}");
+    assert!(health.stdout.contains("cannot serve"), "{health:?}");
+    // One back: announced again.
+    ctl_ok(&node.ctl(), "server 0 blacklist 0");
+    wait_until(IO_TIMEOUT, "the route back", || node.announced());
+    assert_eq!(quillctl(&node.ctl(), &["health"]).code, Some(0));
+    // Turned off at run time: withdrawn.
+    ctl_ok(&node.ctl(), "no announce_table");
+    wait_until(IO_TIMEOUT, "the route withdrawn", || !node.announced());
+    assert!(
+        node.stderr().contains("announce: announcing"),
+        "{}",
+        node.stderr()
+    );
+}
+
+#[test]
+fn a_stopping_node_withdraws_first_and_serves_on_for_the_grace() {
+    if netns::skip() {
+        return;
+    }
+    let mut node = Node::start(&[]);
+    wait_until(IO_TIMEOUT, "the route in table 100", || node.announced());
+    let pid = node.quill.id();
+    let term = Instant::now();
+    std::process::Command::new("kill")
+        .args(["-TERM", &pid.to_string()])
+        .status()
+        .unwrap();
+    wait_until(IO_TIMEOUT, "the route withdrawn", || !node.announced());
+    let withdrawn = term.elapsed();
+    // The route is gone, the listener is not: what still arrives is served.
+    assert!(
+        node.request().unwrap().contains("200"),
+        "a request after the withdrawal, during announce_grace, failed"
+    );
+    let status = node.quill.wait().unwrap();
+    let stopped = term.elapsed();
+    assert!(status.success(), "{status}: {}", node.stderr());
+    assert!(
+        stopped >= Duration::from_secs(2),
+        "quill stopped {stopped:?} after TERM, before announce_grace (2 s) ran out"
+    );
+    assert!(
+        withdrawn < Duration::from_secs(1),
+        "the withdrawal took {withdrawn:?}"
+    );
+}
+
+#[test]
+fn a_route_left_by_a_killed_quill_is_taken_over_and_cleared() {
+    if netns::skip() {
+        return;
+    }
+    let mut node = Node::start(&[]);
+    wait_until(IO_TIMEOUT, "the route in table 100", || node.announced());
+    // SIGKILL leaves the route behind (nothing runs to remove it): the next quill finds it.
+    node.quill.kill().unwrap();
+    node.quill.wait().unwrap();
+    assert!(
+        node.announced(),
+        "the kernel keeps the route of a killed process"
+    );
+    // The next quill announces (replacing it, no error) and, stopping, removes it.
+    let ctl = node.ctl();
+    let _ = std::fs::remove_file(&ctl);
+    let args = [
+        "-f",
+        "-C",
+        &ctl,
+        "-u",
+        "root",
+        "-O",
+        "announce_table 100",
+        "-O",
+        "announce_grace 0",
+        &format!("{VIP}:80"),
+        "127.0.0.1:8001",
+    ];
+    node.quill = node
+        .ns
+        .cmd(bin().to_str().unwrap())
+        .args(args)
+        .stdout(Stdio::null())
+        .stderr(std::fs::File::create(node.dir.path().join("stderr")).unwrap())
+        .spawn()
+        .unwrap();
+    wait_until(START_DEADLINE, "the control socket", || {
+        std::path::Path::new(&ctl).exists()
+    });
+    wait_until(IO_TIMEOUT, "the status", || {
+        ctl_ok(&ctl, "status json").contains("\"announced\":true")
+    });
+    assert_eq!(node.routes().lines().count(), 1, "{}", node.routes());
+    ctl_ok(&ctl, "server 0 drain");
+    wait_until(IO_TIMEOUT, "the route withdrawn", || !node.announced());
+    assert!(!node.stderr().contains("cannot add"), "{}", node.stderr());
+}
+
+#[test]
+fn announce_table_refuses_the_kernels_own_tables() {
+    let (code, stderr) =
+        Quill::start_expect_exit(&["-O", "announce_table 254", "{port}", "127.0.0.1:1"]);
+    assert_eq!(code, Some(2), "{stderr}");
+    assert!(stderr.contains("routing table"), "{stderr}");
+    let dir = TempDir::new("announce-write");
+    let cfg = dir.path().join("q.cfg");
+    std::fs::write(
+        &cfg,
+        "announce_table 100\nannounce_grace 7\nlisten 127.0.0.1:1\n",
+    )
+    .unwrap();
+    let out = std::process::Command::new(bin())
+        .args(["--check", "-F", cfg.to_str().unwrap()])
+        .output()
+        .unwrap();
+    assert!(
+        out.status.success(),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+}
