@@ -289,3 +289,135 @@ fn announce_table_refuses_the_kernels_own_tables() {
         String::from_utf8_lossy(&out.stderr)
     );
 }
+
+/// A BIRD daemon in a namespace, stopped on drop.
+struct Bird(Child);
+
+impl Bird {
+    fn start(ns: &Netns, dir: &std::path::Path, name: &str, config: &str) -> Bird {
+        let conf = dir.join(format!("{name}.conf"));
+        std::fs::write(&conf, config).unwrap();
+        let child = ns
+            .cmd("bird")
+            .args(["-f", "-c", conf.to_str().unwrap(), "-s"])
+            .arg(dir.join(format!("{name}.sock")))
+            .args(["-P"])
+            .arg(dir.join(format!("{name}.pid")))
+            .stdout(Stdio::null())
+            .stderr(std::fs::File::create(dir.join(format!("{name}.log"))).unwrap())
+            .spawn()
+            .unwrap();
+        Bird(child)
+    }
+}
+
+impl Drop for Bird {
+    fn drop(&mut self) {
+        let _ = self.0.kill();
+        let _ = self.0.wait();
+    }
+}
+
+fn bird_missing() -> bool {
+    let found = std::process::Command::new("bird")
+        .arg("--version")
+        .output()
+        .is_ok_and(|o| o.status.success());
+    if !found {
+        eprintln!("SKIPPED: bird not installed (Debian package bird2)");
+    }
+    !found
+}
+
+/// How long `cond` took to become true (panics after the deadline).
+fn time_until(what: &str, cond: impl FnMut() -> bool) -> Duration {
+    let start = Instant::now();
+    wait_until(IO_TIMEOUT, what, cond);
+    start.elapsed()
+}
+
+/// BIRD on the balancer node learns quill's route from table 100 and announces it over BGP
+/// to BIRD on a router, which installs it: clients beyond the router reach quill through
+/// it. The router forgets the route as soon as quill cannot serve or stops.
+#[test]
+fn bird_carries_quills_announcement_to_the_router() {
+    if netns::skip() || bird_missing() {
+        return;
+    }
+    let mut node = Node::start(&[]);
+    let router = Netns::new("router");
+    netns::veth(&router, "r0", &node.ns, "l0");
+    router.ip(&["addr", "add", "10.0.0.1/24", "dev", "r0"]);
+    node.ns.ip(&["addr", "add", "10.0.0.2/24", "dev", "l0"]);
+    let dir = node.dir.path().to_path_buf();
+    let _node_bird = Bird::start(
+        &node.ns,
+        &dir,
+        "node",
+        "router id 10.0.0.2;\nipv4 table quill_routes;\nprotocol device {}\n\
+         protocol kernel quill_kernel {\n  kernel table 100;\n  learn;\n  scan time 1;\n\
+         ipv4 { table quill_routes; import where krt_source = 250; export none; };\n}\n\
+         protocol bgp router1 {\n  local 10.0.0.2 as 65010;\n  neighbor 10.0.0.1 as 65000;\n\
+         hold time 3;\n  connect retry time 1;\n\
+         ipv4 { table quill_routes; import none; export all; };\n}\n",
+    );
+    let _router_bird = Bird::start(
+        &router,
+        &dir,
+        "router",
+        "router id 10.0.0.1;\nprotocol device {}\n\
+         protocol kernel {\n  merge paths on;\n  ipv4 { import none; export all; };\n}\n\
+         protocol bgp lb1 {\n  local 10.0.0.1 as 65000;\n  neighbor 10.0.0.2 as 65010;\n\
+         hold time 3;\n  connect retry time 1;\n  ipv4 { import all; export none; };\n}\n",
+    );
+    let router_has_route = || {
+        let out = std::process::Command::new("ip")
+            .args(["-n", &router.name, "route", "show", VIP])
+            .output()
+            .unwrap();
+        String::from_utf8_lossy(&out.stdout).contains("via 10.0.0.2")
+    };
+    // BGP comes up within a few seconds (connect retry 1 s).
+    wait_until(
+        Duration::from_secs(30),
+        "the router's BGP route",
+        router_has_route,
+    );
+    // A client on the router's side reaches quill through the announced route.
+    let reply = router.run(|| {
+        let addr: SocketAddr = format!("{VIP}:80").parse().unwrap();
+        let mut s = TcpStream::connect_timeout(&addr, Duration::from_secs(2))?;
+        s.write_all(b"GET / HTTP/1.0\r\n\r\n")?;
+        let mut reply = String::new();
+        s.read_to_string(&mut reply)?;
+        Ok::<_, std::io::Error>(reply)
+    });
+    assert!(reply.unwrap().contains("200"));
+
+    // No server left: the router forgets the route.
+    ctl_ok(&node.ctl(), "server 0 drain");
+    ctl_ok(&node.ctl(), "server 1 drain");
+    let withdrawn = time_until("the router forgets the route", || !router_has_route());
+    ctl_ok(&node.ctl(), "server 0 drain 0");
+    let back = time_until("the router learns the route again", router_has_route);
+
+    // quill stops: the router forgets the route before quill has stopped serving.
+    let term = Instant::now();
+    std::process::Command::new("kill")
+        .args(["-TERM", &node.quill.id().to_string()])
+        .status()
+        .unwrap();
+    let on_stop = time_until("the router forgets the route on stop", || {
+        !router_has_route()
+    });
+    assert!(
+        node.quill.try_wait().unwrap().is_none(),
+        "quill had stopped before the router forgot its route"
+    );
+    let _ = node.quill.wait();
+    eprintln!(
+        "router: route withdrawn {withdrawn:?} after the last server drained, back {back:?} \
+         after one returned, withdrawn {on_stop:?} after SIGTERM (quill stopped after {:?})",
+        term.elapsed()
+    );
+}
