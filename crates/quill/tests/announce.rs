@@ -329,6 +329,49 @@ fn bird_missing() -> bool {
     !found
 }
 
+/// BIRD on a balancer node: learn quill's routes (protocol 250) from kernel table 100 and
+/// announce them to the router over eBGP.
+fn node_bird(me: &str, router: &str) -> String {
+    format!(
+        "router id {me};\nipv4 table quill_routes;\nprotocol device {{}}\n\
+         protocol kernel quill_kernel {{\n  kernel table 100;\n  learn;\n  scan time 1;\n\
+         ipv4 {{ table quill_routes; import where krt_source = 250; export none; }};\n}}\n\
+         protocol bgp router1 {{\n  local {me} as 65010;\n  neighbor {router} as 65000;\n\
+         hold time 3;\n  connect retry time 1;\n\
+         ipv4 {{ table quill_routes; import none; export all; }};\n}}\n"
+    )
+}
+
+/// BIRD on the router: one eBGP session per node, the routes merged into one multipath
+/// (ECMP) kernel route.
+fn router_bird(nodes: &[&str]) -> String {
+    let mut conf = String::from(
+        "router id 10.0.0.1;\nprotocol device {}\n\
+         protocol kernel {\n  merge paths on;\n  ipv4 { import none; export all; };\n}\n",
+    );
+    for (i, node) in nodes.iter().enumerate() {
+        let local = node.rsplit_once('.').map_or("", |(net, _)| net);
+        conf.push_str(&format!(
+            "protocol bgp lb{i} {{\n  local {local}.1 as 65000;\n  neighbor {node} as 65010;\n\
+             hold time 3;\n  connect retry time 1;\n  ipv4 {{ import all; export none; }};\n}}\n"
+        ));
+    }
+    conf
+}
+
+/// One HTTP request to the service address from inside `ns`, on a new connection.
+fn request_from(ns: &Netns) -> std::io::Result<String> {
+    ns.run(|| {
+        let addr: SocketAddr = format!("{VIP}:80").parse().unwrap();
+        let mut s = TcpStream::connect_timeout(&addr, Duration::from_secs(2))?;
+        s.set_read_timeout(Some(Duration::from_secs(5)))?;
+        s.write_all(b"GET / HTTP/1.0\r\n\r\n")?;
+        let mut reply = String::new();
+        s.read_to_string(&mut reply)?;
+        Ok(reply)
+    })
+}
+
 /// How long `cond` took to become true (panics after the deadline).
 fn time_until(what: &str, cond: impl FnMut() -> bool) -> Duration {
     let start = Instant::now();
@@ -350,26 +393,8 @@ fn bird_carries_quills_announcement_to_the_router() {
     router.ip(&["addr", "add", "10.0.0.1/24", "dev", "r0"]);
     node.ns.ip(&["addr", "add", "10.0.0.2/24", "dev", "l0"]);
     let dir = node.dir.path().to_path_buf();
-    let _node_bird = Bird::start(
-        &node.ns,
-        &dir,
-        "node",
-        "router id 10.0.0.2;\nipv4 table quill_routes;\nprotocol device {}\n\
-         protocol kernel quill_kernel {\n  kernel table 100;\n  learn;\n  scan time 1;\n\
-         ipv4 { table quill_routes; import where krt_source = 250; export none; };\n}\n\
-         protocol bgp router1 {\n  local 10.0.0.2 as 65010;\n  neighbor 10.0.0.1 as 65000;\n\
-         hold time 3;\n  connect retry time 1;\n\
-         ipv4 { table quill_routes; import none; export all; };\n}\n",
-    );
-    let _router_bird = Bird::start(
-        &router,
-        &dir,
-        "router",
-        "router id 10.0.0.1;\nprotocol device {}\n\
-         protocol kernel {\n  merge paths on;\n  ipv4 { import none; export all; };\n}\n\
-         protocol bgp lb1 {\n  local 10.0.0.1 as 65000;\n  neighbor 10.0.0.2 as 65010;\n\
-         hold time 3;\n  connect retry time 1;\n  ipv4 { import all; export none; };\n}\n",
-    );
+    let _node_bird = Bird::start(&node.ns, &dir, "node", &node_bird("10.0.0.2", "10.0.0.1"));
+    let _router_bird = Bird::start(&router, &dir, "router", &router_bird(&["10.0.0.2"]));
     let router_has_route = || {
         let out = std::process::Command::new("ip")
             .args(["-n", &router.name, "route", "show", VIP])
@@ -384,15 +409,7 @@ fn bird_carries_quills_announcement_to_the_router() {
         router_has_route,
     );
     // A client on the router's side reaches quill through the announced route.
-    let reply = router.run(|| {
-        let addr: SocketAddr = format!("{VIP}:80").parse().unwrap();
-        let mut s = TcpStream::connect_timeout(&addr, Duration::from_secs(2))?;
-        s.write_all(b"GET / HTTP/1.0\r\n\r\n")?;
-        let mut reply = String::new();
-        s.read_to_string(&mut reply)?;
-        Ok::<_, std::io::Error>(reply)
-    });
-    assert!(reply.unwrap().contains("200"));
+    assert!(request_from(&router).unwrap().contains("200"));
 
     // No server left: the router forgets the route.
     ctl_ok(&node.ctl(), "server 0 drain");
@@ -420,4 +437,114 @@ fn bird_carries_quills_announcement_to_the_router() {
          after one returned, withdrawn {on_stop:?} after SIGTERM (quill stopped after {:?})",
         term.elapsed()
     );
+}
+
+/// Two balancer nodes announce the same service address; the router spreads flows over
+/// both (ECMP, hashing on the 4-tuple). One node stops under a steady loop of requests: it
+/// withdraws first, the router moves new flows to the other, and not one request fails.
+#[test]
+fn two_nodes_share_the_flows_and_one_stops_without_a_failed_request() {
+    if netns::skip() || bird_missing() {
+        return;
+    }
+    let mut a = Node::start(&[]);
+    let b = Node::start(&[]);
+    let router = Netns::new("router");
+    router.sysctl(&["net.ipv4.fib_multipath_hash_policy=1"]);
+    netns::veth(&router, "r0", &a.ns, "l0");
+    netns::veth(&router, "r1", &b.ns, "l0");
+    router.ip(&["addr", "add", "10.0.0.1/24", "dev", "r0"]);
+    router.ip(&["addr", "add", "10.0.1.1/24", "dev", "r1"]);
+    a.ns.ip(&["addr", "add", "10.0.0.2/24", "dev", "l0"]);
+    b.ns.ip(&["addr", "add", "10.0.1.2/24", "dev", "l0"]);
+    let dir = a.dir.path().to_path_buf();
+    let _bird_a = Bird::start(&a.ns, &dir, "a", &node_bird("10.0.0.2", "10.0.0.1"));
+    let _bird_b = Bird::start(&b.ns, &dir, "b", &node_bird("10.0.1.2", "10.0.1.1"));
+    let _bird_r = Bird::start(
+        &router,
+        &dir,
+        "router",
+        &router_bird(&["10.0.0.2", "10.0.1.2"]),
+    );
+    let nexthops = || {
+        let out = std::process::Command::new("ip")
+            .args(["-n", &router.name, "route", "show", VIP])
+            .output()
+            .unwrap();
+        let text = String::from_utf8_lossy(&out.stdout).into_owned();
+        ["via 10.0.0.2", "via 10.0.1.2"]
+            .iter()
+            .filter(|v| text.contains(*v))
+            .count()
+    };
+    wait_until(
+        Duration::from_secs(30),
+        "two nexthops on the router",
+        || nexthops() == 2,
+    );
+
+    // Flows spread over both nodes.
+    let accepted = |n: &Node| {
+        let status: serde_json::Value =
+            serde_json::from_str(&ctl_ok(&n.ctl(), "status json")).unwrap();
+        status["connections"]["accepted"].as_u64().unwrap()
+    };
+    for _ in 0..40 {
+        assert!(request_from(&router).unwrap().contains("200"));
+    }
+    let (on_a, on_b) = (accepted(&a), accepted(&b));
+    assert_eq!(on_a + on_b, 40);
+    assert!(
+        on_a >= 5 && on_b >= 5,
+        "flows not spread: {on_a} on a, {on_b} on b"
+    );
+
+    // A steady loop of requests while node a stops.
+    let stop = std::sync::Arc::new(std::sync::atomic::AtomicBool::new(false));
+    let looping = {
+        let stop = std::sync::Arc::clone(&stop);
+        let path = format!("/run/netns/{}", router.name);
+        std::thread::spawn(move || {
+            let file = std::fs::File::open(&path).unwrap();
+            nix::sched::setns(file, nix::sched::CloneFlags::CLONE_NEWNET).unwrap();
+            let (mut ok, mut failed) = (0u32, Vec::new());
+            while !stop.load(std::sync::atomic::Ordering::Relaxed) {
+                let addr: SocketAddr = format!("{VIP}:80").parse().unwrap();
+                let result =
+                    TcpStream::connect_timeout(&addr, Duration::from_secs(2)).and_then(|mut s| {
+                        s.set_read_timeout(Some(Duration::from_secs(5)))?;
+                        s.write_all(b"GET / HTTP/1.0\r\n\r\n")?;
+                        let mut reply = String::new();
+                        s.read_to_string(&mut reply)?;
+                        Ok(reply)
+                    });
+                match result {
+                    Ok(r) if r.contains("200") => ok += 1,
+                    other => failed.push(format!("{other:?}")),
+                }
+                std::thread::sleep(Duration::from_millis(5));
+            }
+            (ok, failed)
+        })
+    };
+    std::thread::sleep(Duration::from_millis(300));
+    let before = accepted(&b);
+    std::process::Command::new("kill")
+        .args(["-TERM", &a.quill.id().to_string()])
+        .status()
+        .unwrap();
+    let moved = time_until("one nexthop left", || nexthops() == 1);
+    let status = a.quill.wait().unwrap();
+    assert!(status.success(), "{status}");
+    std::thread::sleep(Duration::from_millis(300));
+    stop.store(true, std::sync::atomic::Ordering::Relaxed);
+    let (ok, failed) = looping.join().unwrap();
+    assert!(
+        failed.is_empty(),
+        "{} of {} requests failed: {failed:?}",
+        failed.len(),
+        ok as usize + failed.len()
+    );
+    assert!(accepted(&b) > before, "node b took no flow over");
+    eprintln!("ecmp: {on_a}/{on_b} of 40 flows on a/b; node a stopped: router down to one nexthop after {moved:?}; {ok} requests in the loop, none failed");
 }
