@@ -29,9 +29,17 @@ struct Node {
 }
 
 impl Node {
+    /// A node announcing `VIP` (on its `lo`) into table 100, with `announce_grace 2`.
     fn start(extra: &[&str]) -> Node {
+        let mut args = vec!["-O", "announce_table 100", "-O", "announce_grace 2"];
+        args.extend_from_slice(extra);
         let ns = Netns::new("announce");
         ns.ip(&["addr", "add", &format!("{VIP}/32"), "dev", "lo"]);
+        Node::launch(ns, &format!("{VIP}:80"), &args)
+    }
+
+    /// quill in `ns` listening on `listen` in front of two dummy servers of its own.
+    fn launch(ns: Netns, listen: &str, extra: &[&str]) -> Node {
         let backends = ["127.0.0.1:8001", "127.0.0.1:8002"]
             .iter()
             .map(|addr| {
@@ -45,24 +53,13 @@ impl Node {
             .collect();
         let dir = TempDir::new("announce");
         let ctl = dir.path().join("ctl");
-        let mut args: Vec<String> = [
-            "-f",
-            "-r",
-            "-C",
-            ctl.to_str().unwrap(),
-            "-u",
-            "root",
-            "-O",
-            "announce_table 100",
-            "-O",
-            "announce_grace 2",
-        ]
-        .iter()
-        .map(|s| s.to_string())
-        .collect();
+        let mut args: Vec<String> = ["-f", "-r", "-C", ctl.to_str().unwrap(), "-u", "root"]
+            .iter()
+            .map(|s| s.to_string())
+            .collect();
         args.extend(extra.iter().map(|s| s.to_string()));
         args.extend([
-            format!("{VIP}:80"),
+            listen.to_string(),
             "127.0.0.1:8001".into(),
             "127.0.0.1:8002".into(),
         ]);
@@ -547,4 +544,131 @@ fn two_nodes_share_the_flows_and_one_stops_without_a_failed_request() {
     );
     assert!(accepted(&b) > before, "node b took no flow over");
     eprintln!("ecmp: {on_a}/{on_b} of 40 flows on a/b; node a stopped: router down to one nexthop after {moved:?}; {ok} requests in the loop, none failed");
+}
+
+/// keepalived in a namespace, stopped on drop.
+struct Keepalived(Child);
+
+impl Drop for Keepalived {
+    fn drop(&mut self) {
+        let _ = self.0.kill();
+        let _ = self.0.wait();
+    }
+}
+
+impl Keepalived {
+    /// A VRRP instance on `l0` holding `vip`, its priority lowered to fault when
+    /// `quillctl CTL health` fails (keepalived's track_script).
+    fn start(node: &Node, name: &str, priority: u32, vip: &str) -> Keepalived {
+        let dir = node.dir.path();
+        let conf = dir.join(format!("keepalived-{name}.conf"));
+        let quillctl = support::ctl::quillctl_bin();
+        std::fs::write(
+            &conf,
+            format!(
+                "global_defs {{\n  router_id {name}\n  script_user root\n  enable_script_security\n}}\n\
+                 vrrp_script quill_health {{\n  script \"{} {} health\"\n  interval 1\n  timeout 1\n  fall 1\n  rise 1\n}}\n\
+                 vrrp_instance web {{\n  state BACKUP\n  interface l0\n  virtual_router_id 51\n  priority {priority}\n\
+                   advert_int 1\n  virtual_ipaddress {{\n    {vip}/24 dev l0\n  }}\n  track_script {{\n    quill_health\n  }}\n}}\n",
+                quillctl.display(),
+                node.ctl()
+            ),
+        )
+        .unwrap();
+        let pid = |what: &str| dir.join(format!("keepalived-{name}-{what}.pid"));
+        let child = node
+            .ns
+            .cmd("keepalived")
+            .args(["-n", "-l", "-P", "-f", conf.to_str().unwrap()])
+            .arg("-p")
+            .arg(pid("main"))
+            .arg("-r")
+            .arg(pid("vrrp"))
+            .stdout(std::fs::File::create(dir.join(format!("keepalived-{name}.log"))).unwrap())
+            .stderr(Stdio::null())
+            .spawn()
+            .unwrap();
+        Keepalived(child)
+    }
+}
+
+fn keepalived_missing() -> bool {
+    let found = std::process::Command::new("keepalived")
+        .arg("--version")
+        .output()
+        .is_ok_and(|o| o.status.success());
+    if !found {
+        eprintln!("SKIPPED: keepalived not installed (Debian package keepalived)");
+    }
+    !found
+}
+
+/// An active/standby pair: keepalived holds the VIP on the node whose quill is healthy.
+/// quill on the master dies; its `health` fails, keepalived there gives the VIP up, the
+/// standby takes it, and new connections succeed again within seconds.
+#[test]
+fn keepalived_moves_the_vip_when_quill_on_the_master_dies() {
+    if netns::skip() || keepalived_missing() {
+        return;
+    }
+    const KA_VIP: &str = "10.0.2.100";
+    let sw = Netns::new("sw");
+    netns::bridge(&sw, "br0");
+    let client = Netns::new("client");
+    netns::plug(&sw, "br0", "p-c", &client, "c0", "10.0.2.10/24");
+    let make = |role: &str, port: &str, cidr: &str| {
+        let ns = Netns::new(role);
+        netns::plug(&sw, "br0", port, &ns, "l0", cidr);
+        // The standby listens on the VIP before it holds it.
+        ns.sysctl(&["net.ipv4.ip_nonlocal_bind=1"]);
+        Node::launch(ns, &format!("{KA_VIP}:80"), &[])
+    };
+    let mut a = make("ka-a", "p-a", "10.0.2.2/24");
+    let b = make("ka-b", "p-b", "10.0.2.3/24");
+    let _ka_a = Keepalived::start(&a, "a", 100, KA_VIP);
+    let _ka_b = Keepalived::start(&b, "b", 90, KA_VIP);
+    let holds_vip = |n: &Node| {
+        let out = std::process::Command::new("ip")
+            .args(["-n", &n.ns.name, "-4", "addr", "show", "dev", "l0"])
+            .output()
+            .unwrap();
+        String::from_utf8_lossy(&out.stdout).contains(KA_VIP)
+    };
+    wait_until(Duration::from_secs(20), "node a holds the VIP", || {
+        holds_vip(&a)
+    });
+    let request = || {
+        client.run(|| {
+            let addr: SocketAddr = format!("{KA_VIP}:80").parse().unwrap();
+            let mut s = TcpStream::connect_timeout(&addr, Duration::from_millis(500))?;
+            s.set_read_timeout(Some(Duration::from_secs(2)))?;
+            s.write_all(b"GET / HTTP/1.0\r\n\r\n")?;
+            let mut reply = String::new();
+            s.read_to_string(&mut reply)?;
+            Ok::<_, std::io::Error>(reply.contains("200"))
+        })
+    };
+    assert!(request().unwrap());
+
+    a.quill.kill().unwrap();
+    let killed = Instant::now();
+    let _ = a.quill.wait();
+    let mut failures = 0;
+    loop {
+        if request().unwrap_or(false) {
+            break;
+        }
+        failures += 1;
+        assert!(
+            killed.elapsed() < Duration::from_secs(20),
+            "no answer on the VIP 20 s after quill on the master died"
+        );
+        std::thread::sleep(Duration::from_millis(50));
+    }
+    let gap = killed.elapsed();
+    assert!(
+        holds_vip(&b) && !holds_vip(&a),
+        "the VIP did not move to node b"
+    );
+    eprintln!("keepalived: answers again {gap:?} after quill on the master was killed ({failures} failed attempts)");
 }
