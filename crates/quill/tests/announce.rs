@@ -109,15 +109,7 @@ impl Node {
 
     /// One HTTP request to the service address from inside the namespace.
     fn request(&self) -> std::io::Result<String> {
-        self.ns.run(|| {
-            let addr: SocketAddr = format!("{VIP}:80").parse().unwrap();
-            let mut s = TcpStream::connect_timeout(&addr, Duration::from_secs(2))?;
-            s.set_read_timeout(Some(Duration::from_secs(5)))?;
-            s.write_all(b"GET / HTTP/1.0\r\nHost: x\r\n\r\n")?;
-            let mut reply = String::new();
-            s.read_to_string(&mut reply)?;
-            Ok(reply)
-        })
+        request_from(&self.ns, &format!("{VIP}:80"), Duration::from_secs(2))
     }
 
     fn stderr(&self) -> String {
@@ -356,17 +348,22 @@ fn router_bird(nodes: &[&str]) -> String {
     conf
 }
 
-/// One HTTP request to the service address from inside `ns`, on a new connection.
-fn request_from(ns: &Netns) -> std::io::Result<String> {
-    ns.run(|| {
-        let addr: SocketAddr = format!("{VIP}:80").parse().unwrap();
-        let mut s = TcpStream::connect_timeout(&addr, Duration::from_secs(2))?;
-        s.set_read_timeout(Some(Duration::from_secs(5)))?;
-        s.write_all(b"GET / HTTP/1.0\r\n\r\n")?;
-        let mut reply = String::new();
-        s.read_to_string(&mut reply)?;
-        Ok(reply)
-    })
+/// One HTTP/1.0 request to `addr` on a new connection, from the calling thread's network
+/// namespace; the whole reply.
+fn http_get(addr: &str, connect_timeout: Duration) -> std::io::Result<String> {
+    let addr: SocketAddr = addr.parse().unwrap();
+    let mut s = TcpStream::connect_timeout(&addr, connect_timeout)?;
+    s.set_read_timeout(Some(Duration::from_secs(5)))?;
+    s.write_all(b"GET / HTTP/1.0\r\n\r\n")?;
+    let mut reply = String::new();
+    s.read_to_string(&mut reply)?;
+    Ok(reply)
+}
+
+/// [`http_get`] from inside `ns`.
+fn request_from(ns: &Netns, addr: &str, connect_timeout: Duration) -> std::io::Result<String> {
+    let addr = addr.to_string();
+    ns.run(move || http_get(&addr, connect_timeout))
 }
 
 /// How long `cond` took to become true (panics after the deadline).
@@ -406,7 +403,11 @@ fn bird_carries_quills_announcement_to_the_router() {
         router_has_route,
     );
     // A client on the router's side reaches quill through the announced route.
-    assert!(request_from(&router).unwrap().contains("200"));
+    assert!(
+        request_from(&router, &format!("{VIP}:80"), Duration::from_secs(2))
+            .unwrap()
+            .contains("200")
+    );
 
     // No server left: the router forgets the route.
     ctl_ok(&node.ctl(), "server 0 drain");
@@ -487,7 +488,11 @@ fn two_nodes_share_the_flows_and_one_stops_without_a_failed_request() {
         status["connections"]["accepted"].as_u64().unwrap()
     };
     for _ in 0..40 {
-        assert!(request_from(&router).unwrap().contains("200"));
+        assert!(
+            request_from(&router, &format!("{VIP}:80"), Duration::from_secs(2))
+                .unwrap()
+                .contains("200")
+        );
     }
     let (on_a, on_b) = (accepted(&a), accepted(&b));
     assert_eq!(on_a + on_b, 40);
@@ -506,16 +511,7 @@ fn two_nodes_share_the_flows_and_one_stops_without_a_failed_request() {
             nix::sched::setns(file, nix::sched::CloneFlags::CLONE_NEWNET).unwrap();
             let (mut ok, mut failed) = (0u32, Vec::new());
             while !stop.load(std::sync::atomic::Ordering::Relaxed) {
-                let addr: SocketAddr = format!("{VIP}:80").parse().unwrap();
-                let result =
-                    TcpStream::connect_timeout(&addr, Duration::from_secs(2)).and_then(|mut s| {
-                        s.set_read_timeout(Some(Duration::from_secs(5)))?;
-                        s.write_all(b"GET / HTTP/1.0\r\n\r\n")?;
-                        let mut reply = String::new();
-                        s.read_to_string(&mut reply)?;
-                        Ok(reply)
-                    });
-                match result {
+                match http_get(&format!("{VIP}:80"), Duration::from_secs(2)) {
                     Ok(r) if r.contains("200") => ok += 1,
                     other => failed.push(format!("{other:?}")),
                 }
@@ -638,15 +634,8 @@ fn keepalived_moves_the_vip_when_quill_on_the_master_dies() {
         holds_vip(&a)
     });
     let request = || {
-        client.run(|| {
-            let addr: SocketAddr = format!("{KA_VIP}:80").parse().unwrap();
-            let mut s = TcpStream::connect_timeout(&addr, Duration::from_millis(500))?;
-            s.set_read_timeout(Some(Duration::from_secs(2)))?;
-            s.write_all(b"GET / HTTP/1.0\r\n\r\n")?;
-            let mut reply = String::new();
-            s.read_to_string(&mut reply)?;
-            Ok::<_, std::io::Error>(reply.contains("200"))
-        })
+        request_from(&client, &format!("{KA_VIP}:80"), Duration::from_millis(500))
+            .map(|reply| reply.contains("200"))
     };
     assert!(request().unwrap());
 
