@@ -24,7 +24,7 @@ accept_proxy'
 
 # Operations on the running process, for the control socket only.
 _quillctl_operations='servers status mode recent connection close control pid include write
-exit health'
+exit health drain'
 
 # The commands that have a `no` form.
 _quillctl_negatable='roundrobin hash hash_only stubborn weight prio tcp_nodelay keepalive dummy

@@ -39,13 +39,18 @@ const TICK: Duration = Duration::from_millis(200);
 pub enum Unservable {
     #[error("no server is up (all down, blacklisted or draining)")]
     NoServer,
+    #[error("the node is draining (drain; 'drain 0' ends it)")]
+    Draining,
     #[error("the listening address {0} is not one address (a wildcard or a Unix socket)")]
     NoAddress(String),
 }
 
-/// Whether this node can serve: at least one server in use is up (its health check passes,
-/// it is not blacklisted, not draining).
+/// Whether this node can serve: it is not draining as a whole (`drain`), and at least one
+/// server in use is up (its health check passes, it is not blacklisted, not draining).
 pub fn can_serve(settings: &Settings, state: &State) -> Result<(), Unservable> {
+    if state.node_draining.load(Relaxed) {
+        return Err(Unservable::Draining);
+    }
     let now = clock::now_ms();
     let up = crate::control::report::in_use(settings, state)
         .any(|(_, _, _, rt)| rt.condition(now) == Condition::Up);

@@ -209,6 +209,10 @@ pub enum Command {
     /// `announce_grace N` (extension): seconds quill goes on serving after it withdrew the
     /// route when it stops, so that the routers move the flows first.
     AnnounceGrace(u64),
+    /// `drain` / `drain 0` (extension): take this whole node out of the service (its
+    /// `announce_table` route withdrawn, `health` failing) while it goes on serving what
+    /// reaches it, or put it back. Runtime state, not part of the configuration.
+    NodeDrain(bool),
     /// `health` (extension): whether this node can serve (for keepalived's track_script:
     /// quillctl exits 0 when it can, 1 when it cannot).
     Health,
@@ -492,6 +496,7 @@ impl Command {
                 | Command::Control
                 | Command::Pid
                 | Command::Health
+                | Command::NodeDrain(_)
                 | Command::Include(_)
                 | Command::Write(_)
                 | Command::Exit
@@ -955,6 +960,7 @@ pub const NAMES: &[&str] = &[
     "announce_table",
     "announce_grace",
     "health",
+    "drain",
     "dsr_if",
     "tarpit_acl",
     "transparent",
@@ -1225,6 +1231,17 @@ fn parse_positive(command: &'static str, w: &mut Words<'_>) -> Result<Command, P
         }
         "announce_grace" => Command::AnnounceGrace(w.number("number of seconds")?),
         "health" => Command::Health,
+        "drain" => match w.optional_number::<u8>("0 or 1")? {
+            None | Some(1) => Command::NodeDrain(true),
+            Some(0) => Command::NodeDrain(false),
+            Some(n) => {
+                return Err(ParseError::Invalid {
+                    command: "drain",
+                    what: "0 or 1",
+                    value: n.to_string(),
+                })
+            }
+        },
         "dsr_if" => {
             let name = w.word("an interface name")?;
             // Linux interface names: 1-15 bytes, no '/' (they are sysfs file names).
@@ -1615,6 +1632,8 @@ impl fmt::Display for Command {
             Command::AnnounceTable(None) => f.write_str("no announce_table"),
             Command::AnnounceGrace(n) => write!(f, "announce_grace {n}"),
             Command::Health => f.write_str("health"),
+            Command::NodeDrain(true) => f.write_str("drain"),
+            Command::NodeDrain(false) => f.write_str("drain 0"),
             Command::DsrIf(name) => write!(f, "dsr_if {name}"),
             Command::TarpitAcl(list) => with_optional(f, "tarpit_acl", list),
             Command::NoTarpitAcl => f.write_str("no tarpit_acl"),
@@ -1918,6 +1937,7 @@ mod roundtrip {
                 .prop_map(Command::AnnounceTable),
             any::<u64>().prop_map(Command::AnnounceGrace),
             Just(Command::Health),
+            any::<bool>().prop_map(Command::NodeDrain),
             "[a-z][a-z0-9.-]{0,14}".prop_map(|w| Command::DsrIf(Word(w))),
             proptest::option::of(acl_id()).prop_map(Command::TarpitAcl),
             Just(Command::NoTarpitAcl),

@@ -80,6 +80,9 @@ pub struct State {
     /// The routing table quill's route for the service address is in now
     /// (`announce_table`), 0 when none is.
     pub announced: std::sync::atomic::AtomicU32,
+    /// `drain`: the whole node is out of the service (route withdrawn, `health` failing)
+    /// while it serves on.
+    pub node_draining: std::sync::atomic::AtomicBool,
 }
 
 impl State {
@@ -105,6 +108,7 @@ impl State {
             dsr: std::sync::OnceLock::new(),
             generation: tokio::sync::watch::Sender::new(0),
             announced: std::sync::atomic::AtomicU32::new(0),
+            node_draining: std::sync::atomic::AtomicBool::new(false),
         })
     }
 

@@ -162,6 +162,15 @@ fn the_route_follows_whether_any_server_can_serve() {
     ctl_ok(&node.ctl(), "server 0 blacklist 0");
     wait_until(IO_TIMEOUT, "the route back", || node.announced());
     assert_eq!(quillctl(&node.ctl(), &["health"]).code, Some(0));
+    // The whole node drained: withdrawn and unhealthy, yet still serving what arrives.
+    ctl_ok(&node.ctl(), "drain");
+    wait_until(IO_TIMEOUT, "the route withdrawn", || !node.announced());
+    let health = quillctl(&node.ctl(), &["health"]);
+    assert_eq!(health.code, Some(1), "{health:?}");
+    assert!(health.stdout.contains("draining"), "{health:?}");
+    assert!(node.request().unwrap().contains("200"));
+    ctl_ok(&node.ctl(), "drain 0");
+    wait_until(IO_TIMEOUT, "the route back", || node.announced());
     // Turned off at run time: withdrawn.
     ctl_ok(&node.ctl(), "no announce_table");
     wait_until(IO_TIMEOUT, "the route withdrawn", || !node.announced());

@@ -75,6 +75,22 @@ pub fn execute(ctx: &Context, cmd: &Command) -> Result<String, String> {
         Command::Pid => Ok(std::process::id().to_string()),
         // An error reply when this node cannot serve: quillctl then exits 1, which is what
         // keepalived's track_script (or any probe) reads.
+        Command::NodeDrain(on) => {
+            let was = state
+                .node_draining
+                .swap(*on, std::sync::atomic::Ordering::Relaxed);
+            if was != *on {
+                tracing::warn!(
+                    "{}",
+                    if *on {
+                        "node draining: out of the service (route withdrawn, health failing), still serving"
+                    } else {
+                        "node back in the service"
+                    }
+                );
+            }
+            Ok(String::new())
+        }
         Command::Health => crate::announce::can_serve(&state.settings(), state)
             .map(|()| "ok".to_string())
             .map_err(|why| format!("cannot serve: {why}")),

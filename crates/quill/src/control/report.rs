@@ -227,6 +227,7 @@ pub fn json(ctx: &Context) -> String {
         "emergency": settings.emergency.as_ref().map(|e| json!({ "address": e.name.to_string(), "connections": state.emergency.conns.load(Relaxed) })),
         "abuse": settings.abuse.as_ref().map(|e| json!({ "address": e.name.to_string(), "connections": state.abuse.conns.load(Relaxed) })),
         "can_serve": crate::announce::can_serve(&settings, state).is_ok(),
+        "node_draining": state.node_draining.load(Relaxed),
         "announce": settings.announce_table.map(|table| json!({
             "table": table,
             "announced": state.announced.load(Relaxed) == table,
