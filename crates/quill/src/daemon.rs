@@ -478,6 +478,7 @@ pub fn run(inv: Invocation) -> Result<(), StartError> {
         // an event loop.
         let (withdraw_tx, withdraw_rx) = watch::channel(false);
         let (withdrawn_tx, withdrawn_rx) = tokio::sync::oneshot::channel();
+        let (decided_tx, decided_rx) = tokio::sync::oneshot::channel();
         let mut tasks = vec![
             tokio::spawn(crate::health::supervise(Arc::clone(&state))),
             tokio::spawn(control::web::run(Arc::clone(&ctx), metrics_rx)),
@@ -485,6 +486,7 @@ pub fn run(inv: Invocation) -> Result<(), StartError> {
                 Arc::clone(&state),
                 withdraw_rx,
                 withdrawn_tx,
+                decided_tx,
             )),
         ];
         if let Some(l) = control_listener {
@@ -497,6 +499,9 @@ pub fn run(inv: Invocation) -> Result<(), StartError> {
         }
         systemd::ready();
         if let Some(h) = handshake {
+            // The old process's announced route vanishes with it: this one's must be in
+            // the kernel (replacing it) before the old one is told to go.
+            let _ = tokio::time::timeout(Duration::from_secs(2), decided_rx).await;
             // From here the old process stops accepting: this one serves alone.
             match h.ready() {
                 Ok(()) => tracing::info!("binary upgrade: took over the listening sockets"),

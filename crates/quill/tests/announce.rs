@@ -13,6 +13,7 @@ use std::process::{Child, Stdio};
 use std::time::{Duration, Instant};
 
 use support::ctl::{ctl_ok, quillctl};
+use support::hosts::NsQuill;
 use support::netns::{self, Netns};
 use support::*;
 
@@ -139,7 +140,7 @@ fn the_route_follows_whether_any_server_can_serve() {
     wait_until(IO_TIMEOUT, "the route in table 100", || node.announced());
     let route = node.routes();
     assert!(
-        route.contains(&format!("{VIP} dev lo")),
+        route.contains(&format!("{VIP} dev quill0")),
         "ip route show table 100: {route}"
     );
     assert_eq!(quillctl(&node.ctl(), &["health"]).code, Some(0));
@@ -214,25 +215,56 @@ fn a_stopping_node_withdraws_first_and_serves_on_for_the_grace() {
     );
 }
 
+/// Whether the namespace has a network interface of this name.
+fn has_link(ns: &Netns, name: &str) -> bool {
+    std::process::Command::new("ip")
+        .args(["-n", &ns.name, "link", "show", name])
+        .stderr(Stdio::null())
+        .stdout(Stdio::null())
+        .status()
+        .unwrap()
+        .success()
+}
+
+/// The route goes through quill's own TUN device, which the kernel deletes, routes and
+/// all, when the process ends: a quill killed with SIGKILL, which runs nothing on its way
+/// out, leaves no route that would go on attracting traffic.
 #[test]
-fn a_route_left_by_a_killed_quill_is_taken_over_and_cleared() {
+fn a_killed_quills_route_vanishes_with_it() {
     if netns::skip() {
         return;
     }
     let mut node = Node::start(&[]);
     wait_until(IO_TIMEOUT, "the route in table 100", || node.announced());
-    // SIGKILL leaves the route behind (nothing runs to remove it): the next quill finds it.
+    assert!(has_link(&node.ns, "quill0"));
     node.quill.kill().unwrap();
+    let killed = Instant::now();
     node.quill.wait().unwrap();
+    wait_until(IO_TIMEOUT, "the route gone with the process", || {
+        !node.announced()
+    });
+    eprintln!("route gone {:?} after SIGKILL", killed.elapsed());
     assert!(
-        node.announced(),
-        "the kernel keeps the route of a killed process"
+        !has_link(&node.ns, "quill0"),
+        "the TUN device outlived quill"
     );
-    // The next quill announces (replacing it, no error) and, stopping, removes it.
+}
+
+/// A binary upgrade hands the announcement over without a gap: the new process's route
+/// replaces the old one's (same destination, table and metric) before the old process and
+/// its device go.
+#[test]
+fn a_binary_upgrade_keeps_the_route() {
+    if netns::skip() {
+        return;
+    }
+    let node = Node::start(&[]);
+    wait_until(IO_TIMEOUT, "the route in table 100", || node.announced());
     let ctl = node.ctl();
-    let _ = std::fs::remove_file(&ctl);
     let args = [
+        "--takeover",
         "-f",
+        "-r",
         "-C",
         &ctl,
         "-u",
@@ -240,28 +272,41 @@ fn a_route_left_by_a_killed_quill_is_taken_over_and_cleared() {
         "-O",
         "announce_table 100",
         "-O",
-        "announce_grace 0",
+        "announce_grace 2",
         &format!("{VIP}:80"),
         "127.0.0.1:8001",
+        "127.0.0.1:8002",
     ];
-    node.quill = node
+    let stderr = node.dir.path().join("stderr-new");
+    let mut new = node
         .ns
         .cmd(bin().to_str().unwrap())
         .args(args)
         .stdout(Stdio::null())
-        .stderr(std::fs::File::create(node.dir.path().join("stderr")).unwrap())
+        .stderr(std::fs::File::create(&stderr).unwrap())
         .spawn()
         .unwrap();
-    wait_until(START_DEADLINE, "the control socket", || {
-        std::path::Path::new(&ctl).exists()
-    });
-    wait_until(IO_TIMEOUT, "the status", || {
-        ctl_ok(&ctl, "status json").contains("\"announced\":true")
-    });
-    assert_eq!(node.routes().lines().count(), 1, "{}", node.routes());
-    ctl_ok(&ctl, "server 0 drain");
-    wait_until(IO_TIMEOUT, "the route withdrawn", || !node.announced());
-    assert!(!node.stderr().contains("cannot add"), "{}", node.stderr());
+    // Watch the table through the whole hand-over: the old process exits once the new one
+    // serves; from then on the route must go through the new process's device.
+    let mut gaps = 0;
+    let deadline = Instant::now() + START_DEADLINE;
+    let mut old = node;
+    loop {
+        if !old.announced() {
+            gaps += 1;
+        }
+        if old.quill.try_wait().unwrap().is_some() {
+            break;
+        }
+        assert!(Instant::now() < deadline, "the old process did not stop");
+    }
+    let route = old.routes();
+    let log = std::fs::read_to_string(&stderr).unwrap_or_default();
+    let _ = new.kill();
+    let _ = new.wait();
+    assert_eq!(gaps, 0, "the route was missing during the upgrade");
+    assert!(route.contains("dev quill1"), "{route}\n{log}");
+    assert!(!log.contains("cannot add"), "{log}");
 }
 
 #[test]
@@ -329,29 +374,46 @@ fn bird_missing() -> bool {
 
 /// BIRD on a balancer node: learn quill's routes (protocol 250) from kernel table 100 and
 /// announce them to the router over eBGP.
-fn node_bird(me: &str, router: &str) -> String {
+/// With `bfd`, a BFD session on that interface (100 ms, multiplier 3) guards the BGP
+/// session.
+fn node_bird(me: &str, router: &str, bfd: Option<&str>) -> String {
     format!(
         "router id {me};\nipv4 table quill_routes;\nprotocol device {{}}\n\
          protocol kernel quill_kernel {{\n  kernel table 100;\n  learn;\n  scan time 1;\n\
          ipv4 {{ table quill_routes; import where krt_source = 250; export none; }};\n}}\n\
-         protocol bgp router1 {{\n  local {me} as 65010;\n  neighbor {router} as 65000;\n\
-         hold time 3;\n  connect retry time 1;\n\
-         ipv4 {{ table quill_routes; import none; export all; }};\n}}\n"
+         {}protocol bgp router1 {{\n  local {me} as 65010;\n  neighbor {router} as 65000;\n\
+         hold time 3;\n  connect retry time 1;\n  bfd {};\n\
+         ipv4 {{ table quill_routes; import none; export all; }};\n}}\n",
+        bfd_protocol(bfd),
+        if bfd.is_some() { "on" } else { "off" }
     )
+}
+
+/// BIRD's BFD protocol on `interface`: a neighbour silent for 300 ms is down.
+fn bfd_protocol(interface: Option<&str>) -> String {
+    interface.map_or(String::new(), |i| {
+        format!(
+            "protocol bfd {{\n  interface \"{i}\" {{ min rx interval 100 ms; \
+             min tx interval 100 ms; multiplier 3; }};\n}}\n"
+        )
+    })
 }
 
 /// BIRD on the router: one eBGP session per node, the routes merged into one multipath
 /// (ECMP) kernel route.
-fn router_bird(nodes: &[&str]) -> String {
+fn router_bird(nodes: &[&str], bfd: Option<&str>) -> String {
     let mut conf = String::from(
         "router id 10.0.0.1;\nprotocol device {}\n\
          protocol kernel {\n  merge paths on;\n  ipv4 { import none; export all; };\n}\n",
     );
+    conf.push_str(&bfd_protocol(bfd));
     for (i, node) in nodes.iter().enumerate() {
         let local = node.rsplit_once('.').map_or("", |(net, _)| net);
         conf.push_str(&format!(
             "protocol bgp lb{i} {{\n  local {local}.1 as 65000;\n  neighbor {node} as 65010;\n\
-             hold time 3;\n  connect retry time 1;\n  ipv4 {{ import all; export none; }};\n}}\n"
+             hold time 3;\n  connect retry time 1;\n  bfd {};\n\
+             ipv4 {{ import all; export none; }};\n}}\n",
+            if bfd.is_some() { "on" } else { "off" }
         ));
     }
     conf
@@ -396,8 +458,13 @@ fn bird_carries_quills_announcement_to_the_router() {
     router.ip(&["addr", "add", "10.0.0.1/24", "dev", "r0"]);
     node.ns.ip(&["addr", "add", "10.0.0.2/24", "dev", "l0"]);
     let dir = node.dir.path().to_path_buf();
-    let _node_bird = Bird::start(&node.ns, &dir, "node", &node_bird("10.0.0.2", "10.0.0.1"));
-    let _router_bird = Bird::start(&router, &dir, "router", &router_bird(&["10.0.0.2"]));
+    let _node_bird = Bird::start(
+        &node.ns,
+        &dir,
+        "node",
+        &node_bird("10.0.0.2", "10.0.0.1", None),
+    );
+    let _router_bird = Bird::start(&router, &dir, "router", &router_bird(&["10.0.0.2"], None));
     let router_has_route = || {
         let out = std::process::Command::new("ip")
             .args(["-n", &router.name, "route", "show", VIP])
@@ -465,13 +532,13 @@ fn two_nodes_share_the_flows_and_one_stops_without_a_failed_request() {
     a.ns.ip(&["addr", "add", "10.0.0.2/24", "dev", "l0"]);
     b.ns.ip(&["addr", "add", "10.0.1.2/24", "dev", "l0"]);
     let dir = a.dir.path().to_path_buf();
-    let _bird_a = Bird::start(&a.ns, &dir, "a", &node_bird("10.0.0.2", "10.0.0.1"));
-    let _bird_b = Bird::start(&b.ns, &dir, "b", &node_bird("10.0.1.2", "10.0.1.1"));
+    let _bird_a = Bird::start(&a.ns, &dir, "a", &node_bird("10.0.0.2", "10.0.0.1", None));
+    let _bird_b = Bird::start(&b.ns, &dir, "b", &node_bird("10.0.1.2", "10.0.1.1", None));
     let _bird_r = Bird::start(
         &router,
         &dir,
         "router",
-        &router_bird(&["10.0.0.2", "10.0.1.2"]),
+        &router_bird(&["10.0.0.2", "10.0.1.2"], None),
     );
     let nexthops = || {
         let out = std::process::Command::new("ip")
@@ -669,4 +736,422 @@ fn keepalived_moves_the_vip_when_quill_on_the_master_dies() {
         "the VIP did not move to node b"
     );
     eprintln!("keepalived: answers again {gap:?} after quill on the master was killed ({failures} failed attempts)");
+}
+
+/// The service address of the DSR scale-out tests.
+const DSR_VIP: &str = "10.88.9.100";
+/// The client of the DSR scale-out tests, beyond the router.
+const DSR_CLIENT: &str = "10.88.1.2";
+/// The download that the loss of a balancer node must not break.
+const DOWNLOAD: usize = 50 << 20;
+
+/// Byte `i` of a download: a pattern of prime period, so that a byte lost, doubled or out
+/// of place shows.
+fn pattern(i: usize) -> u8 {
+    (i % 251) as u8
+}
+
+/// A web server on threads inside a namespace: `GET /big` is a download of [`DOWNLOAD`]
+/// pattern bytes, anything else its name. Stopped on drop.
+struct DownloadServer {
+    stop: std::sync::Arc<std::sync::atomic::AtomicBool>,
+    thread: Option<std::thread::JoinHandle<()>>,
+}
+
+impl DownloadServer {
+    fn start(ns: &Netns, name: &str) -> DownloadServer {
+        use std::sync::atomic::{AtomicBool, Ordering::Relaxed};
+        let listener = ns
+            .run(|| std::net::TcpListener::bind("0.0.0.0:80"))
+            .unwrap();
+        listener.set_nonblocking(true).unwrap();
+        let stop = std::sync::Arc::new(AtomicBool::new(false));
+        let (flag, name) = (std::sync::Arc::clone(&stop), name.to_string());
+        let thread = std::thread::spawn(move || {
+            while !flag.load(Relaxed) {
+                match listener.accept() {
+                    Ok((s, _)) => {
+                        let name = name.clone();
+                        std::thread::spawn(move || serve_download(s, &name));
+                    }
+                    // A poll interval of the accept loop, not synchronisation.
+                    Err(_) => std::thread::sleep(Duration::from_millis(5)),
+                }
+            }
+        });
+        DownloadServer {
+            stop,
+            thread: Some(thread),
+        }
+    }
+}
+
+impl Drop for DownloadServer {
+    fn drop(&mut self) {
+        self.stop.store(true, std::sync::atomic::Ordering::Relaxed);
+        if let Some(t) = self.thread.take() {
+            let _ = t.join();
+        }
+    }
+}
+
+fn serve_download(mut s: TcpStream, name: &str) {
+    let _ = s.set_nonblocking(false);
+    let mut head = Vec::new();
+    let mut buf = [0u8; 1024];
+    while !head.windows(4).any(|w| w == b"\r\n\r\n") {
+        match s.read(&mut buf) {
+            Ok(0) | Err(_) => return,
+            Ok(n) => head.extend_from_slice(&buf[..n]),
+        }
+    }
+    if !head.starts_with(b"GET /big") {
+        let body = format!("{name}\n");
+        let _ = write!(
+            s,
+            "HTTP/1.0 200 OK\r\nContent-Length: {}\r\n\r\n{body}",
+            body.len()
+        );
+        return;
+    }
+    if write!(s, "HTTP/1.0 200 OK\r\nContent-Length: {DOWNLOAD}\r\n\r\n").is_err() {
+        return;
+    }
+    let chunk: Vec<u8> = (0..251 * 256).map(pattern).collect();
+    let mut sent = 0;
+    while sent < DOWNLOAD {
+        // Chunks are whole periods of the pattern, so each one starts where the last ended.
+        let n = chunk.len().min(DOWNLOAD - sent);
+        if s.write_all(&chunk[..n]).is_err() {
+            return;
+        }
+        sent += n;
+    }
+}
+
+/// Two DSR balancer nodes behind a router, the way issue 18 draws it: the client
+/// (10.88.1.2) reaches the router, which sends the service address to the nodes that
+/// announce it over BGP (ECMP over 10.88.0.2 and .3); the nodes and two backends (.11, .12,
+/// the VIP on their loopback) share one L2 segment, and the backends answer the client
+/// through the router.
+struct DsrSite {
+    client: Netns,
+    router: Netns,
+    nodes: Vec<Netns>,
+    quills: Vec<NsQuill>,
+    _birds: Vec<Bird>,
+    _servers: Vec<DownloadServer>,
+    _backends: Vec<Netns>,
+    _dir: TempDir,
+    _switch: Netns,
+}
+
+const NODE_IPS: [&str; 2] = ["10.88.0.2", "10.88.0.3"];
+
+impl DsrSite {
+    fn start(bfd: bool) -> DsrSite {
+        let dir = TempDir::new("dsr-site");
+        let switch = Netns::new("switch");
+        netns::bridge(&switch, "br0");
+        let router = Netns::new("router");
+        router.sysctl(&[
+            "net.ipv4.conf.all.forwarding=1",
+            "net.ipv4.fib_multipath_hash_policy=1",
+            "net.ipv4.conf.all.rp_filter=0",
+        ]);
+        netns::plug(&switch, "br0", "p-rt", &router, "s0", "10.88.0.1/24");
+        let client = Netns::new("client");
+        netns::veth(&client, "c0", &router, "c0");
+        client.ip(&["addr", "add", &format!("{DSR_CLIENT}/24"), "dev", "c0"]);
+        client.ip(&["route", "add", "default", "via", "10.88.1.1"]);
+        router.ip(&["addr", "add", "10.88.1.1/24", "dev", "c0"]);
+
+        let mut backends = Vec::new();
+        let mut servers = Vec::new();
+        for i in 1..=2 {
+            let be = Netns::new(&format!("be{i}"));
+            let ip = format!("10.88.0.{}/24", 10 + i);
+            netns::plug(&switch, "br0", &format!("p-be{i}"), &be, "b0", &ip);
+            be.ip(&["addr", "add", &format!("{DSR_VIP}/32"), "dev", "lo"]);
+            be.ip(&["route", "add", "default", "via", "10.88.0.1"]);
+            be.sysctl(&[
+                "net.ipv4.conf.all.arp_ignore=1",
+                "net.ipv4.conf.all.arp_announce=2",
+                "net.ipv4.conf.b0.arp_ignore=1",
+                "net.ipv4.conf.b0.arp_announce=2",
+            ]);
+            servers.push(DownloadServer::start(&be, &format!("be{i}")));
+            backends.push(be);
+        }
+
+        let bfd_if = bfd.then_some("e0");
+        let mut birds = vec![Bird::start(
+            &router,
+            dir.path(),
+            "router",
+            &router_bird(&NODE_IPS, bfd.then_some("s0")),
+        )];
+        let mut nodes = Vec::new();
+        let mut quills = Vec::new();
+        for (i, ip) in NODE_IPS.iter().enumerate() {
+            let node = Netns::new(&format!("lb{i}"));
+            netns::plug(
+                &switch,
+                "br0",
+                &format!("p-lb{i}"),
+                &node,
+                "e0",
+                &format!("{ip}/24"),
+            );
+            // The node's kernel must not route VIP frames itself; quill's DSR plane does.
+            node.sysctl(&[
+                "net.ipv4.conf.all.forwarding=0",
+                "net.ipv4.conf.e0.forwarding=0",
+            ]);
+            birds.push(Bird::start(
+                &node,
+                dir.path(),
+                &format!("lb{i}"),
+                &node_bird(ip, "10.88.0.1", bfd_if),
+            ));
+            let listen = format!("{DSR_VIP}:80");
+            quills.push(NsQuill::start(
+                &node,
+                &[
+                    "-d",
+                    "-O",
+                    "dsr_if e0",
+                    "-O",
+                    "announce_table 100",
+                    "-O",
+                    "announce_grace 0",
+                    &listen,
+                    "10.88.0.11:80",
+                    "10.88.0.12:80",
+                ],
+            ));
+            nodes.push(node);
+        }
+        let site = DsrSite {
+            client,
+            router,
+            nodes,
+            quills,
+            _birds: birds,
+            _servers: servers,
+            _backends: backends,
+            _dir: dir,
+            _switch: switch,
+        };
+        wait_until(
+            Duration::from_secs(30),
+            "two nexthops on the router",
+            || site.nexthops() == 2,
+        );
+        wait_until(Duration::from_secs(20), "an answer through DSR", || {
+            request_from(
+                &site.client,
+                &format!("{DSR_VIP}:80"),
+                Duration::from_secs(1),
+            )
+            .is_ok_and(|r| r.contains("200"))
+        });
+        site
+    }
+
+    /// How many of the nodes the router's route for the VIP goes through.
+    fn nexthops(&self) -> usize {
+        let out = std::process::Command::new("ip")
+            .args(["-n", &self.router.name, "route", "show", DSR_VIP])
+            .output()
+            .unwrap();
+        let text = String::from_utf8_lossy(&out.stdout).into_owned();
+        NODE_IPS
+            .iter()
+            .filter(|ip| text.contains(&format!("via {ip} ")))
+            .count()
+    }
+
+    /// Frames each node has received on the segment so far.
+    fn received(&self) -> Vec<u64> {
+        self.nodes
+            .iter()
+            .map(|n| n.if_stat("e0", "rx_packets"))
+            .collect()
+    }
+}
+
+/// A download running on a thread of the client's namespace: it reads the response,
+/// checks every byte against [`pattern`], and pauses while `hold` is set. It returns the
+/// body's length and the longest wait for data after its last pause (the stall a failure
+/// caused).
+struct Download {
+    got: std::sync::Arc<std::sync::atomic::AtomicUsize>,
+    hold: std::sync::Arc<std::sync::atomic::AtomicBool>,
+    thread: std::thread::JoinHandle<Result<(usize, Duration), String>>,
+}
+
+impl Download {
+    fn start(client: &Netns) -> Download {
+        use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering::Relaxed};
+        let got = std::sync::Arc::new(AtomicUsize::new(0));
+        let hold = std::sync::Arc::new(AtomicBool::new(false));
+        let (progress, paused) = (std::sync::Arc::clone(&got), std::sync::Arc::clone(&hold));
+        let thread = client.spawn(move || -> Result<(usize, Duration), String> {
+            let addr: SocketAddr = format!("{DSR_VIP}:80").parse().unwrap();
+            let mut s = TcpStream::connect_timeout(&addr, Duration::from_secs(2))
+                .map_err(|e| format!("connect: {e}"))?;
+            // Longer than any failover measured here: a stall is not a failure.
+            s.set_read_timeout(Some(Duration::from_secs(20))).unwrap();
+            s.write_all(b"GET /big HTTP/1.0\r\n\r\n").unwrap();
+            let mut buf = vec![0u8; 64 << 10];
+            let mut head = Vec::new();
+            let mut body = 0usize;
+            let mut longest = Duration::ZERO;
+            loop {
+                if paused.load(Relaxed) {
+                    longest = Duration::ZERO;
+                    while paused.load(Relaxed) {
+                        // The reader holding back (its window closes): a pace, not a sync.
+                        std::thread::sleep(Duration::from_millis(2));
+                    }
+                }
+                let asked = Instant::now();
+                let n = s
+                    .read(&mut buf)
+                    .map_err(|e| format!("after {body} bytes: {e}"))?;
+                longest = longest.max(asked.elapsed());
+                if n == 0 {
+                    return Ok((body, longest));
+                }
+                let mut data = &buf[..n];
+                if head.len() < 4 || !head.ends_with(b"\r\n\r\n") {
+                    let end = head.len();
+                    head.extend_from_slice(data);
+                    match head.windows(4).position(|w| w == b"\r\n\r\n") {
+                        Some(at) => {
+                            data = &buf[at + 4 - end..n];
+                            head.truncate(at + 4);
+                        }
+                        None => continue,
+                    }
+                }
+                for (k, &b) in data.iter().enumerate() {
+                    if b != pattern(body + k) {
+                        return Err(format!(
+                            "byte {} is {b}, not {}",
+                            body + k,
+                            pattern(body + k)
+                        ));
+                    }
+                }
+                body += data.len();
+                progress.store(body, Relaxed);
+            }
+        });
+        Download { got, hold, thread }
+    }
+}
+
+/// Runs a 50 MB download through the site, stops its node with `fail` once 5 MB have
+/// arrived, and checks that it completes byte-exact through the other node. Returns how
+/// long the router took to drop the failed node and how long the download stalled.
+fn download_across_a_node_failure(
+    site: &DsrSite,
+    fail: impl FnOnce(usize),
+) -> (Duration, Duration) {
+    use std::sync::atomic::Ordering::Relaxed;
+    let before = site.received();
+    let download = Download::start(&site.client);
+    wait_until(IO_TIMEOUT, "5 MB of the download", || {
+        download.got.load(Relaxed) >= 5 << 20 || download.thread.is_finished()
+    });
+    // The reader pauses (its window closes), so the download is in flight when the node
+    // fails whatever the speed of this machine.
+    download.hold.store(true, Relaxed);
+    let after = site.received();
+    let delta: Vec<u64> = after.iter().zip(&before).map(|(a, b)| a - b).collect();
+    let carrier = if delta[0] > delta[1] { 0 } else { 1 };
+    assert!(
+        // The client's ACKs (one per GRO super-frame, ~64 KiB) against BFD and BGP
+        // keepalives, which both nodes receive.
+        delta[carrier] >= 40 && delta[1 - carrier] < delta[carrier] / 3,
+        "the download's ACKs should cross one node: frames received {delta:?}"
+    );
+    let failed = Instant::now();
+    fail(carrier);
+    download.hold.store(false, Relaxed);
+    let moved = time_until("the router drops the failed node", || site.nexthops() == 1);
+    let got = download.thread.join().unwrap();
+    let Ok((length, stalled)) = got else {
+        panic!(
+            "the download failed {:?} after the node: {got:?}",
+            failed.elapsed()
+        );
+    };
+    assert_eq!(length, DOWNLOAD, "the download did not complete");
+    let survivor = site.nodes[1 - carrier].if_stat("e0", "rx_packets");
+    assert!(
+        survivor > after[1 - carrier] + 100,
+        "the other node did not carry the rest of the download"
+    );
+    (moved, stalled)
+}
+
+/// quill on the node that carries a 50 MB DSR download is killed (SIGKILL): its route
+/// vanishes with it (the tether), BIRD withdraws, the router moves the flow to the other
+/// node, whose Maglev table picks the same backend, and the download completes byte-exact.
+#[test]
+fn a_dsr_download_survives_sigkill_of_its_nodes_quill() {
+    if netns::skip() || bird_missing() {
+        return;
+    }
+    let site = DsrSite::start(false);
+    let pids: Vec<u32> = site.quills.iter().map(NsQuill::pid).collect();
+    let (moved, stalled) = download_across_a_node_failure(&site, |carrier| {
+        let pid = pids[carrier].to_string();
+        let killed = std::process::Command::new("kill")
+            .args(["-KILL", &pid])
+            .status();
+        assert!(killed.unwrap().success());
+    });
+    eprintln!(
+        "dsr, quill killed on the node carrying the download: the router dropped the node \
+         after {moved:?}, the download stalled {stalled:?} and completed byte-exact"
+    );
+}
+
+/// The node carrying a 50 MB DSR download goes silent (its link down: no FIN, no RST, no
+/// withdrawal; a power cut as its neighbours see it). The router notices by BFD within a
+/// few hundred milliseconds, or by the BGP hold timer (3 s here) without it; either way
+/// the download completes byte-exact through the other node.
+fn silent_node_failover(bfd: bool) -> (Duration, Duration) {
+    let site = DsrSite::start(bfd);
+    download_across_a_node_failure(&site, |carrier| {
+        site.nodes[carrier].ip(&["link", "set", "e0", "down"]);
+    })
+}
+
+#[test]
+fn a_dsr_download_survives_a_silent_node_with_bfd() {
+    if netns::skip() || bird_missing() {
+        return;
+    }
+    let (moved, stalled) = silent_node_failover(true);
+    eprintln!(
+        "dsr, silent node, BFD 100 ms x 3: the router dropped the node after {moved:?}, \
+         the download stalled {stalled:?} and completed byte-exact"
+    );
+}
+
+#[test]
+fn a_dsr_download_survives_a_silent_node_without_bfd() {
+    if netns::skip() || bird_missing() {
+        return;
+    }
+    let (moved, stalled) = silent_node_failover(false);
+    eprintln!(
+        "dsr, silent node, BGP hold time 3 s: the router dropped the node after {moved:?}, \
+         the download stalled {stalled:?} and completed byte-exact"
+    );
 }

@@ -131,6 +131,11 @@ impl NsQuill {
         NsQuill { child, log }
     }
 
+    /// The process id (`ip netns exec` execs quill in its place).
+    pub fn pid(&self) -> u32 {
+        self.child.id()
+    }
+
     /// The exit status if quill has exited.
     pub fn exited(&mut self) -> Option<std::process::ExitStatus> {
         self.child.try_wait().ok().flatten()

@@ -1,16 +1,19 @@
 //! Route announcement for scale-out (`announce_table N`): while this node can serve its
-//! listening address, a route for that address (`VIP/32` or `/128`, `dev lo`, protocol
-//! [`PROTOCOL`]) sits in kernel routing table N, where BIRD (`protocol kernel { kernel table
+//! listening address, a route for that address (`VIP/32` or `/128`, protocol [`PROTOCOL`],
+//! through quill's own TUN device, [`tether`]) sits in kernel routing table N, where BIRD (`protocol kernel { kernel table
 //! N; learn; }`) or FRR (`redistribute table N`) find it and announce it over BGP; when the
 //! node cannot serve, the route goes and the routers stop sending it flows. quill speaks no
 //! BGP itself. See docs/SCALE-OUT.md.
 //!
 //! Invariants: at most one route is quill's at a time, the one `Announcer::current` names;
-//! a new table or address removes the old route before adding the new one. The first
-//! decision after start-up is always carried out, so a route left behind by a quill that was
-//! killed is removed when this one cannot serve. When quill stops, [`Announcer::withdraw`]
-//! removes the route before the listeners close (the daemon then serves on for
-//! `announce_grace` seconds).
+//! a new table or address removes the old route before adding the new one. The route goes
+//! through the tether, so it never outlives the process, however the process ends. When
+//! quill stops, [`Announcer::withdraw`] removes the route before the listeners close (the
+//! daemon then serves on for `announce_grace` seconds). After a binary upgrade the new
+//! process's route replaces the old one's (same destination, table and metric), so the
+//! announcement has no gap while the old process, and its device, go.
+
+pub mod tether;
 
 use std::net::IpAddr;
 use std::sync::atomic::Ordering::Relaxed;
@@ -82,7 +85,7 @@ impl std::fmt::Display for Route {
         let len = if self.address.is_ipv4() { 32 } else { 128 };
         write!(
             f,
-            "{}/{len} dev lo table {} proto {PROTOCOL}",
+            "{}/{len} table {} proto {PROTOCOL}",
             self.address, self.table
         )
     }
@@ -101,24 +104,41 @@ pub fn wanted(settings: &Settings, state: &State) -> Result<Option<Route>, Unser
 /// Keeps quill's route in the kernel in line with [`wanted`].
 pub struct Announcer {
     handle: rtnetlink::Handle,
-    /// The route quill has in the kernel; `None` before the first decision (unknown).
-    current: Option<Option<Route>>,
+    /// The route quill has in the kernel (through the tether, so none at first).
+    current: Option<Route>,
     /// The reason last logged for not announcing, so that it is logged once per change.
     last_reason: Option<String>,
-    loopback: u32,
+    tether: tether::Tether,
 }
 
 impl Announcer {
-    /// Opens the netlink connection (its task runs on the current tokio runtime).
-    pub fn new() -> std::io::Result<Announcer> {
+    /// Opens the netlink connection (its task runs on the current tokio runtime), creates
+    /// the tether and brings it up.
+    pub async fn new() -> std::io::Result<Announcer> {
         let (connection, handle, _) = rtnetlink::new_connection()?;
         tokio::spawn(connection);
-        let loopback = nix::net::if_::if_nametoindex("lo").map_err(std::io::Error::from)?;
+        let tether = tether::Tether::create()?;
+        handle
+            .link()
+            .set(
+                rtnetlink::LinkUnspec::new_with_index(tether.index())
+                    .up()
+                    .build(),
+            )
+            .execute()
+            .await
+            .map_err(|e| {
+                std::io::Error::other(format!("cannot bring {} up: {e}", tether.name()))
+            })?;
+        tracing::info!(
+            "announce: routes go through {}, which vanishes with this process",
+            tether.name()
+        );
         Ok(Announcer {
             handle,
             current: None,
             last_reason: None,
-            loopback,
+            tether,
         })
     }
 
@@ -139,34 +159,23 @@ impl Announcer {
         if wanted.is_some() {
             self.last_reason = None;
         }
-        self.set(wanted, state, &settings).await;
+        self.set(wanted, state).await;
     }
 
     /// Removes quill's route (on stop); returns whether there was one.
     pub async fn withdraw(&mut self, state: &State) -> bool {
-        let settings = state.settings();
-        let had = matches!(self.current, Some(Some(_)));
-        self.set(None, state, &settings).await;
+        let had = self.current.is_some();
+        self.set(None, state).await;
         had
     }
 
-    async fn set(&mut self, wanted: Option<Route>, state: &State, settings: &Settings) {
-        if self.current == Some(wanted) {
+    async fn set(&mut self, wanted: Option<Route>, state: &State) {
+        if self.current == wanted {
             return;
         }
-        // Unknown (first decision): a route a killed quill left for the same table and
-        // address is removed too.
-        let old = match self.current {
-            Some(old) => old,
-            None => settings
-                .announce_table
-                .zip(service_address(settings).ok())
-                .map(|(table, address)| Route { table, address }),
-        };
-        if let Some(old) = old.filter(|o| Some(*o) != wanted) {
+        if let Some(old) = self.current.filter(|o| Some(*o) != wanted) {
             match self.delete(old).await {
-                Ok(()) if self.current.is_some() => tracing::info!("announce: withdrew {old}"),
-                Ok(()) => {}
+                Ok(()) => tracing::info!("announce: withdrew {old}"),
                 Err(e) => {
                     tracing::error!("announce: cannot remove {old}: {e}");
                     return;
@@ -176,13 +185,13 @@ impl Announcer {
         if let Some(new) = wanted {
             if let Err(e) = self.add(new).await {
                 tracing::error!("announce: cannot add {new}: {e}");
-                self.current = Some(None);
+                self.current = None;
                 state.announced.store(0, Relaxed);
                 return;
             }
-            tracing::info!("announce: announcing {new}");
+            tracing::info!("announce: announcing {new} dev {}", self.tether.name());
         }
-        self.current = Some(wanted);
+        self.current = wanted;
         state
             .announced
             .store(wanted.map_or(0, |r| r.table), Relaxed);
@@ -197,14 +206,14 @@ impl Announcer {
             Err(_) => builder,
         };
         builder
-            .output_interface(self.loopback)
+            .output_interface(self.tether.index())
             .table_id(route.table)
             .protocol(RouteProtocol::Other(PROTOCOL))
             .build()
     }
 
     async fn add(&self, route: Route) -> Result<(), rtnetlink::Error> {
-        // Replace: a route left by a quill that was killed is taken over, not an error.
+        // Replace: the route of the process this one upgraded is taken over, not an error.
         self.handle
             .route()
             .add(self.message(route))
@@ -226,14 +235,17 @@ impl Announcer {
 }
 
 /// Runs the announcer on the control runtime until `stop` says so, then withdraws the
-/// route and reports whether there was one on `withdrawn`. The netlink socket is opened
-/// only once `announce_table` is set (at start-up or by a later reload or command), so a
-/// quill that announces nothing needs no AF_NETLINK.
+/// route and reports whether there was one on `withdrawn`; `decided` hears when the first
+/// decision is carried out (a binary upgrade waits for it). The netlink socket and the
+/// tether are opened only once `announce_table` is set (at start-up or by a later reload or
+/// command), so a quill that announces nothing needs neither AF_NETLINK nor a TUN device.
 pub async fn supervise(
     state: Arc<State>,
     mut stop: tokio::sync::watch::Receiver<bool>,
     withdrawn: tokio::sync::oneshot::Sender<bool>,
+    decided: tokio::sync::oneshot::Sender<()>,
 ) {
+    let mut decided = Some(decided);
     let mut announcer: Option<Announcer> = None;
     let mut failed = false;
     let mut tick = tokio::time::interval(TICK);
@@ -244,16 +256,19 @@ pub async fn supervise(
             _ = stop.changed() => break,
         }
         if announcer.is_none() && !failed && state.settings().announce_table.is_some() {
-            match Announcer::new() {
+            match Announcer::new().await {
                 Ok(a) => announcer = Some(a),
                 Err(e) => {
-                    tracing::error!("announce: cannot open a netlink socket: {e}");
+                    tracing::error!("announce: cannot start: {e}");
                     failed = true;
                 }
             }
         }
         if let Some(a) = &mut announcer {
             a.update(&state).await;
+        }
+        if let Some(d) = decided.take() {
+            let _ = d.send(());
         }
     }
     let had = match &mut announcer {
