@@ -349,6 +349,20 @@ pub static FAMILIES: &[Family] = &[
         kind: Kind::Counter,
         source: Source::IfRunning(|s| dsr(s, |c| &c.send_errors)),
     },
+    Family {
+        name: "dsr_flows",
+        help: "DSR: flows in the flow table (each keeps its server while the set of servers changes).",
+        unit: None,
+        kind: Kind::Gauge,
+        source: Source::IfRunning(|s| dsr(s, |c| &c.flows)),
+    },
+    Family {
+        name: "dsr_flows_unrecorded",
+        help: "DSR: new flows the full flow table could not record (placed by consistent hashing alone).",
+        unit: None,
+        kind: Kind::Counter,
+        source: Source::IfRunning(|s| dsr(s, |c| &c.flows_unrecorded)),
+    },
 ];
 
 /// The collector behind `/metrics`: every family of [`FAMILIES`], the servers' state set

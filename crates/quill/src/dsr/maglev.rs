@@ -6,7 +6,10 @@
 //! is coprime with it and its preference list is a permutation of all slots; the table is
 //! completely filled whenever there is at least one backend. A backend's preferences
 //! depend only on its key (its address), never on its position or on the other backends,
-//! so the same set of backends always gives the same table (in any process).
+//! so the same set of backends always gives the same table (in any process). The plane
+//! always builds a fresh table for that reason: two nodes that saw different histories of
+//! the same servers still agree on every flow; the flows a node already carries keep their
+//! backend through its flow table ([`super::flows`]), not through the table's history.
 
 /// Slots in the lookup table: prime, and at least 64 per backend for [`MAX_SERVERS`]
 /// (the load of each backend is within a few per cent of an even share).
@@ -91,38 +94,6 @@ impl Maglev {
         }
     }
 
-    /// The table for a new set of backends, moving as few flows as possible: when backends
-    /// only left (or stayed), a slot keeps its backend if that one stays, and only the
-    /// slots of the backends that left are taken from the fresh table. Otherwise (a backend
-    /// joined) the fresh table is used, which for a set seen before is exactly the table
-    /// it had then: flows that moved away from a returning backend come back to it.
-    pub fn rebuild(&self, backends: &[(usize, u64)]) -> Maglev {
-        let mut fresh = Maglev::build(backends);
-        let only_removals = fresh.keys.iter().all(|k| self.keys.contains(k));
-        if !only_removals || self.table.is_empty() || fresh.table.is_empty() {
-            return fresh;
-        }
-        // Old position -> new position, for the backends that stay.
-        let map: Vec<Option<u16>> = self
-            .keys
-            .iter()
-            .map(|k| {
-                fresh
-                    .keys
-                    .iter()
-                    .position(|f| f == k)
-                    .and_then(|p| u16::try_from(p).ok())
-            })
-            .collect();
-        for (slot, new) in fresh.table.iter_mut().enumerate() {
-            let old = self.table.get(slot).map(|&p| usize::from(p));
-            if let Some(Some(kept)) = old.and_then(|p| map.get(p)) {
-                *new = *kept;
-            }
-        }
-        fresh
-    }
-
     /// The backend for a flow hash; `None` when there is no backend.
     pub fn lookup(&self, hash: u64) -> Option<usize> {
         if self.table.is_empty() {
@@ -200,31 +171,6 @@ mod tests {
         );
         // Adding it back restores the exact table.
         assert_eq!(Maglev::build(&backends(&keys)), before);
-    }
-
-    #[test]
-    fn rebuild_after_a_removal_moves_only_the_removed_backends_flows() {
-        let keys: Vec<u64> = (0..10).map(|i| 0x0a00_000b + i).collect();
-        let before = Maglev::build(&backends(&keys));
-        let after = before.rebuild(&backends(&keys[1..]));
-        let removed = keys[0] as usize;
-        for slot in 0..TABLE_SIZE as u64 {
-            let (b, a) = (before.lookup(slot), after.lookup(slot));
-            assert_ne!(a, Some(removed));
-            if b != Some(removed) {
-                assert_eq!(a, b, "slot {slot} of a staying backend moved");
-            }
-        }
-        // The removed backend's flows are spread over the others, not piled on one.
-        let mut moved_to = std::collections::HashSet::new();
-        for slot in 0..TABLE_SIZE as u64 {
-            if before.lookup(slot) == Some(removed) {
-                moved_to.insert(after.lookup(slot));
-            }
-        }
-        assert!(moved_to.len() > 5);
-        // When it comes back, the table is the original one again.
-        assert_eq!(after.rebuild(&backends(&keys)), before);
     }
 
     #[test]

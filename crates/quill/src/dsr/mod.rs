@@ -4,12 +4,15 @@
 //! changed; the backend (VIP on its loopback) answers the client directly.
 //!
 //! Invariants: the plane runs on its own thread and never blocks an event loop; nothing is
-//! allocated per packet; settings are read once per tick (not per packet); the choice of a
-//! backend for a flow depends only on the flow and on the set of backends that are up
-//! ([`maglev`]), so it holds across packets and moves only the flows of a backend that
-//! leaves. The tarpit ([`tarpit`]) lives in the same plane.
+//! allocated per packet but the flow table's amortised growth, up to its bound ([`flows`]);
+//! settings are read once per tick (not per packet); a flow new to this node gets the
+//! backend that depends only on the flow and on the set of backends that are up
+//! ([`maglev`]), the same on every node with the same servers, and keeps it (the flow
+//! table) while that backend is up and the flow is not idle for long. The tarpit
+//! ([`tarpit`]) lives in the same plane.
 
 pub mod arp;
+pub mod flows;
 pub mod frame;
 pub mod maglev;
 pub mod packet;

@@ -17,6 +17,7 @@ use std::time::{Duration, Instant};
 use tokio::sync::watch;
 
 use super::arp::ArpTable;
+use super::flows::{FlowTable, Found};
 use super::frame::{
     self, Arp, Frame, Mac, Payload, ARP_REPLY, ARP_REQUEST, BROADCAST, L4, PROTO_TCP, PROTO_UDP,
 };
@@ -73,6 +74,10 @@ pub struct DsrCounters {
     pub tarpit_dropped: AtomicU64,
     /// Sends that failed (buffer full, interface down...).
     pub send_errors: AtomicU64,
+    /// Flows in the flow table now (a gauge, updated every tick).
+    pub flows: AtomicU64,
+    /// New flows the full flow table could not record (served by Maglev's choice alone).
+    pub flows_unrecorded: AtomicU64,
 }
 
 /// One backend that can be chosen: server number, address, MAC.
@@ -224,6 +229,8 @@ impl Plane {
             arp: ArpTable::default(),
             targets: Vec::new(),
             maglev: Maglev::build(&[]),
+            flows: FlowTable::new(Instant::now()),
+            up: Vec::new(),
             tarpit: Tarpit::default(),
             due: Vec::new(),
             backends: Vec::new(),
@@ -355,13 +362,17 @@ impl Plane {
                 targets.push(Target { server, ip, mac });
             }
         }
+        run.flows.tick(now);
+        self.counters.flows.store(run.flows.len() as u64, Relaxed);
         if targets != run.targets {
             let keys: Vec<(usize, u64)> = targets
                 .iter()
                 .enumerate()
                 .map(|(pos, t)| (pos, u64::from(u32::from(t.ip))))
                 .collect();
-            run.maglev = run.maglev.rebuild(&keys);
+            // A fresh table, never patched from the last one: see `maglev`.
+            run.maglev = Maglev::build(&keys);
+            run.up = targets.iter().map(|t| t.ip).collect();
             let up: Vec<String> = targets.iter().map(|t| t.ip.to_string()).collect();
             tracing::info!(
                 "DSR on {}: backends up: [{}]",
@@ -494,23 +505,28 @@ impl Plane {
 
     /// Rewrites a frame for the VIP to go to the flow's backend, if it is for our port;
     /// returns whether to send it (the caller sends, alone or in a batch).
-    fn forward(&self, run: &Running, state: &State, buf: &mut [u8], ip: &frame::Ipv4) -> bool {
+    fn forward(&self, run: &mut Running, state: &State, buf: &mut [u8], ip: &frame::Ipv4) -> bool {
         let want = match self.config.transport {
             Transport::Tcp => PROTO_TCP,
             Transport::Udp => PROTO_UDP,
         };
         let port = self.config.port;
-        let (client_port, syn) = match ip.l4 {
+        // `syn`: a new connection for the totals (a TCP SYN, every UDP datagram);
+        // `syn_only`: a flow that may never become one (a lone SYN), for the flow table.
+        let (client_port, syn, syn_only) = match ip.l4 {
             L4::Tcp {
                 src_port,
                 dst_port,
                 flags,
                 ..
-            } if want == PROTO_TCP && dst_port == port => (Some(src_port), tarpit::is_syn(flags)),
-            L4::Udp { src_port, dst_port } if want == PROTO_UDP && dst_port == port => {
-                (Some(src_port), true)
+            } if want == PROTO_TCP && dst_port == port => {
+                let syn = tarpit::is_syn(flags);
+                (Some(src_port), syn, syn)
             }
-            L4::Fragment { proto } if proto == want => (None, false),
+            L4::Udp { src_port, dst_port } if want == PROTO_UDP && dst_port == port => {
+                (Some(src_port), true, false)
+            }
+            L4::Fragment { proto } if proto == want => (None, false, false),
             _ => return false,
         };
         // Pen's tracking (the default) keeps a client on one server: hash its address only.
@@ -523,11 +539,15 @@ impl Plane {
             }
             _ => client,
         };
-        let Some(target) = run
-            .maglev
-            .lookup(mix64(key))
-            .and_then(|pos| run.targets.get(pos))
-        else {
+        let position = match run.flows.lookup(key, syn_only, &run.up) {
+            Found::Pinned(position) => Some(position),
+            Found::Unknown => run.maglev.lookup(mix64(key)).inspect(|&position| {
+                if !run.flows.pin(key, syn_only, &run.up, position) {
+                    self.counters.flows_unrecorded.fetch_add(1, Relaxed);
+                }
+            }),
+        };
+        let Some(target) = position.and_then(|p| run.targets.get(p)).copied() else {
             self.counters.no_backend.fetch_add(1, Relaxed);
             return false;
         };
@@ -554,6 +574,10 @@ struct Running {
     /// The backends that are up, in server order; Maglev returns positions in it.
     targets: Vec<Target>,
     maglev: Maglev,
+    /// The backend of each flow this node forwards.
+    flows: FlowTable,
+    /// The addresses of `targets`, in the same order (what the flow table checks).
+    up: Vec<Ipv4Addr>,
     tarpit: Tarpit,
     /// Scratch list of ARP requests to send (kept to reuse its allocation).
     due: Vec<Ipv4Addr>,
