@@ -18,7 +18,7 @@ metrics_listen log web_stats abort_on_error geoip_db ssl_cert ssl_key ssl_ca ssl
 ssl_verify_client ssl_protocol ssl_option ssl_ciphers ssl_sni_path ssl_ocsp_response
 ssl_client_renegotiation_interval ssl_compat upstream_tls upstream_ca upstream_sni check
 check_interval check_timeout check_rise check_fall slow_start shutdown_grace announce_table
-announce_grace dsr_if
+announce_grace dsr_if dsr_path
 tarpit_acl transparent http http_header_max http_request_timeout hsts proxy_protocol
 accept_proxy'
 
@@ -167,6 +167,7 @@ _quillctl_complete() {
     case $n,$command in
     1,status) _quillctl_compgen -W 'html json' -- "$cur" ;;
     1,tcp_fastclose) _quillctl_compgen -W 'up down both off' -- "$cur" ;;
+    1,dsr_path) _quillctl_compgen -W 'auto xdp packet' -- "$cur" ;;
     1,ssl_protocol) _quillctl_compgen -W "$_quillctl_protocols" -- "$cur" ;;
     1,ssl_option) _quillctl_compgen -W "$_quillctl_ssl_options" -- "$cur" ;;
     1,proxy_protocol) _quillctl_compgen -W 'v1 v2' -- "$cur" ;;

@@ -181,6 +181,9 @@ pub enum Command {
     UpstreamSni(Option<Host>),
     /// `dsr_if IF`: Direct Server Return on interface IF (read at start-up).
     DsrIf(Word),
+    /// `dsr_path auto|xdp|packet` (extension): how the DSR plane forwards frames: an XDP
+    /// program in the driver's receive path, or quill's packet socket (read at start-up).
+    DsrPath(DsrPath),
     /// `tarpit_acl [N]`: in DSR mode, answer ARP and TCP SYNs for the addresses a permit
     /// rule of list N matches; no argument asks.
     TarpitAcl(Option<AclId>),
@@ -679,6 +682,28 @@ impl FastClose {
     }
 }
 
+/// How the DSR plane forwards frames (`dsr_path`).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+pub enum DsrPath {
+    /// XDP where the program loads and attaches, else the packet socket (said in the log).
+    #[default]
+    Auto,
+    /// XDP, or quill does not start.
+    Xdp,
+    /// The packet socket (AF_PACKET) only.
+    Packet,
+}
+
+impl DsrPath {
+    pub fn word(self) -> &'static str {
+        match self {
+            DsrPath::Auto => "auto",
+            DsrPath::Xdp => "xdp",
+            DsrPath::Packet => "packet",
+        }
+    }
+}
+
 /// Pen's event-engine words.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum EventEngine {
@@ -962,6 +987,7 @@ pub const NAMES: &[&str] = &[
     "health",
     "drain",
     "dsr_if",
+    "dsr_path",
     "tarpit_acl",
     "transparent",
     "http",
@@ -1254,6 +1280,18 @@ fn parse_positive(command: &'static str, w: &mut Words<'_>) -> Result<Command, P
             }
             Command::DsrIf(name)
         }
+        "dsr_path" => Command::DsrPath(match w.next("auto, xdp or packet")? {
+            "auto" => DsrPath::Auto,
+            "xdp" => DsrPath::Xdp,
+            "packet" => DsrPath::Packet,
+            other => {
+                return Err(ParseError::Invalid {
+                    command,
+                    what: "DSR path (auto, xdp, packet)",
+                    value: other.into(),
+                })
+            }
+        }),
         "tarpit_acl" => Command::TarpitAcl(match w.iter.next() {
             None => None,
             Some(n) => Some(AclId::from_str(n).map_err(|_| ParseError::AclIndex(n.to_string()))?),
@@ -1635,6 +1673,7 @@ impl fmt::Display for Command {
             Command::NodeDrain(true) => f.write_str("drain"),
             Command::NodeDrain(false) => f.write_str("drain 0"),
             Command::DsrIf(name) => write!(f, "dsr_if {name}"),
+            Command::DsrPath(path) => write!(f, "dsr_path {}", path.word()),
             Command::TarpitAcl(list) => with_optional(f, "tarpit_acl", list),
             Command::NoTarpitAcl => f.write_str("no tarpit_acl"),
             Command::Transparent(on) => on_off(f, *on, "transparent"),
@@ -1939,6 +1978,12 @@ mod roundtrip {
             Just(Command::Health),
             any::<bool>().prop_map(Command::NodeDrain),
             "[a-z][a-z0-9.-]{0,14}".prop_map(|w| Command::DsrIf(Word(w))),
+            prop_oneof![
+                Just(DsrPath::Auto),
+                Just(DsrPath::Xdp),
+                Just(DsrPath::Packet)
+            ]
+            .prop_map(Command::DsrPath),
             proptest::option::of(acl_id()).prop_map(Command::TarpitAcl),
             Just(Command::NoTarpitAcl),
             any::<bool>().prop_map(Command::Transparent),

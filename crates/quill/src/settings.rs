@@ -12,7 +12,7 @@ use std::sync::Arc;
 
 use crate::acl::{Acl, AclId, GeoRef, ACL_LISTS};
 use crate::command::{
-    parse_port, split_host_port, Command, FastClose, Host, HostPort, Hsts, Millis, Probe,
+    parse_port, split_host_port, Command, DsrPath, FastClose, Host, HostPort, Hsts, Millis, Probe,
     ProxyVersion, ServerCheck, ServerField, ServerProxy, Word, MAX_SERVERS,
 };
 use crate::geoip::GeoIp;
@@ -219,6 +219,8 @@ pub struct Settings {
     pub shutdown_grace: u64,
     /// The Direct Server Return interface (`dsr_if IF`); read at start-up.
     pub dsr_if: Option<Word>,
+    /// How the DSR plane forwards (`dsr_path`); read at start-up.
+    pub dsr_path: DsrPath,
     /// The access list whose permitted addresses the DSR plane tarpits.
     pub tarpit_acl: Option<AclId>,
     /// Connect to backends from the client's address (IP_TRANSPARENT).
@@ -303,6 +305,7 @@ impl Default for Settings {
             slow_start: 0,
             shutdown_grace: DEFAULT_SHUTDOWN_GRACE,
             dsr_if: None,
+            dsr_path: DsrPath::Auto,
             tarpit_acl: None,
             transparent: false,
             announce_table: None,
@@ -584,6 +587,7 @@ impl Settings {
             Command::SlowStart(n) => set(&mut self.slow_start, *n),
             Command::ShutdownGrace(n) => set(&mut self.shutdown_grace, *n),
             Command::DsrIf(name) => set(&mut self.dsr_if, Some(name.clone())),
+            Command::DsrPath(path) => set(&mut self.dsr_path, *path),
             Command::TarpitAcl(None) => Applied::value(
                 self.tarpit_acl
                     .map(|l| l.to_string())
@@ -805,6 +809,9 @@ impl Settings {
         if let Some(name) = &self.dsr_if {
             out.push(Command::DsrIf(name.clone()));
         }
+        if self.dsr_path != d.dsr_path {
+            out.push(Command::DsrPath(self.dsr_path));
+        }
         if self.announce_table.is_some() {
             out.push(Command::AnnounceTable(self.announce_table));
         }
@@ -967,6 +974,7 @@ mod tests {
             "proxy_protocol v2",
             "accept_proxy",
             "dsr_if eth1",
+            "dsr_path packet",
             "acl 3 permit 10.77.0.200 255.255.255.248",
             "tarpit_acl 3",
             "transparent",

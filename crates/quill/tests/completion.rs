@@ -155,6 +155,7 @@ fn sample(name: &str) -> Command {
         " up",
         " v1",
         " no_sslv2",
+        " auto",
     ];
     ARGS.iter()
         .find_map(|args| format!("{name}{args}").parse::<Command>().ok())

@@ -17,10 +17,16 @@ use support::{poll_until, wait_until};
 
 const VIP: &str = "10.77.0.100";
 const CLIENT: &str = "10.77.0.10";
+/// The two ways the DSR plane forwards (`dsr_path`); every DSR test runs on both. On these
+/// veth interfaces the XDP program attaches in generic mode.
+const PACKET: &str = "packet";
+const XDP: &str = "xdp";
 
 /// The DSR segment: `sw` (bridge br0), `cli` 10.77.0.10, `lb` 10.77.0.2 (interface l0),
 /// backends `be1..` 10.77.0.11.. with the VIP on lo.
 struct Segment {
+    /// `dsr_path` of the quills started by [`Segment::quill`]: `packet` or `xdp`.
+    path: &'static str,
     cli: Netns,
     lb: Netns,
     backends: Vec<Netns>,
@@ -29,7 +35,7 @@ struct Segment {
 }
 
 impl Segment {
-    fn new(backends: usize) -> Segment {
+    fn new(backends: usize, path: &'static str) -> Segment {
         let sw = Netns::new("sw");
         bridge(&sw, "br0");
         let cli = Netns::new("cli");
@@ -64,6 +70,7 @@ impl Segment {
             })
             .collect();
         Segment {
+            path,
             cli,
             lb,
             backends,
@@ -98,7 +105,8 @@ impl Segment {
         // -d: the start-up line says how frames are read.
         let mut args: Vec<&str> = vec!["-d"];
         args.extend(options);
-        args.extend(["-O", "dsr_if l0", listen]);
+        let path = format!("dsr_path {}", self.path);
+        args.extend(["-O", "dsr_if l0", "-O", &path, listen]);
         let ips = self.backend_ips();
         args.extend(ips.iter().map(String::as_str));
         NsQuill::start(&self.lb, &args)
@@ -126,13 +134,25 @@ fn wait_started(q: &mut NsQuill, s: &Segment) {
 }
 
 #[test]
-fn tcp_through_dsr_spreads_over_backends_and_replies_bypass_the_balancer() {
+fn tcp_through_dsr_spreads_over_backends_and_replies_bypass_the_balancer_packet() {
+    tcp_through_dsr_spreads_over_backends_and_replies_bypass_the_balancer(PACKET);
+}
+
+#[test]
+fn tcp_through_dsr_spreads_over_backends_and_replies_bypass_the_balancer_xdp() {
+    tcp_through_dsr_spreads_over_backends_and_replies_bypass_the_balancer(XDP);
+}
+
+fn tcp_through_dsr_spreads_over_backends_and_replies_bypass_the_balancer(path: &'static str) {
     if netns::skip() {
         return;
     }
-    let s = Segment::new(2);
+    let s = Segment::new(2, path);
     let _backends = s.start_backends();
-    let mut q = s.quill(&["-r"], &format!("{VIP}:80"));
+    let mut q = s.quill(
+        &["-r", "-O", "metrics_listen 127.0.0.1:9100"],
+        &format!("{VIP}:80"),
+    );
     wait_started(&mut q, &s);
     // Frames come from the TPACKET_V2 ring, unless the test run asked for another reader.
     let how = match std::env::var("QUILL_DSR_RING").unwrap_or_default().as_str() {
@@ -150,6 +170,17 @@ fn tcp_through_dsr_spreads_over_backends_and_replies_bypass_the_balancer() {
         "one send per frame"
     };
     assert!(q.stderr().contains(sends), "{}", q.stderr());
+    let xdp_on_l0 = || {
+        let out = s.lb.ip(&["link", "show", "l0"]);
+        String::from_utf8_lossy(&out.stdout).contains("prog/xdp")
+    };
+    if path == XDP {
+        assert!(q.stderr().contains("XDP generic"), "{}", q.stderr());
+        assert!(xdp_on_l0(), "no XDP program on l0");
+    } else {
+        assert!(q.stderr().contains("no XDP"), "{}", q.stderr());
+        assert!(!xdp_on_l0());
+    }
 
     // Flows are spread (hash of client address and port) and the backend sees the client.
     let mut seen = HashSet::new();
@@ -189,6 +220,29 @@ fn tcp_through_dsr_spreads_over_backends_and_replies_bypass_the_balancer() {
         tx1 - tx0
     );
 
+    // The path that moved the frames: the XDP program, or the packet socket.
+    let metric = |name: &str| -> u64 {
+        let text = curl(&s.lb, "http://127.0.0.1:9100/metrics", 3).expect("metrics");
+        text.lines()
+            .find_map(|l| l.strip_prefix(name)?.trim().parse().ok())
+            .unwrap_or_else(|| panic!("no {name} in {text}"))
+    };
+    let (all, by_xdp) = (
+        metric("quill_dsr_forwarded_frames_total "),
+        metric("quill_dsr_xdp_forwarded_frames_total "),
+    );
+    eprintln!("{path}: {all} frames forwarded, {by_xdp} by XDP");
+    if path == XDP {
+        assert!(
+            by_xdp >= 20 && by_xdp + 5 >= all,
+            "{all} forwarded, {by_xdp} by XDP"
+        );
+        assert_eq!(metric("quill_dsr_xdp_mode "), 1);
+    } else {
+        assert_eq!(by_xdp, 0);
+        assert!(all >= 20);
+    }
+
     // A backend whose host goes down (no more ARP answers) is skipped, and comes back.
     s.backends[0].ip(&["link", "set", "b0", "down"]);
     wait_until(Duration::from_secs(20), "be1 is skipped", || {
@@ -197,6 +251,12 @@ fn tcp_through_dsr_spreads_over_backends_and_replies_bypass_the_balancer() {
     s.backends[0].ip(&["link", "set", "b0", "up"]);
     wait_until(Duration::from_secs(20), "be1 serves again", || {
         s.get().is_some_and(|(n, _)| n == "be1")
+    });
+    // The program goes with the process, even one killed with SIGKILL: nothing is left on
+    // the interface (the BPF link is the process's).
+    drop(q);
+    wait_until(Duration::from_secs(5), "no XDP program left on l0", || {
+        !xdp_on_l0()
     });
 }
 
@@ -239,11 +299,20 @@ fn mapping(clients: &[UdpSocket]) -> Option<Vec<String>> {
 }
 
 #[test]
-fn udp_through_dsr_balances_and_only_a_leaving_backends_flows_move() {
+fn udp_through_dsr_balances_and_only_a_leaving_backends_flows_move_packet() {
+    udp_through_dsr_balances_and_only_a_leaving_backends_flows_move(PACKET);
+}
+
+#[test]
+fn udp_through_dsr_balances_and_only_a_leaving_backends_flows_move_xdp() {
+    udp_through_dsr_balances_and_only_a_leaving_backends_flows_move(XDP);
+}
+
+fn udp_through_dsr_balances_and_only_a_leaving_backends_flows_move(path: &'static str) {
     if netns::skip() {
         return;
     }
-    let s = Segment::new(3);
+    let s = Segment::new(3, path);
     let _backends = s.start_backends();
     let mut q = s.quill(&["-U", "-r"], &format!("{VIP}:53"));
     let clients = udp_clients(&s, 24);
@@ -290,11 +359,20 @@ fn udp_through_dsr_balances_and_only_a_leaving_backends_flows_move() {
 }
 
 #[test]
-fn tracking_mode_keeps_a_client_on_one_backend() {
+fn tracking_mode_keeps_a_client_on_one_backend_packet() {
+    tracking_mode_keeps_a_client_on_one_backend(PACKET);
+}
+
+#[test]
+fn tracking_mode_keeps_a_client_on_one_backend_xdp() {
+    tracking_mode_keeps_a_client_on_one_backend(XDP);
+}
+
+fn tracking_mode_keeps_a_client_on_one_backend(path: &'static str) {
     if netns::skip() {
         return;
     }
-    let s = Segment::new(2);
+    let s = Segment::new(2, path);
     let _backends = s.start_backends();
     // No -r: Pen's client tracking, so DSR hashes the client address only.
     let mut q = s.quill(&[], &format!("{VIP}:80"));
@@ -304,11 +382,20 @@ fn tracking_mode_keeps_a_client_on_one_backend() {
 }
 
 #[test]
-fn tarpit_answers_syns_for_listed_addresses_only() {
+fn tarpit_answers_syns_for_listed_addresses_only_packet() {
+    tarpit_answers_syns_for_listed_addresses_only(PACKET);
+}
+
+#[test]
+fn tarpit_answers_syns_for_listed_addresses_only_xdp() {
+    tarpit_answers_syns_for_listed_addresses_only(XDP);
+}
+
+fn tarpit_answers_syns_for_listed_addresses_only(path: &'static str) {
     if netns::skip() {
         return;
     }
-    let s = Segment::new(2);
+    let s = Segment::new(2, path);
     let _backends = s.start_backends();
     let mut q = s.quill(
         &[
@@ -362,7 +449,7 @@ fn dsr_start_errors_name_the_problem() {
     if netns::skip() {
         return;
     }
-    let s = Segment::new(1);
+    let s = Segment::new(1, PACKET);
     // No such interface.
     let mut q = NsQuill::start(
         &s.lb,
@@ -414,13 +501,22 @@ fn open_download(s: &Segment) -> (TcpStream, usize) {
 /// backend it started on (the flow table), so every download completes; new flows reach
 /// the new server too.
 #[test]
-fn existing_flows_keep_their_backend_when_a_server_is_added() {
+fn existing_flows_keep_their_backend_when_a_server_is_added_packet() {
+    existing_flows_keep_their_backend_when_a_server_is_added(PACKET);
+}
+
+#[test]
+fn existing_flows_keep_their_backend_when_a_server_is_added_xdp() {
+    existing_flows_keep_their_backend_when_a_server_is_added(XDP);
+}
+
+fn existing_flows_keep_their_backend_when_a_server_is_added(path: &'static str) {
     if netns::skip() {
         return;
     }
-    let s = Segment::new(3);
+    let s = Segment::new(3, path);
     let _backends = s.start_backends();
-    let dir = std::env::temp_dir().join(format!("quill-dsr-flows-{}", std::process::id()));
+    let dir = std::env::temp_dir().join(format!("quill-dsr-flows-{}-{path}", std::process::id()));
     std::fs::create_dir_all(&dir).unwrap();
     let ctl = dir.join("ctl").to_string_lossy().into_owned();
     // Round robin: the flows of the one client spread over the servers by port.
@@ -437,6 +533,8 @@ fn existing_flows_keep_their_backend_when_a_server_is_added() {
             "3",
             "-O",
             "dsr_if l0",
+            "-O",
+            &format!("dsr_path {path}"),
             &format!("{VIP}:80"),
             "10.77.0.11",
             "10.77.0.12",

@@ -350,6 +350,20 @@ pub static FAMILIES: &[Family] = &[
         source: Source::IfRunning(|s| dsr(s, |c| &c.send_errors)),
     },
     Family {
+        name: "dsr_xdp_forwarded_frames",
+        help: "DSR: frames the XDP program forwarded (counted in dsr_forwarded_frames too).",
+        unit: None,
+        kind: Kind::Counter,
+        source: Source::IfRunning(|s| dsr(s, |c| &c.xdp_forwarded)),
+    },
+    Family {
+        name: "dsr_xdp_mode",
+        help: "DSR: how the XDP program forwards: 2 in the driver (native), 1 on the skb (generic), 0 not at all (the packet socket forwards).",
+        unit: None,
+        kind: Kind::Gauge,
+        source: Source::IfRunning(|s| dsr(s, |c| &c.xdp_mode)),
+    },
+    Family {
         name: "dsr_flows",
         help: "DSR: flows in the flow table (each keeps its server while the set of servers changes).",
         unit: None,

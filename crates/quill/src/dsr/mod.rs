@@ -18,6 +18,7 @@ pub mod maglev;
 pub mod packet;
 mod plane;
 pub mod tarpit;
+pub mod xdp;
 
 use std::io;
 use std::net::{IpAddr, Ipv4Addr};
@@ -26,6 +27,7 @@ use std::thread::JoinHandle;
 
 use tokio::sync::watch;
 
+use crate::command::DsrPath;
 use crate::net::ListenAddr;
 use crate::settings::Settings;
 use crate::state::State;
@@ -66,6 +68,14 @@ pub enum DsrError {
         interface: String,
         source: io::Error,
     },
+    #[error(
+        "dsr_if {interface}: dsr_path xdp: {source} (quill needs CAP_BPF and \
+         CAP_NET_ADMIN; 'dsr_path auto' falls back to the packet socket)"
+    )]
+    Xdp {
+        interface: String,
+        source: xdp::XdpError,
+    },
 }
 
 /// Which transport the VIP serves.
@@ -82,6 +92,8 @@ pub struct DsrConfig {
     pub vip: Ipv4Addr,
     pub port: u16,
     pub transport: Transport,
+    /// How frames are forwarded (`dsr_path`).
+    pub path: DsrPath,
 }
 
 impl DsrConfig {
@@ -126,6 +138,7 @@ impl DsrConfig {
             vip,
             port,
             transport,
+            path: settings.dsr_path,
         })
     }
 }

@@ -24,9 +24,11 @@ use super::frame::{
 use super::maglev::{mix64, Maglev};
 use super::packet::{BatchReport, FrameRing, PacketSocket, RxRing, TxMode, VNET_HDR_LEN};
 use super::tarpit::{self, Syn, Tarpit};
+use super::xdp::{self, FastPath, XdpError};
 use super::{DsrConfig, DsrError, Transport};
 use crate::acl::AclAction;
 use crate::balance::clock;
+use crate::command::DsrPath;
 use crate::settings::Settings;
 use crate::state::State;
 
@@ -62,8 +64,10 @@ enum Reader {
 /// What the plane did, for status reports and tests (monotonic counters).
 #[derive(Debug, Default)]
 pub struct DsrCounters {
-    /// Frames forwarded to a backend.
+    /// Frames forwarded to a backend (by either path).
     pub forwarded: AtomicU64,
+    /// Of those, frames the XDP program forwarded.
+    pub xdp_forwarded: AtomicU64,
     /// Frames for the VIP dropped because no backend was up.
     pub no_backend: AtomicU64,
     /// ARP replies sent for the VIP or a tarpitted address.
@@ -78,6 +82,9 @@ pub struct DsrCounters {
     pub flows: AtomicU64,
     /// New flows the full flow table could not record (served by Maglev's choice alone).
     pub flows_unrecorded: AtomicU64,
+    /// How the XDP program is attached: 2 native, 1 generic, 0 none (the packet socket
+    /// forwards).
+    pub xdp_mode: AtomicU64,
 }
 
 /// One backend that can be chosen: server number, address, MAC.
@@ -102,6 +109,9 @@ pub struct Plane {
     reader: Option<Reader>,
     /// How the rings send the frames they forward.
     tx_mode: TxMode,
+    /// The XDP fast path (`dsr_path`), loaded at start-up; attached unless another program
+    /// held the interface then (retried every second).
+    fast: Option<FastPath>,
 }
 
 /// The interface's MAC address, from sysfs.
@@ -122,6 +132,47 @@ fn parse_mac(s: &str) -> Option<Mac> {
         *b = u8::from_str_radix(parts.next()?, 16).ok()?;
     }
     parts.next().is_none().then_some(mac)
+}
+
+/// The `xdp_mode` counter's value for a mode.
+fn xdp_gauge(mode: xdp::Mode) -> u64 {
+    match mode {
+        xdp::Mode::Native => 2,
+        xdp::Mode::Generic => 1,
+    }
+}
+
+/// Loads and attaches the XDP program unless `dsr_path packet`. Under `auto` a failure
+/// falls back to the packet socket (said in the log); under `xdp` it stops the start. An
+/// interface held by another program (the process this one upgrades) is not a failure:
+/// the program is kept and attached when the interface is free.
+fn open_fast_path(config: &DsrConfig) -> Result<Option<FastPath>, DsrError> {
+    if config.path == DsrPath::Packet {
+        return Ok(None);
+    }
+    let interface = &config.interface;
+    let attached = FastPath::load().and_then(|mut fast| match fast.attach(interface) {
+        Ok(_) => Ok(fast),
+        Err(XdpError::Attach { busy: true, .. }) => {
+            tracing::warn!(
+                "DSR on {interface}: another XDP program holds the interface; forwarding \
+                 through the packet socket until it goes"
+            );
+            Ok(fast)
+        }
+        Err(e) => Err(e),
+    });
+    match attached {
+        Ok(fast) => Ok(Some(fast)),
+        Err(source) if config.path == DsrPath::Xdp => Err(DsrError::Xdp {
+            interface: interface.clone(),
+            source,
+        }),
+        Err(e) => {
+            tracing::warn!("DSR on {interface}: no XDP fast path ({e}); using the packet socket");
+            Ok(None)
+        }
+    }
 }
 
 /// The first IPv4 address of the interface, if it has one.
@@ -184,14 +235,20 @@ impl Plane {
                 Reader::Recv(vec![0u8; RX_BUF])
             }
         };
+        let fast = open_fast_path(&config)?;
+        let counters = Arc::<DsrCounters>::default();
+        if let Some(mode) = fast.as_ref().and_then(FastPath::mode) {
+            counters.xdp_mode.store(xdp_gauge(mode), Relaxed);
+        }
         Ok(Plane {
             config,
             sock,
             our_mac,
             our_ip,
-            counters: Arc::default(),
+            counters,
             reader: Some(reader),
             tx_mode,
+            fast,
         })
     }
 
@@ -202,7 +259,7 @@ impl Plane {
     /// Runs until `stop` turns true (checked every tick).
     pub fn run(mut self, state: &State, stop: &watch::Receiver<bool>) {
         tracing::info!(
-            "DSR on {} (MAC {}, ifindex {}, {}, {}): {} {}:{}",
+            "DSR on {} (MAC {}, ifindex {}, {}, {}, {}): {} {}:{}",
             self.config.interface,
             fmt_mac(&self.our_mac),
             self.sock.ifindex(),
@@ -216,6 +273,12 @@ impl Plane {
                     "one sendmmsg per batch"
                 }
                 _ => "one send per frame",
+            },
+            match self.fast.as_ref().map(FastPath::mode) {
+                Some(Some(xdp::Mode::Native)) => "XDP native",
+                Some(Some(xdp::Mode::Generic)) => "XDP generic",
+                Some(None) => "XDP waiting for the interface",
+                None => "no XDP",
             },
             match self.config.transport {
                 Transport::Tcp => "TCP",
@@ -238,6 +301,8 @@ impl Plane {
             last_tick: None,
             recv_errors: 0,
             configured: false,
+            attach_retry: None,
+            xdp_errors: 0,
         };
         let mut reader = self
             .reader
@@ -294,10 +359,11 @@ impl Plane {
         }
         let c = &self.counters;
         tracing::info!(
-            "DSR on {} stopped: {} frames forwarded, {} dropped without a backend, {} ARP \
-             replies, tarpit {} SYN+ACKs and {} dropped, {} send errors",
+            "DSR on {} stopped: {} frames forwarded ({} by XDP), {} dropped without a backend, \
+             {} ARP replies, tarpit {} SYN+ACKs and {} dropped, {} send errors",
             self.config.interface,
             c.forwarded.load(Relaxed),
+            c.xdp_forwarded.load(Relaxed),
             c.no_backend.load(Relaxed),
             c.arp_replies.load(Relaxed),
             c.tarpit_synack.load(Relaxed),
@@ -307,7 +373,7 @@ impl Plane {
     }
 
     /// The periodic work: settings, ARP refresh, the set of backends that are up.
-    fn tick(&self, run: &mut Running, state: &State, now: Instant) {
+    fn tick(&mut self, run: &mut Running, state: &State, now: Instant) {
         let settings = state.settings();
         if !run.configured {
             // Announce the VIP (gratuitous ARP): neighbours that still map it to another
@@ -380,6 +446,81 @@ impl Plane {
                 up.join(", ")
             );
             run.targets = targets;
+        }
+        self.tick_fast_path(run, state, now);
+    }
+
+    /// Keeps the XDP program's maps in line with this tick's decisions and adds what it
+    /// forwarded to the counters; retries attaching while another program holds the
+    /// interface.
+    fn tick_fast_path(&mut self, run: &mut Running, state: &State, now: Instant) {
+        let Some(fast) = self.fast.as_mut() else {
+            return;
+        };
+        if fast.mode().is_none() {
+            if run.attach_retry.is_some_and(|t| now < t) {
+                return;
+            }
+            run.attach_retry = Some(now + Duration::from_secs(1));
+            match fast.attach(&self.config.interface) {
+                Ok(mode) => {
+                    tracing::info!(
+                        "DSR on {}: XDP program attached ({} mode)",
+                        self.config.interface,
+                        mode.word()
+                    );
+                    self.counters.xdp_mode.store(xdp_gauge(mode), Relaxed);
+                }
+                Err(XdpError::Attach { busy: true, .. }) => return,
+                Err(e) => {
+                    tracing::warn!(
+                        "DSR on {}: {e}; staying on the packet socket",
+                        self.config.interface
+                    );
+                    self.fast = None;
+                    return;
+                }
+            }
+        }
+        let Some(fast) = self.fast.as_mut() else {
+            return;
+        };
+        let config = xdp::Config {
+            vip: self.config.vip,
+            port: self.config.port,
+            transport: self.config.transport,
+            roundrobin: run.settings.policy.roundrobin,
+            our_mac: self.our_mac,
+            targets: u16::try_from(run.targets.len()).unwrap_or(u16::MAX),
+        };
+        let up: Vec<(Ipv4Addr, frame::Mac, usize)> = run
+            .targets
+            .iter()
+            .map(|t| (t.ip, t.mac, t.server))
+            .collect();
+        let result = fast
+            .sync(&config, &up, &run.maglev)
+            .and_then(|()| fast.collect(run.backends.iter().map(|b| b.0)));
+        match result {
+            Ok((totals, servers)) => {
+                run.xdp_errors = 0;
+                self.counters.forwarded.fetch_add(totals.forwarded, Relaxed);
+                self.counters
+                    .xdp_forwarded
+                    .fetch_add(totals.forwarded, Relaxed);
+                for (server, delta) in servers {
+                    if let Some(s) = state.servers.get(server) {
+                        s.bytes_to.fetch_add(delta.bytes, Relaxed);
+                        s.total.fetch_add(delta.syns, Relaxed);
+                    }
+                }
+            }
+            Err(e) => {
+                if run.xdp_errors == 0 {
+                    tracing::error!("DSR on {}: {e}", self.config.interface);
+                }
+                run.xdp_errors += 1;
+            }
         }
     }
 
@@ -588,6 +729,10 @@ struct Running {
     recv_errors: u64,
     /// The backends were read from the settings at least once.
     configured: bool,
+    /// When to try attaching the XDP program again (while another one holds the interface).
+    attach_retry: Option<Instant>,
+    /// XDP map errors in a row (logged once).
+    xdp_errors: u64,
 }
 
 fn fmt_mac(m: &Mac) -> String {
