@@ -17,6 +17,16 @@ Scenarios:
             quill's normal proxy mode (10.77.0.2:8080): requests/s and requests per
             balancer CPU second; the ratio DSR / proxy is the figure of merit. --rounds N
             repeats the variants interleaved and reports medians.
+  paths     the XDP fast path against the rest, in interleaved rounds (--rounds): a 300 MB
+            TCP upload to VIP:9000 (every byte crosses the balancer; sinks on the backends)
+            and the UDP blast, through Pen's DSR, quill `dsr_path packet`, quill `dsr_path
+            xdp` (generic and native mode) and the trivial XDP_TX ceiling
+            (bench/xdp_ceiling.bpf.c, generic and native): MB/s and forwarded packets/s,
+            and the whole machine's CPU (all cores, /proc/stat: XDP work is softirq, charged
+            to no balancer process) per GB and per million packets. Native XDP on a veth
+            needs an XDP program on the peer (the bridge port gets an XDP_PASS one) and the
+            client's checksums complete (`ethtool -K c0 tx off`, for every variant alike).
+            Needs clang and libbpf-dev (the ceiling is built here) and ethtool.
 
 Balancer CPU is the process's on-CPU time (schedstat), which on this kernel includes the
 softirq work that runs in its context: on a veth topology, the bridge's and the peers' TCP
@@ -268,13 +278,220 @@ def download(a, quill, backends, spawn, kill):
                       f"network processing run in its softirq (quill's DSR path has no TCP socket)")
 
 
+SINK = r"""
+import socket, threading
+s = socket.socket()
+s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+s.bind(("0.0.0.0", 9000))
+s.listen(16)
+def drain(c):
+    while c.recv(1 << 20):
+        pass
+    c.close()
+while True:
+    c, _ = s.accept()
+    threading.Thread(target=drain, args=(c,), daemon=True).start()
+"""
+
+# One upload of N MiB to VIP:9000; prints its duration (until the sink has read it all).
+UPLOADER = r"""
+import socket, sys, time
+n, buf = int(sys.argv[2]), b"x" * (1 << 20)
+s = socket.create_connection((sys.argv[1], 9000), timeout=30)
+t = time.monotonic()
+for _ in range(n):
+    s.sendall(buf)
+s.shutdown(socket.SHUT_WR)
+s.recv(1)
+print(time.monotonic() - t)
+"""
+
+
+def machine_idle():
+    sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+    import tcp_bench
+    return tcp_bench.machine_idle()
+
+
+def machine_busy_s(before, after):
+    import tcp_bench
+    return tcp_bench.machine_busy_s(before, after)
+
+
+def lb_mac():
+    out = nsexec("lb", "cat", "/sys/class/net/l0/address", capture_output=True)
+    return out.stdout.decode().strip()
+
+
+def build_ceiling(backend_mac):
+    """The ceiling program for `backend_mac`, built with clang; None without clang."""
+    if not (shutil.which("clang") and os.path.exists("/usr/include/bpf/bpf_helpers.h")):
+        return None
+    here = os.path.dirname(os.path.abspath(__file__))
+    obj = tempfile.mktemp(prefix="qb-ceiling-", suffix=".o")
+    mac = ",".join(f"0x{b}" for b in backend_mac.split(":"))
+    sh("clang", "-O2", "-target", "bpf", "-I/usr/include/x86_64-linux-gnu", f"-DBACKEND_MAC={mac}",
+       "-c", os.path.join(here, "xdp_ceiling.bpf.c"), "-o", obj)
+    return obj
+
+
+def paths(a, quill, backends, spawn, kill):
+    """Upload MB/s and UDP forwarding rate, with the machine's CPU, for each forwarding path."""
+    print(f"== forwarding paths: {a.upload_mb} MB upload to {VIP}:9000 and a {a.duration:.0f} s UDP blast "
+          f"({a.senders} senders), {a.rounds} interleaved round(s)")
+    if not shutil.which("ethtool"):
+        print("  paths: SKIPPED, ethtool is missing (apt-get install ethtool)")
+        return
+    sinks = [popen(be, sys.executable, "-c", SINK, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+             for be in ("be1", "be2")]
+    # Native XDP_TX on a veth loses the checksum state of locally sent frames: the client
+    # computes its checksums itself, for every variant alike.
+    if not a.client_offload:
+        nsexec("cli", "ethtool", "-K", "c0", "tx", "off", stdout=subprocess.DEVNULL)
+    # The ceiling answers no ARP: the client knows the balancer's MAC for the VIP.
+    ip("cli", "neigh", "replace", VIP, "lladdr", lb_mac(), "dev", "c0", "nud", "permanent")
+    be1_mac = nsexec("be1", "cat", "/sys/class/net/b0/address", capture_output=True).stdout.decode().strip()
+    ceiling = build_ceiling(be1_mac)
+    peer_pass = ceiling  # the same object's xdp_pass section
+
+    def peer(on):
+        if on:
+            ip("sw", "link", "set", "dev", "p-lb", "xdpdrv", "obj", peer_pass, "sec", "xdp_pass")
+        else:
+            sh("ip", "-n", NS["sw"], "link", "set", "dev", "p-lb", "xdpdrv", "off", check=False)
+
+    def balancer(args, env=None, native=False):
+        def start(udp):
+            peer(native)
+            extra = ["-U"] if udp else []
+            port = 9 if udp else 9000
+            pid = spawn([*args[:1], "-f", *extra, *args[1:], f"{VIP}:{port}", *backends], env)
+            time.sleep(1.0)  # the balancer resolves its backends (ARP, first tick)
+            return pid
+
+        def stop():
+            kill()
+            peer(False)
+        return start, stop
+
+    def xdp_prog(mode):
+        def start(udp):
+            peer(mode == "xdpdrv")
+            ip("lb", "link", "set", "dev", "l0", mode, "obj", ceiling, "sec", "xdp")
+            return 0
+
+        def stop():
+            sh("ip", "-n", NS["lb"], "link", "set", "dev", "l0", mode, "off", check=False)
+            peer(False)
+        return start, stop
+
+    dsr = ["-r", "-O", "dsr_if l0"]
+    variants = []
+    if shutil.which("pen"):
+        variants.append(("pen", *balancer(["pen", *dsr])))
+    variants += [
+        ("quill-packet", *balancer([quill, *dsr, "-O", "dsr_path packet"])),
+        ("quill-xdp-generic", *balancer([quill, *dsr, "-O", "dsr_path xdp"], {"QUILL_XDP_MODE": "generic"})),
+    ]
+    if not a.client_offload:
+        variants.append(("quill-xdp-native", *balancer([quill, *dsr, "-O", "dsr_path xdp"],
+                                                       {"QUILL_XDP_MODE": "native"}, native=True)))
+    if ceiling:
+        variants.append(("ceiling-generic", *xdp_prog("xdpgeneric")))
+        if not a.client_offload:
+            variants.append(("ceiling-native", *xdp_prog("xdpdrv")))
+    else:
+        print("  ceiling: not measured (clang or libbpf-dev missing)")
+
+    def upload(start, stop):
+        pid = start(False)
+        if pid is None:
+            return None
+        try:
+            before = machine_idle()
+            out = nsexec("cli", sys.executable, "-c", UPLOADER, VIP, str(a.upload_mb),
+                         capture_output=True, check=False)
+            after = machine_idle()
+            if out.returncode != 0:
+                return None
+            secs = float(out.stdout)
+            gb = a.upload_mb * (1 << 20) / 1e9
+            return a.upload_mb * (1 << 20) / 1e6 / secs, machine_busy_s(before, after) / gb
+        finally:
+            stop()
+
+    def blast(start, stop):
+        pid = start(True)
+        if pid is None:
+            return None
+        try:
+            rx0 = stat("be1", "b0", "rx_packets") + stat("be2", "b0", "rx_packets")
+            before = machine_idle()
+            procs = [popen("cli", sys.executable, "-c", SENDER, str(a.duration), VIP, stdout=subprocess.PIPE)
+                     for _ in range(a.senders)]
+            for p in procs:
+                p.wait()
+            after = machine_idle()
+            time.sleep(0.2)  # let queued frames drain before reading the counters
+            fwd = stat("be1", "b0", "rx_packets") + stat("be2", "b0", "rx_packets") - rx0
+            return fwd / a.duration, machine_busy_s(before, after) / max(fwd / 1e6, 1e-9)
+        finally:
+            stop()
+
+    runs = {name: {"upload": [], "blast": []} for name, *_ in variants}
+    try:
+        for _ in range(a.rounds):
+            for name, start, stop in variants:
+                r = upload(start, stop)
+                if r:
+                    runs[name]["upload"].append(r)
+                r = blast(start, stop)
+                if r:
+                    runs[name]["blast"].append(r)
+    finally:
+        for s in sinks:
+            s.terminate()
+        nsexec("cli", "ethtool", "-K", "c0", "tx", "on", stdout=subprocess.DEVNULL, check=False)
+        ip("cli", "neigh", "del", VIP, "dev", "c0")
+        if ceiling:
+            os.unlink(ceiling)
+
+    def med(name, what, i):
+        xs = [r[i] for r in runs.get(name, {}).get(what, [])]
+        return median(xs) if xs else None
+
+    print(f"  {'path':18} {'upload MB/s':>11} {'machine s/GB':>12} {'blast fwd pps':>14} {'machine s/Mpkt':>14}   (rounds: MB/s; pps)")
+    for name, *_ in variants:
+        u, c, f, m = (med(name, "upload", 0), med(name, "upload", 1), med(name, "blast", 0), med(name, "blast", 1))
+        fmt = lambda x, spec: format(x, spec) if x is not None else "-"
+        spread = "; ".join([", ".join(f"{r[0]:.0f}" for r in runs[name]["upload"]),
+                            ", ".join(f"{r[0]:,.0f}" for r in runs[name]["blast"])])
+        print(f"  {name:18} {fmt(u, '11.1f')} {fmt(c, '12.2f')} {fmt(f, '14,.0f')} {fmt(m, '14.2f')}   ({spread})")
+
+    def ratio(x, y, what, i):
+        a_, b_ = med(x, what, i), med(y, what, i)
+        return a_ / b_ if a_ and b_ else None
+
+    for best in ("quill-xdp-native", "quill-xdp-generic"):
+        for other, what, i, label in (("pen", "upload", 0, "upload MB/s"), ("pen", "upload", 1, "machine CPU per GB"),
+                                      ("quill-packet", "upload", 0, "upload MB/s"),
+                                      (best.replace("quill-xdp", "ceiling"), "blast", 0, "forwarded pps")):
+            r = ratio(best, other, what, i)
+            if r is not None:
+                print(f"  {best} / {other}: {r:.2f}x {label}")
+
+
 def main():
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--quick", action="store_true", help="short runs (3 s each)")
     ap.add_argument("--duration", type=float, default=10.0)
     ap.add_argument("--senders", type=int, default=2)
     ap.add_argument("--clients", type=int, default=4, help="concurrent curl loops (download)")
-    ap.add_argument("--only", choices=("pps", "download"), help="run one scenario")
+    ap.add_argument("--only", choices=("pps", "download", "paths"), help="run one scenario")
+    ap.add_argument("--upload-mb", type=int, default=300, help="upload size (paths)")
+    ap.add_argument("--client-offload", action="store_true",
+                    help="paths: keep the client's checksum offload and TSO (64 KiB frames) on; "
+                         "native XDP is then not measured (it breaks those frames' checksums on a veth)")
     ap.add_argument("--rounds", type=int, default=1, help="interleaved rounds (download)")
     ap.add_argument("--perf", action="store_true",
                     help="also record DSR and proxy downloads with perf and split their CPU")
@@ -320,7 +537,7 @@ def main():
 
         holder = {}
         backends = ["10.77.0.11", "10.77.0.12"]
-        if a.only != "download":
+        if a.only not in ("download", "paths"):
             print(f"== forwarding rate: UDP to {VIP}:9, {a.senders} sender(s), {a.duration:.0f} s")
             results["quill"] = run_pps("quill", lambda: spawn([quill, "-f", "-U", "-r", "-O", "dsr_if l0", f"{VIP}:9", *backends]),
                                        kill, a.duration, a.senders)
@@ -364,8 +581,10 @@ def main():
             if results.get("quill") and results.get("ipvs"):
                 print(f"  quill / ipvs forwarding rate: {results['quill'][1] / max(results['ipvs'][1], 1):.2f}")
 
-        if a.only != "pps":
+        if a.only not in ("pps", "paths"):
             download(a, quill, backends, spawn, kill)
+        if a.only in (None, "paths"):
+            paths(a, quill, backends, spawn, kill)
         print("NOTE: shared 2-core machine with other jobs running; read the ratios, not the absolute figures.")
     finally:
         for s in servers:

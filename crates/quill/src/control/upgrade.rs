@@ -167,7 +167,14 @@ pub async fn offer(ctx: &Context, mut sock: UnixStream) {
 async fn send_offer(ctx: &Context, sock: &UnixStream) -> Result<(), String> {
     let listeners = ctx.listener_dups().map_err(|e| e.to_string())?;
     if listeners.is_empty() {
-        return Err("nothing to hand over (UDP listeners cannot be handed over)".into());
+        // UDP (-U) and DSR (dsr_if) have no listening TCP socket to pass on: those are
+        // restarted instead (a DSR plane's XDP program goes with the old process, and the
+        // new one attaches its own).
+        return Err(
+            "nothing to hand over (UDP and DSR have no listening socket to pass on: restart \
+             them instead)"
+                .into(),
+        );
     }
     let control = ctx
         .control_fd

@@ -117,7 +117,12 @@ pub struct NsQuill {
 
 impl NsQuill {
     pub fn start(ns: &Netns, args: &[&str]) -> NsQuill {
-        let log = std::env::temp_dir().join(format!("{}-quill.log", ns.name));
+        NsQuill::start_as(ns, "quill", args)
+    }
+
+    /// [`NsQuill::start`] with its own log file, for a second quill in the namespace.
+    pub fn start_as(ns: &Netns, name: &str, args: &[&str]) -> NsQuill {
+        let log = std::env::temp_dir().join(format!("{}-{name}.log", ns.name));
         let file = File::create(&log).unwrap_or_else(|e| panic!("{}: {e}", log.display()));
         let child = ns
             .cmd(&super::bin().to_string_lossy())
