@@ -841,7 +841,7 @@ struct DsrSite {
     quills: Vec<NsQuill>,
     _birds: Vec<Bird>,
     _servers: Vec<DownloadServer>,
-    _backends: Vec<Netns>,
+    backends: Vec<Netns>,
     _dir: TempDir,
     _switch: Netns,
 }
@@ -939,7 +939,7 @@ impl DsrSite {
             quills,
             _birds: birds,
             _servers: servers,
-            _backends: backends,
+            backends,
             _dir: dir,
             _switch: switch,
         };
@@ -1153,5 +1153,36 @@ fn a_dsr_download_survives_a_silent_node_without_bfd() {
     eprintln!(
         "dsr, silent node, BGP hold time 3 s: the router dropped the node after {moved:?}, \
          the download stalled {stalled:?} and completed byte-exact"
+    );
+}
+
+/// A DSR node forwards only to servers that answer ARP: when every server goes silent, the
+/// nodes cannot forward and withdraw, whatever the servers' health checks last said; when
+/// the servers answer again, the nodes announce again.
+#[test]
+fn dsr_nodes_whose_servers_stop_answering_withdraw() {
+    if netns::skip() || bird_missing() {
+        return;
+    }
+    let site = DsrSite::start(false);
+    for be in &site.backends {
+        be.ip(&["link", "set", "b0", "down"]);
+    }
+    let gone = time_until("the router drops both nodes", || site.nexthops() == 0);
+    for be in &site.backends {
+        be.ip(&["link", "set", "b0", "up"]);
+        be.ip(&["route", "replace", "default", "via", "10.88.0.1"]);
+    }
+    let back = time_until("both nodes announce again", || site.nexthops() == 2);
+    assert!(request_from(
+        &site.client,
+        &format!("{DSR_VIP}:80"),
+        Duration::from_secs(2)
+    )
+    .unwrap()
+    .contains("200"));
+    eprintln!(
+        "dsr: servers silent: the router dropped both nodes after {gone:?} (ARP gives up \
+         after 3.5 s); servers back: both announced again after {back:?}"
     );
 }

@@ -40,7 +40,7 @@ const TICK: Duration = Duration::from_millis(200);
 #[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
 #[non_exhaustive]
 pub enum Unservable {
-    #[error("no server is up (all down, blacklisted or draining)")]
+    #[error("no server is up (all down, blacklisted or draining; with DSR: none answers ARP)")]
     NoServer,
     #[error("the node is draining (drain; 'drain 0' ends it)")]
     Draining,
@@ -57,7 +57,12 @@ pub fn can_serve(settings: &Settings, state: &State) -> Result<(), Unservable> {
     let now = clock::now_ms();
     let up = crate::control::report::in_use(settings, state)
         .any(|(_, _, _, rt)| rt.condition(now) == Condition::Up);
-    if up {
+    // In DSR mode a server is up for the plane only once it answers ARP: a node whose
+    // servers all went silent cannot forward, whatever their health checks last said.
+    let dsr_up = state.dsr.get().map_or(true, |c| {
+        c.started.load(Relaxed) && c.backends_up.load(Relaxed) > 0
+    });
+    if up && dsr_up {
         Ok(())
     } else {
         Err(Unservable::NoServer)

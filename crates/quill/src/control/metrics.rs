@@ -364,6 +364,13 @@ pub static FAMILIES: &[Family] = &[
         source: Source::IfRunning(|s| dsr(s, |c| &c.xdp_mode)),
     },
     Family {
+        name: "dsr_servers_up",
+        help: "DSR: servers the plane forwards to now (answering ARP, not blacklisted).",
+        unit: None,
+        kind: Kind::Gauge,
+        source: Source::IfRunning(|s| dsr(s, |c| &c.backends_up)),
+    },
+    Family {
         name: "dsr_flows",
         help: "DSR: flows in the flow table (each keeps its server while the set of servers changes).",
         unit: None,

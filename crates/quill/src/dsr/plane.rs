@@ -85,6 +85,11 @@ pub struct DsrCounters {
     /// How the XDP program is attached: 2 native, 1 generic, 0 none (the packet socket
     /// forwards).
     pub xdp_mode: AtomicU64,
+    /// Backends the plane can forward to now (answering ARP, not blacklisted): what
+    /// `announce::can_serve` asks in DSR mode. Set after the plane's first tick.
+    pub backends_up: AtomicU64,
+    /// The plane has made its first decision about the backends.
+    pub started: std::sync::atomic::AtomicBool,
 }
 
 /// One backend that can be chosen: server number, address, MAC.
@@ -447,6 +452,10 @@ impl Plane {
             );
             run.targets = targets;
         }
+        self.counters
+            .backends_up
+            .store(run.targets.len() as u64, Relaxed);
+        self.counters.started.store(true, Relaxed);
         self.tick_fast_path(run, state, now);
     }
 
