@@ -232,6 +232,18 @@ fn tcp_through_dsr_spreads_over_backends_and_replies_bypass_the_balancer(path: &
         metric("quill_dsr_xdp_forwarded_frames_total "),
     );
     eprintln!("{path}: {all} frames forwarded, {by_xdp} by XDP");
+    let status: serde_json::Value = serde_json::from_str(
+        &curl(&s.lb, "http://127.0.0.1:9100/status.json", 3).expect("status.json"),
+    )
+    .unwrap();
+    let dsr = &status["dsr"];
+    assert_eq!(dsr["interface"], "l0");
+    assert_eq!(dsr["servers_up"], 2);
+    assert!(dsr["forwarded"].as_u64().unwrap() >= all, "{dsr}");
+    assert_eq!(
+        dsr["path"],
+        if path == XDP { "xdp-generic" } else { "packet" }
+    );
     if path == XDP {
         assert!(
             by_xdp >= 20 && by_xdp + 5 >= all,

@@ -233,6 +233,23 @@ pub fn json(ctx: &Context) -> String {
             "announced": state.announced.load(Relaxed) == table,
             "address": crate::announce::service_address(&settings).ok().map(|a| a.to_string()),
         })),
+        "dsr": state.dsr.get().map(|c| json!({
+            "interface": settings.dsr_if.as_ref().map(|i| i.to_string()),
+            "path": match c.xdp_mode.load(Relaxed) {
+                2 => "xdp-native",
+                1 => "xdp-generic",
+                _ => "packet",
+            },
+            "servers_up": c.backends_up.load(Relaxed),
+            "forwarded": c.forwarded.load(Relaxed),
+            "xdp_forwarded": c.xdp_forwarded.load(Relaxed),
+            "no_server": c.no_backend.load(Relaxed),
+            "flows": c.flows.load(Relaxed),
+            "flows_unrecorded": c.flows_unrecorded.load(Relaxed),
+            "arp_replies": c.arp_replies.load(Relaxed),
+            "tarpit_synacks": c.tarpit_synack.load(Relaxed),
+            "send_errors": c.send_errors.load(Relaxed),
+        })),
     });
     doc.to_string()
 }
