@@ -278,7 +278,7 @@ pub async fn serve(
         stopping: Cell::new(false),
     });
     let mut batch: Box<RecvBatch<LISTEN_BATCH>> = Box::new(RecvBatch::new(pktinfo));
-    let mut load = Load::new();
+    let mut load = Load::new(super::polling::UDP_SHARE);
     loop {
         let mut guard = if load.spinning() {
             tokio::select! {
