@@ -173,7 +173,7 @@ fn ten_thousand_connections_leak_no_descriptors() {
         || a.open() + b.open() == 0,
     );
 
-    // Under that load quill's event loops poll instead of sleeping (`proxy::polling`).
+    // Under that load quill's event loops may poll instead of sleeping (`proxy::polling`).
     // Once the traffic has ended they must stop: an idle balancer costs no CPU. (Each try
     // measures quill's CPU time over half a second of wall time.)
     wait_until(
