@@ -842,7 +842,7 @@ struct DsrSite {
     _birds: Vec<Bird>,
     _servers: Vec<DownloadServer>,
     backends: Vec<Netns>,
-    _dir: TempDir,
+    dir: TempDir,
     _switch: Netns,
 }
 
@@ -868,7 +868,8 @@ impl DsrSite {
 
         let mut backends = Vec::new();
         let mut servers = Vec::new();
-        for i in 1..=2 {
+        // be3 is not among quill's servers at first (see `servers_file`).
+        for i in 1..=3 {
             let be = Netns::new(&format!("be{i}"));
             let ip = format!("10.88.0.{}/24", 10 + i);
             netns::plug(&switch, "br0", &format!("p-be{i}"), &be, "b0", &ip);
@@ -915,10 +916,19 @@ impl DsrSite {
                 &node_bird(ip, "10.88.0.1", bfd_if),
             ));
             let listen = format!("{DSR_VIP}:80");
+            let file = dir.path().join(format!("lb{i}.cfg"));
+            std::fs::write(&file, "# servers added by a reload\n").unwrap();
+            // Round robin: flows are placed by client address and port, so one client's
+            // connections spread over the servers.
             quills.push(NsQuill::start(
                 &node,
                 &[
                     "-d",
+                    "-r",
+                    "-S",
+                    "3",
+                    "-F",
+                    file.to_str().unwrap(),
                     "-O",
                     "dsr_if e0",
                     "-O",
@@ -940,7 +950,7 @@ impl DsrSite {
             _birds: birds,
             _servers: servers,
             backends,
-            _dir: dir,
+            dir,
             _switch: switch,
         };
         wait_until(
@@ -1165,11 +1175,12 @@ fn dsr_nodes_whose_servers_stop_answering_withdraw() {
         return;
     }
     let site = DsrSite::start(false);
-    for be in &site.backends {
+    // Only the servers in use: be1 and be2.
+    for be in &site.backends[..2] {
         be.ip(&["link", "set", "b0", "down"]);
     }
     let gone = time_until("the router drops both nodes", || site.nexthops() == 0);
-    for be in &site.backends {
+    for be in &site.backends[..2] {
         be.ip(&["link", "set", "b0", "up"]);
         be.ip(&["route", "replace", "default", "via", "10.88.0.1"]);
     }
@@ -1185,4 +1196,63 @@ fn dsr_nodes_whose_servers_stop_answering_withdraw() {
         "dsr: servers silent: the router dropped both nodes after {gone:?} (ARP gives up \
          after 3.5 s); servers back: both announced again after {back:?}"
     );
+}
+
+/// A server added by a reload on both nodes while downloads run through them: every node
+/// keeps the flows it carries on their servers (its flow table), so every download
+/// completes byte-exact, and new flows reach the new server from both nodes alike.
+#[test]
+fn a_server_added_on_both_dsr_nodes_takes_new_flows_and_breaks_no_download() {
+    if netns::skip() || bird_missing() {
+        return;
+    }
+    use std::sync::atomic::Ordering::Relaxed;
+    let site = DsrSite::start(false);
+    let downloads: Vec<Download> = (0..6).map(|_| Download::start(&site.client)).collect();
+    wait_until(IO_TIMEOUT, "every download under way", || {
+        downloads
+            .iter()
+            .all(|d| d.got.load(Relaxed) >= 1 << 20 || d.thread.is_finished())
+    });
+    for d in &downloads {
+        d.hold.store(true, Relaxed);
+    }
+    for (i, q) in site.quills.iter().enumerate() {
+        let file = site.dir.path().join(format!("lb{i}.cfg"));
+        std::fs::write(&file, "server 2 address 10.88.0.13 port 80\n").unwrap();
+        let hup = std::process::Command::new("kill")
+            .args(["-HUP", &q.pid().to_string()])
+            .status();
+        assert!(hup.unwrap().success());
+    }
+    wait_until(IO_TIMEOUT, "both nodes forward to be3", || {
+        site.quills.iter().all(|q| {
+            q.stderr()
+                .contains("backends up: [10.88.0.11, 10.88.0.12, 10.88.0.13]")
+        })
+    });
+    for d in &downloads {
+        d.hold.store(false, Relaxed);
+    }
+    for (i, d) in downloads.into_iter().enumerate() {
+        let got = d.thread.join().unwrap();
+        assert!(
+            matches!(got, Ok((DOWNLOAD, _))),
+            "download {i} across the reload: {got:?}"
+        );
+    }
+    let mut names = std::collections::HashSet::new();
+    for _ in 0..40 {
+        let reply = request_from(
+            &site.client,
+            &format!("{DSR_VIP}:80"),
+            Duration::from_secs(2),
+        )
+        .unwrap();
+        if let Some(name) = reply.lines().last() {
+            names.insert(name.trim().to_string());
+        }
+    }
+    assert!(names.contains("be3"), "no new flow reached be3: {names:?}");
+    eprintln!("dsr reload on both nodes: 6 downloads complete, new flows on {names:?}");
 }

@@ -6,7 +6,8 @@
 //! always choose alike — and reads its counters back into quill's.
 //!
 //! Invariants: the program is attached through a BPF link owned by this process, so the
-//! kernel detaches it when the process ends, however it ends; no program is left behind.
+//! kernel detaches it when the process ends, however it ends; no program is left behind
+//! (kernels older than 5.9, which attach through netlink for good, get no fast path).
 //! Maps are written in an order that never sends a frame to a backend that is not up: new
 //! backends first, then the table's changed slots, then the backends that left are removed
 //! (a slot or flow naming a missing backend makes the program pass the frame to the packet
@@ -192,6 +193,18 @@ where
     T::try_from(map).map_err(map_err(name))
 }
 
+/// Whether the kernel attaches XDP programs through BPF links (Linux 5.9), which go with
+/// the process that holds them; older kernels attach through netlink, for good.
+fn bpf_links() -> bool {
+    let Ok(release) = std::fs::read_to_string("/proc/sys/kernel/osrelease") else {
+        return false;
+    };
+    let mut parts = release.trim().split(['.', '-']);
+    let major: u32 = parts.next().and_then(|p| p.parse().ok()).unwrap_or(0);
+    let minor: u32 = parts.next().and_then(|p| p.parse().ok()).unwrap_or(0);
+    (major, minor) >= (5, 9)
+}
+
 /// Whether `e`, or an error it wraps, is EBUSY.
 fn is_busy(e: &(dyn std::error::Error + 'static)) -> bool {
     let mut cause = Some(e);
@@ -210,6 +223,13 @@ impl FastPath {
     /// Loads the program and takes its maps; nothing is attached yet. Needs CAP_BPF (done
     /// at start-up, before privileges are dropped).
     pub fn load() -> Result<FastPath, XdpError> {
+        if !bpf_links() {
+            return Err(XdpError::Load(
+                "this kernel is older than 5.9: without BPF links a killed quill would leave \
+                 its program attached"
+                    .into(),
+            ));
+        }
         let mut ebpf = Ebpf::load(PROGRAM).map_err(|e| XdpError::Load(e.to_string()))?;
         let program: &mut Xdp = ebpf
             .program_mut("quill_dsr")
