@@ -25,7 +25,8 @@ ssl_client_renegotiation_interval ssl_compat upstream_tls upstream_ca upstream_s
 check_interval check_timeout check_rise check_fall slow_start shutdown_grace announce_table
 announce_grace dsr_if dsr_path
 tarpit_acl transparent http http_header_max http_request_timeout hsts proxy_protocol
-accept_proxy'
+accept_proxy alpn h2c h2_max_streams upstream_keepalive upstream_idle_timeout
+upstream_max_requests'
 
 # The values of -L (ssl_protocol).
 _quill_protocols='ssl23 tls1.2 tls1.3'

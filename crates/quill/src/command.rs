@@ -240,6 +240,40 @@ pub enum Command {
     /// `accept_proxy` / `no accept_proxy` (extension): clients begin with a PROXY protocol
     /// header (v1 or v2) naming the real client.
     AcceptProxy(bool),
+    /// `alpn h2,http/1.1` / `no alpn` (extension): the protocols TLS listeners offer, in
+    /// the server's order of preference. Without it: `h2,http/1.1` with `http`, else
+    /// `http/1.1`. `h2` needs `http`.
+    Alpn(Option<Vec<Alpn>>),
+    /// `h2c` / `no h2c` (extension): with `http`, plain listeners also take HTTP/2 from
+    /// clients that start with its preface (prior knowledge, RFC 9113 3.3).
+    H2c(bool),
+    /// `h2_max_streams N` (extension): concurrent streams an HTTP/2 client may open.
+    H2MaxStreams(u32),
+    /// `upstream_keepalive N` (extension): idle kept-alive connections per server, per
+    /// event loop, that requests served per request (HTTP/2 clients) reuse; 0 = one
+    /// connection per request.
+    UpstreamKeepalive(u32),
+    /// `upstream_idle_timeout N` (extension): seconds an idle pooled connection is kept.
+    UpstreamIdleTimeout(u64),
+    /// `upstream_max_requests N` (extension): requests over one pooled connection before
+    /// it is closed (0 = no limit).
+    UpstreamMaxRequests(u64),
+}
+
+/// A protocol name TLS listeners may offer (ALPN, RFC 7301).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Alpn {
+    H2,
+    Http11,
+}
+
+impl Alpn {
+    pub fn word(self) -> &'static str {
+        match self {
+            Alpn::H2 => "h2",
+            Alpn::Http11 => "http/1.1",
+        }
+    }
 }
 
 /// A PROXY protocol version (HAProxy's specification).
@@ -481,6 +515,7 @@ impl Command {
                 | Command::UpstreamTls(_)
                 | Command::UpstreamCa(_)
                 | Command::UpstreamSni(_)
+                | Command::Alpn(_)
         )
     }
 
@@ -996,6 +1031,12 @@ pub const NAMES: &[&str] = &[
     "hsts",
     "proxy_protocol",
     "accept_proxy",
+    "alpn",
+    "h2c",
+    "h2_max_streams",
+    "upstream_keepalive",
+    "upstream_idle_timeout",
+    "upstream_max_requests",
 ];
 
 /// The static name of a command word, for error messages.
@@ -1075,6 +1116,8 @@ fn parse_negated(command: &'static str, w: &mut Words<'_>) -> Result<Command, Pa
         "hsts" => Command::Hsts(None),
         "proxy_protocol" => Command::ProxyProtocol(None),
         "accept_proxy" => Command::AcceptProxy(false),
+        "alpn" => Command::Alpn(None),
+        "h2c" => Command::H2c(false),
         _ => return Err(ParseError::Unknown(format!("no {command}"))),
     })
 }
@@ -1312,6 +1355,42 @@ fn parse_positive(command: &'static str, w: &mut Words<'_>) -> Result<Command, P
         "http_request_timeout" => {
             Command::HttpRequestTimeout(w.optional_number("number of seconds")?)
         }
+        "alpn" => {
+            let list = w.next("a protocol list (h2,http/1.1)")?;
+            let mut protocols = Vec::new();
+            for name in list.split(',') {
+                let p = match name {
+                    "h2" => Alpn::H2,
+                    "http/1.1" => Alpn::Http11,
+                    _ => {
+                        return Err(ParseError::Invalid {
+                            command,
+                            what: "protocol (h2 or http/1.1)",
+                            value: name.to_string(),
+                        })
+                    }
+                };
+                if !protocols.contains(&p) {
+                    protocols.push(p);
+                }
+            }
+            Command::Alpn(Some(protocols))
+        }
+        "h2c" => Command::H2c(true),
+        "h2_max_streams" => {
+            let n: u32 = w.number("number of streams")?;
+            if n == 0 {
+                return Err(ParseError::Invalid {
+                    command,
+                    what: "number of streams (at least 1)",
+                    value: n.to_string(),
+                });
+            }
+            Command::H2MaxStreams(n)
+        }
+        "upstream_keepalive" => Command::UpstreamKeepalive(w.number("number of connections")?),
+        "upstream_idle_timeout" => Command::UpstreamIdleTimeout(w.number("number of seconds")?),
+        "upstream_max_requests" => Command::UpstreamMaxRequests(w.number("number of requests")?),
         "hsts" => {
             let max_age = w.number("max-age in seconds")?;
             let (mut include_subdomains, mut preload) = (false, false);
@@ -1679,6 +1758,22 @@ impl fmt::Display for Command {
             Command::Transparent(on) => on_off(f, *on, "transparent"),
             Command::Http(on) => on_off(f, *on, "http"),
             Command::HttpHeaderMax(n) => with_optional(f, "http_header_max", n),
+            Command::Alpn(None) => f.write_str("no alpn"),
+            Command::Alpn(Some(list)) => {
+                f.write_str("alpn ")?;
+                for (i, p) in list.iter().enumerate() {
+                    if i > 0 {
+                        f.write_str(",")?;
+                    }
+                    f.write_str(p.word())?;
+                }
+                Ok(())
+            }
+            Command::H2c(on) => on_off(f, *on, "h2c"),
+            Command::H2MaxStreams(n) => write!(f, "h2_max_streams {n}"),
+            Command::UpstreamKeepalive(n) => write!(f, "upstream_keepalive {n}"),
+            Command::UpstreamIdleTimeout(n) => write!(f, "upstream_idle_timeout {n}"),
+            Command::UpstreamMaxRequests(n) => write!(f, "upstream_max_requests {n}"),
             Command::HttpRequestTimeout(n) => with_optional(f, "http_request_timeout", n),
             Command::Hsts(Some(h)) => write!(f, "hsts {h}"),
             Command::Hsts(None) => f.write_str("no hsts"),
@@ -2001,6 +2096,18 @@ mod roundtrip {
             proptest::option::of(prop_oneof![Just(ProxyVersion::V1), Just(ProxyVersion::V2)])
                 .prop_map(Command::ProxyProtocol),
             any::<bool>().prop_map(Command::AcceptProxy),
+            proptest::option::of(prop_oneof![
+                Just(vec![Alpn::H2]),
+                Just(vec![Alpn::Http11]),
+                Just(vec![Alpn::H2, Alpn::Http11]),
+                Just(vec![Alpn::Http11, Alpn::H2]),
+            ])
+            .prop_map(Command::Alpn),
+            any::<bool>().prop_map(Command::H2c),
+            (1u32..).prop_map(Command::H2MaxStreams),
+            any::<u32>().prop_map(Command::UpstreamKeepalive),
+            any::<u64>().prop_map(Command::UpstreamIdleTimeout),
+            any::<u64>().prop_map(Command::UpstreamMaxRequests),
             tls_command(),
         ]
     }

@@ -239,6 +239,7 @@ pub fn run(inv: Invocation) -> Result<(), StartError> {
     let control_addr = control_address(&inv)?;
 
     let workers = worker_count(&settings);
+    crate::proxy::pool::set_loops(workers);
     // DSR: no listening socket (the VIP is not ours); a packet socket on the interface,
     // opened now, while quill may still do so.
     let dsr = match &settings.dsr_if {
@@ -546,6 +547,7 @@ pub fn run(inv: Invocation) -> Result<(), StartError> {
         state.active.load(Relaxed)
     );
     let _ = stop_tx.send(true);
+    state.stopping.send_replace(true);
     rt.block_on(async {
         let drained = async {
             while state.active.load(Relaxed) > 0

@@ -206,6 +206,17 @@ pub struct Settings {
     pub http_request_timeout: u64,
     /// `Strict-Transport-Security` for TLS-terminated HTTP responses (`hsts`).
     pub hsts: Option<Hsts>,
+    /// With `http`, plain listeners take HTTP/2 with prior knowledge too (`h2c`).
+    pub h2c: bool,
+    /// Concurrent streams per HTTP/2 client connection (`h2_max_streams`).
+    pub h2_max_streams: u32,
+    /// Idle pooled connections per server and event loop (`upstream_keepalive`; 0: a
+    /// connection per request).
+    pub upstream_keepalive: u32,
+    /// Seconds an idle pooled connection is kept (`upstream_idle_timeout`).
+    pub upstream_idle_timeout: u64,
+    /// Requests over one pooled connection (`upstream_max_requests`; 0 = no limit).
+    pub upstream_max_requests: u64,
     /// PROXY protocol header sent to backends (`proxy_protocol`), unless a server says
     /// otherwise.
     pub proxy_protocol: Option<ProxyVersion>,
@@ -299,6 +310,11 @@ impl Default for Settings {
             http_header_max: crate::proxy::http::DEFAULT_HEADER_MAX,
             http_request_timeout: crate::proxy::http::DEFAULT_REQUEST_TIMEOUT,
             hsts: None,
+            h2c: false,
+            h2_max_streams: crate::proxy::h2::DEFAULT_MAX_STREAMS,
+            upstream_keepalive: crate::proxy::pool::DEFAULT_KEEPALIVE,
+            upstream_idle_timeout: crate::proxy::pool::DEFAULT_IDLE_TIMEOUT,
+            upstream_max_requests: crate::proxy::pool::DEFAULT_MAX_REQUESTS,
             proxy_protocol: None,
             accept_proxy: false,
             check: HealthCheck::default(),
@@ -573,7 +589,15 @@ impl Settings {
             Command::AbortOnError(on) => set(&mut self.abort_on_error, *on),
             Command::SslClientRenegotiationInterval(_) => self.apply_tls(cmd)?,
             other if other.is_tls() => self.apply_tls(cmd)?,
-            Command::Http(on) => set(&mut self.http, *on),
+            Command::Http(on) => {
+                self.tls.http = *on;
+                set(&mut self.http, *on)
+            }
+            Command::H2c(on) => set(&mut self.h2c, *on),
+            Command::H2MaxStreams(n) => set(&mut self.h2_max_streams, *n),
+            Command::UpstreamKeepalive(n) => set(&mut self.upstream_keepalive, *n),
+            Command::UpstreamIdleTimeout(n) => set(&mut self.upstream_idle_timeout, *n),
+            Command::UpstreamMaxRequests(n) => set(&mut self.upstream_max_requests, *n),
             Command::HttpHeaderMax(v) => query_or_set(&mut self.http_header_max, *v),
             Command::HttpRequestTimeout(v) => query_or_set(&mut self.http_request_timeout, *v),
             Command::Hsts(h) => set(&mut self.hsts, *h),
@@ -778,6 +802,21 @@ impl Settings {
         }
         if self.hsts.is_some() {
             out.push(Command::Hsts(self.hsts));
+        }
+        if self.h2c {
+            out.push(Command::H2c(true));
+        }
+        if self.h2_max_streams != d.h2_max_streams {
+            out.push(Command::H2MaxStreams(self.h2_max_streams));
+        }
+        if self.upstream_keepalive != d.upstream_keepalive {
+            out.push(Command::UpstreamKeepalive(self.upstream_keepalive));
+        }
+        if self.upstream_idle_timeout != d.upstream_idle_timeout {
+            out.push(Command::UpstreamIdleTimeout(self.upstream_idle_timeout));
+        }
+        if self.upstream_max_requests != d.upstream_max_requests {
+            out.push(Command::UpstreamMaxRequests(self.upstream_max_requests));
         }
         if self.proxy_protocol.is_some() {
             out.push(Command::ProxyProtocol(self.proxy_protocol));

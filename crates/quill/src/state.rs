@@ -42,6 +42,10 @@ pub struct Counters {
     /// HTTP connections closed because a request head did not come whole within
     /// `http_request_timeout` (answered 408 after part of one, else closed silently).
     pub http_request_timeouts: AtomicU64,
+    /// HTTP/2 client connections served (`http` with ALPN `h2`, or `h2c`).
+    pub h2_connections: AtomicU64,
+    /// Requests of HTTP/2 clients, each sent to a server of its own choosing.
+    pub h2_requests: AtomicU64,
 }
 
 /// Shared state of one quill process.
@@ -77,6 +81,8 @@ pub struct State {
     pub dsr: std::sync::OnceLock<Arc<crate::dsr::DsrCounters>>,
     /// Bumped each time new settings are published (the health checks re-plan on it).
     pub generation: tokio::sync::watch::Sender<u64>,
+    /// Set once when quill stops: HTTP/2 connections send GOAWAY and finish their streams.
+    pub stopping: tokio::sync::watch::Sender<bool>,
     /// The routing table quill's route for the service address is in now
     /// (`announce_table`), 0 when none is.
     pub announced: std::sync::atomic::AtomicU32,
@@ -107,6 +113,7 @@ impl State {
             started: std::time::Instant::now(),
             dsr: std::sync::OnceLock::new(),
             generation: tokio::sync::watch::Sender::new(0),
+            stopping: tokio::sync::watch::Sender::new(false),
             announced: std::sync::atomic::AtomicU32::new(0),
             node_draining: std::sync::atomic::AtomicBool::new(false),
         })
@@ -125,7 +132,8 @@ impl State {
         let current = self.settings.load();
         let mut next = Settings::clone(&current);
         let applied = next.apply(cmd)?;
-        if cmd.is_tls() {
+        // `http` changes what TLS listeners offer (ALPN `h2`).
+        if cmd.is_tls() || matches!(cmd, Command::Http(_)) {
             // Re-read the files even when nothing changed: repeating `ssl_ocsp_response`
             // (or `ssl_cert`) is how a renewed file is picked up.
             next.build_tls(Some(&current.tls_built))

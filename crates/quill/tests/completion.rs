@@ -156,6 +156,7 @@ fn sample(name: &str) -> Command {
         " v1",
         " no_sslv2",
         " auto",
+        " h2",
     ];
     ARGS.iter()
         .find_map(|args| format!("{name}{args}").parse::<Command>().ok())

@@ -36,6 +36,14 @@ pub struct ServerState {
     /// `clock::now_ms()` when the health check last brought the server back (0 = never):
     /// the start of its slow-start ramp.
     pub up_since: AtomicU64,
+    /// Requests sent to this server one by one (request-level proxying: HTTP/2 clients).
+    pub requests: AtomicU64,
+    /// Of those, the ones sent over a pooled connection an earlier request had used.
+    pub reused: AtomicU64,
+    /// Pooled (request-level) connections open to this server, busy or idle.
+    pub pool_open: AtomicU32,
+    /// Of those, the ones idle in the pool.
+    pub pool_idle: AtomicU32,
 }
 
 /// The verdict of a server's active health check.

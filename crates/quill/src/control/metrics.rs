@@ -199,6 +199,21 @@ pub static FAMILIES: &[Family] = &[
         source: Source::Global(|s| load(&s.counters.http_request_timeouts)),
     },
     Family {
+        name: "h2_connections",
+        help: "HTTP/2 client connections (http, -H: ALPN h2 or h2c), each served request by \
+               request.",
+        unit: None,
+        kind: Kind::Counter,
+        source: Source::Global(|s| load(&s.counters.h2_connections)),
+    },
+    Family {
+        name: "h2_requests",
+        help: "Requests (streams) of HTTP/2 clients.",
+        unit: None,
+        kind: Kind::Counter,
+        source: Source::Global(|s| load(&s.counters.h2_requests)),
+    },
+    Family {
         name: "connections_open",
         help: "Client connections (UDP: flows) open now.",
         unit: None,
@@ -271,6 +286,35 @@ pub static FAMILIES: &[Family] = &[
         unit: None,
         kind: Kind::Counter,
         source: Source::PerServer(|s| load(&s.total)),
+    },
+    Family {
+        name: "server_requests",
+        help: "Requests sent to the server one by one (HTTP/2 clients' streams).",
+        unit: None,
+        kind: Kind::Counter,
+        source: Source::PerServer(|s| load(&s.requests)),
+    },
+    Family {
+        name: "server_requests_reused",
+        help: "Of server_requests, those sent over a kept-alive connection an earlier \
+               request had used (upstream_keepalive).",
+        unit: None,
+        kind: Kind::Counter,
+        source: Source::PerServer(|s| load(&s.reused)),
+    },
+    Family {
+        name: "server_pool_connections",
+        help: "Kept-alive connections to the server open now, busy or idle.",
+        unit: None,
+        kind: Kind::Gauge,
+        source: Source::PerServer(|s| u64::from(s.pool_open.load(Relaxed))),
+    },
+    Family {
+        name: "server_pool_idle",
+        help: "Kept-alive connections to the server idle in the pool now.",
+        unit: None,
+        kind: Kind::Gauge,
+        source: Source::PerServer(|s| u64::from(s.pool_idle.load(Relaxed))),
     },
     Family {
         name: "server_failures",
@@ -544,7 +588,10 @@ mod tests {
         let mut seen = std::collections::HashSet::new();
         for f in FAMILIES {
             assert!(
-                f.name.bytes().all(|b| b.is_ascii_lowercase() || b == b'_'),
+                f.name.starts_with(|c: char| c.is_ascii_lowercase())
+                    && f.name
+                        .bytes()
+                        .all(|b| { b.is_ascii_lowercase() || b.is_ascii_digit() || b == b'_' }),
                 "{}",
                 f.name
             );

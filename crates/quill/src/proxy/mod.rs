@@ -2,9 +2,11 @@
 //! never parse configuration text, and never block.
 
 pub mod dummy;
+pub mod h2;
 pub mod http;
 pub mod park;
 pub mod polling;
+pub mod pool;
 pub mod proxy_protocol;
 pub mod pump;
 pub mod registry;

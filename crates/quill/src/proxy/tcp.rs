@@ -515,12 +515,12 @@ impl<'a, E> Session<'a, E> {
 /// ACL, the TLS handshake, server selection and the upstream connect. `None` when the
 /// connection ended on the way (refused, denied, failed, or served by `dummy`).
 async fn open<C: ClientStream>(
-    state: &State,
+    state: &'static State,
     client: C,
     mut peer: SocketAddr,
     local_port: u16,
     registered: Option<Registered>,
-) -> Option<Session<'_, Live<C>>> {
+) -> Option<Session<'static, Live<C>>> {
     let settings = state.settings();
     let log = state.log.load_full();
     let started_unix = if log.is_some() { unix_now() } else { 0 };
@@ -624,6 +624,43 @@ async fn open<C: ClientStream>(
     // a client that trickles its head (slowloris) or sends nothing never costs a backend
     // connection, only its own socket and the partial head (at most `http_header_max`).
     let mut client = client;
+    // HTTP/2 (ALPN `h2`, or the preface on a plain listener with `h2c`) is served request
+    // by request here; HTTP/1.x goes on to the byte pump below.
+    let mut sniffed = None;
+    if settings.http {
+        let peer_info = |tls| super::h2::Peer {
+            addr: peer,
+            tls,
+            permitted,
+            preamble,
+            opts,
+        };
+        match client {
+            Client::Tls(c) if c.get_ref().1.alpn_protocol() == Some(b"h2") => {
+                state.counters.h2_connections.fetch_add(1, Relaxed);
+                Box::pin(super::h2::serve(state, c, peer_info(true))).await;
+                return None;
+            }
+            Client::Plain(mut c) if settings.h2c => {
+                let limit = timeout(&settings);
+                let first = tokio::time::timeout(limit, super::h2::sniff_preface(&mut c)).await;
+                match first {
+                    Ok(Ok((bytes, true))) => {
+                        state.counters.h2_connections.fetch_add(1, Relaxed);
+                        let io = super::h2::Prefixed::new(bytes, c);
+                        Box::pin(super::h2::serve(state, io, peer_info(false))).await;
+                        return None;
+                    }
+                    Ok(Ok((bytes, false))) => {
+                        sniffed = Some(bytes);
+                        client = Client::Plain(c);
+                    }
+                    Ok(Err(_)) | Err(_) => return None,
+                }
+            }
+            other => client = other,
+        }
+    }
     let http = if settings.http {
         let exchange = Exchange::new(HttpParams {
             client: ip,
@@ -637,7 +674,13 @@ async fn open<C: ClientStream>(
         let mut http = Box::new(Http::new(exchange, seconds(settings.http_request_timeout)));
         let capture = log.is_some();
         let ended = match &mut client {
-            Client::Plain(c) => Box::pin(pump::first_head(c, &mut http, capture)).await,
+            Client::Plain(c) => match sniffed.take() {
+                None => Box::pin(pump::first_head(c, &mut http, capture)).await,
+                Some(bytes) => {
+                    let mut c = super::h2::Prefixed::new(bytes, c);
+                    Box::pin(pump::first_head(&mut c, &mut http, capture)).await
+                }
+            },
             Client::Tls(c) => Box::pin(pump::first_head(&mut **c, &mut http, capture)).await,
         };
         if let Some(outcome) = ended {
@@ -812,7 +855,7 @@ enum Client<C> {
 }
 
 /// The upstream side of a connection: a socket, or TLS originated on it.
-enum Server {
+pub(super) enum Server {
     Plain(TcpStream),
     Tls(Box<ClientTlsStream<TcpStream>>),
 }
@@ -828,7 +871,7 @@ impl Server {
 
 /// Who the client is and where it connected to, for the PROXY header sent to a server.
 #[derive(Debug, Clone, Copy)]
-struct Preamble {
+pub(super) struct Preamble {
     peer: SocketAddr,
     /// `None` for a Unix-socket client (the header's LOCAL / UNKNOWN form).
     destination: Option<SocketAddr>,
@@ -856,7 +899,7 @@ async fn handshake<C: ClientStream>(
 }
 
 /// The PROXY protocol version for server `index` (`None`: emergency or abuse server).
-fn proxy_version(settings: &Settings, index: Option<usize>) -> Option<ProxyVersion> {
+pub(super) fn proxy_version(settings: &Settings, index: Option<usize>) -> Option<ProxyVersion> {
     match index.and_then(|i| settings.servers.get(i)) {
         Some(conf) => match conf.proxy_protocol {
             ServerProxy::Global => settings.proxy_protocol,
@@ -871,7 +914,7 @@ fn proxy_version(settings: &Settings, index: Option<usize>) -> Option<ProxyVersi
 /// `upstream_tls` runs the TLS handshake (verifying the server's certificate). The PROXY
 /// header goes first, in clear, as PROXY-aware TLS servers expect. Any failure is the
 /// server's: the caller blacklists it and fails over.
-async fn open_upstream(
+pub(super) async fn open_upstream(
     state: &State,
     settings: &Settings,
     addr: SocketAddr,

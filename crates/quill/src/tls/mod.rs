@@ -31,7 +31,7 @@ use rustls::{ClientConfig, RootCertStore, ServerConfig, SupportedProtocolVersion
 use rustls_pki_types::ServerName;
 use tokio::io::{AsyncRead, AsyncWrite};
 
-use crate::command::{Command, Host, SslOption, SslProtocol, Word};
+use crate::command::{Alpn, Command, Host, SslOption, SslProtocol, Word};
 
 pub use tokio_rustls::client::TlsStream as ClientTlsStream;
 pub use tokio_rustls::server::TlsStream as ServerTlsStream;
@@ -40,7 +40,9 @@ pub use tokio_rustls::server::TlsStream as ServerTlsStream;
 const SESSION_CACHE: usize = 20_480;
 
 /// ALPN protocol offered by default: quill relays HTTP/1.1 (or any non-ALPN protocol).
+/// The ALPN protocol names (RFC 7301 registry).
 const ALPN_HTTP11: &[u8] = b"http/1.1";
+const ALPN_H2: &[u8] = b"h2";
 
 /// Why a TLS configuration could not be built. Each names the file and the problem.
 #[derive(Debug, thiserror::Error)]
@@ -74,6 +76,8 @@ pub enum TlsError {
         item: String,
         supported: String,
     },
+    #[error("alpn h2 needs http (-H): quill speaks HTTP/2 only where it serves HTTP")]
+    H2NeedsHttp,
     #[error("ssl_ciphers '{list}' leaves no suite for {what}")]
     NoSuites { list: String, what: String },
     #[error("no protocol version left: ssl_protocol tls1.2 with ssl_option no_tlsv1.2")]
@@ -106,6 +110,11 @@ pub struct TlsConf {
     pub upstream: bool,
     pub upstream_ca: Option<Word>,
     pub upstream_sni: Option<Host>,
+    /// `alpn`: the protocols offered, in order (`None`: the default for the mode).
+    pub alpn: Option<Vec<Alpn>>,
+    /// Mirrors `http` (set with it by `Settings::apply`): the default ALPN offers `h2`
+    /// only to listeners that serve HTTP.
+    pub http: bool,
 }
 
 impl TlsConf {
@@ -140,6 +149,7 @@ impl TlsConf {
             Command::UpstreamTls(on) => self.upstream = *on,
             Command::UpstreamCa(v) => self.upstream_ca = v.clone(),
             Command::UpstreamSni(v) => self.upstream_sni = v.clone(),
+            Command::Alpn(v) => self.alpn = v.clone(),
             _ => return Ok(false),
         }
         Ok(true)
@@ -179,6 +189,9 @@ impl TlsConf {
         }
         if let Some(h) = &self.upstream_sni {
             out.push(Command::UpstreamSni(Some(h.clone())));
+        }
+        if self.alpn.is_some() {
+            out.push(Command::Alpn(self.alpn.clone()));
         }
         out
     }
@@ -417,6 +430,7 @@ fn build_server(
     previous: Option<&ServerTls>,
 ) -> Result<ServerTls, TlsError> {
     let (provider, versions) = provider_and_versions(conf)?;
+    let alpn = alpn_protocols(conf)?;
     let cert_path = PathBuf::from(cert.as_str());
     let key_path = conf
         .key
@@ -461,6 +475,7 @@ fn build_server(
         sessions: &sessions,
         ticketer: &ticketer,
         client_order: conf.client_order,
+        alpn,
     };
     let default_verifier = client_verifier(conf.verify_client, roots, &provider, None)?;
     let default = shared.config(Arc::clone(&default_verifier), Arc::new(key))?;
@@ -534,6 +549,27 @@ struct Shared<'a> {
     sessions: &'a Arc<dyn StoresServerSessions>,
     ticketer: &'a Arc<dyn ProducesTickets>,
     client_order: bool,
+    alpn: Vec<Vec<u8>>,
+}
+
+/// What TLS listeners offer: `alpn` as given, else `h2` (only with `http`) and `http/1.1`.
+fn alpn_protocols(conf: &TlsConf) -> Result<Vec<Vec<u8>>, TlsError> {
+    let default = if conf.http {
+        vec![Alpn::H2, Alpn::Http11]
+    } else {
+        vec![Alpn::Http11]
+    };
+    let list = conf.alpn.as_ref().unwrap_or(&default);
+    if list.contains(&Alpn::H2) && !conf.http {
+        return Err(TlsError::H2NeedsHttp);
+    }
+    Ok(list
+        .iter()
+        .map(|p| match p {
+            Alpn::H2 => ALPN_H2.to_vec(),
+            Alpn::Http11 => ALPN_HTTP11.to_vec(),
+        })
+        .collect())
 }
 
 impl Shared<'_> {
@@ -549,7 +585,7 @@ impl Shared<'_> {
             .with_cert_resolver(Arc::new(OneCert(key)));
         config.session_storage = Arc::clone(self.sessions);
         config.ticketer = Arc::clone(self.ticketer);
-        config.alpn_protocols = vec![ALPN_HTTP11.to_vec()];
+        config.alpn_protocols = self.alpn.clone();
         config.ignore_client_order = !self.client_order;
         Ok(Arc::new(config))
     }

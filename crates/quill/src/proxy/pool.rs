@@ -1,0 +1,169 @@
+//! The upstream pool of request-level proxying (`proxy::h2`): kept-alive HTTP/1.1
+//! connections to servers, reused across client connections and streams.
+//!
+//! One pool per event loop (a thread-local: a loop's tasks never leave its thread), so
+//! taking and returning a connection costs no lock. Invariants: an idle entry's sender was
+//! ready when it was put back (its last response was read to the end); a loop keeps at
+//! most its share of `upstream_keepalive` idle entries per server; an entry idle longer
+//! than `upstream_idle_timeout`, or made to an address the server no longer has, is never
+//! handed out (it is dropped, which closes the connection).
+
+use std::cell::RefCell;
+use std::collections::HashMap;
+use std::future::poll_fn;
+use std::net::SocketAddr;
+use std::sync::atomic::{AtomicUsize, Ordering::Relaxed};
+use std::time::{Duration, Instant};
+
+use hyper::client::conn::http1::SendRequest;
+
+use super::h2::RequestBody;
+use crate::balance::ServerState;
+
+/// Default `upstream_keepalive`: idle connections per server (NGINX's examples use 32).
+pub const DEFAULT_KEEPALIVE: u32 = 32;
+/// Default `upstream_idle_timeout` in seconds (NGINX's `keepalive_timeout` upstream: 60).
+pub const DEFAULT_IDLE_TIMEOUT: u64 = 60;
+/// Default `upstream_max_requests` (NGINX's `keepalive_requests`: 1000).
+pub const DEFAULT_MAX_REQUESTS: u64 = 1000;
+
+/// The event loops sharing `upstream_keepalive` (set once at start-up).
+static LOOPS: AtomicUsize = AtomicUsize::new(1);
+
+/// Records how many event loops share each server's `upstream_keepalive`.
+pub fn set_loops(n: usize) {
+    LOOPS.store(n.max(1), Relaxed);
+}
+
+/// Where a pooled connection goes: a server of the table, or one of the two extra ones.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+pub enum Target {
+    Server(usize),
+    Emergency,
+    Abuse,
+}
+
+/// A connection to a server that requests can be sent over, one at a time.
+pub struct Conn {
+    pub sender: SendRequest<RequestBody>,
+    /// Requests sent over it so far.
+    pub uses: u64,
+    /// The server's address when it was made: a server moved by `server N address`
+    /// must not get requests meant for its new address over the old connection.
+    pub addr: SocketAddr,
+    /// False when it began with a PROXY protocol header (one client's): never reused.
+    pub poolable: bool,
+}
+
+/// The rules a connection is put back under (from the settings of the request that used it).
+#[derive(Debug, Clone, Copy)]
+pub struct Limits {
+    /// `upstream_keepalive`, for the whole process.
+    pub keepalive: u32,
+    pub idle_timeout: Duration,
+    /// `upstream_max_requests` (0 = no limit).
+    pub max_requests: u64,
+}
+
+struct Idle {
+    conn: Conn,
+    since: Instant,
+    idle_timeout: Duration,
+    gauge: &'static ServerState,
+}
+
+#[derive(Default)]
+struct Pool {
+    idle: HashMap<Target, Vec<Idle>>,
+    /// A sweeper task is running on this loop.
+    sweeping: bool,
+}
+
+thread_local! {
+    static POOL: RefCell<Pool> = RefCell::default();
+}
+
+/// The most recently used idle connection to `target` at `addr`, if one is still good.
+pub fn take(target: Target, addr: SocketAddr) -> Option<Conn> {
+    let now = Instant::now();
+    POOL.with(|pool| {
+        let mut pool = pool.borrow_mut();
+        let list = pool.idle.get_mut(&target)?;
+        while let Some(idle) = list.pop() {
+            idle.gauge.pool_idle.fetch_sub(1, Relaxed);
+            if idle.conn.addr == addr
+                && now.duration_since(idle.since) < idle.idle_timeout
+                && !idle.conn.sender.is_closed()
+                && idle.conn.sender.is_ready()
+            {
+                return Some(idle.conn);
+            }
+        }
+        None
+    })
+}
+
+/// Puts `conn` back once its response has been read to the end, if the server keeps it
+/// open and the limits allow; else lets it close.
+pub fn give_back(mut conn: Conn, target: Target, server: &'static ServerState, limits: Limits) {
+    if limits.keepalive == 0 || (limits.max_requests > 0 && conn.uses >= limits.max_requests) {
+        return;
+    }
+    tokio::task::spawn_local(async move {
+        // Ready again only after the response body was read to the end and the server
+        // did not ask to close.
+        if poll_fn(|cx| conn.sender.poll_ready(cx)).await.is_err() {
+            return;
+        }
+        let share = limits.keepalive.div_ceil(LOOPS.load(Relaxed).max(1) as u32) as usize;
+        let start_sweeper = POOL.with(|pool| {
+            let mut pool = pool.borrow_mut();
+            let list = pool.idle.entry(target).or_default();
+            if list.len() >= share.max(1) {
+                return false;
+            }
+            server.pool_idle.fetch_add(1, Relaxed);
+            list.push(Idle {
+                conn,
+                since: Instant::now(),
+                idle_timeout: limits.idle_timeout,
+                gauge: server,
+            });
+            !std::mem::replace(&mut pool.sweeping, true)
+        });
+        if start_sweeper {
+            tokio::task::spawn_local(sweep());
+        }
+    });
+}
+
+/// Closes idle connections past their timeout (or closed by their server), every second,
+/// until the pool of this loop is empty.
+async fn sweep() {
+    loop {
+        tokio::time::sleep(Duration::from_secs(1)).await;
+        let now = Instant::now();
+        let empty = POOL.with(|pool| {
+            let mut pool = pool.borrow_mut();
+            pool.idle.retain(|_, list| {
+                list.retain(|idle| {
+                    let keep = now.duration_since(idle.since) < idle.idle_timeout
+                        && !idle.conn.sender.is_closed();
+                    if !keep {
+                        idle.gauge.pool_idle.fetch_sub(1, Relaxed);
+                    }
+                    keep
+                });
+                !list.is_empty()
+            });
+            let empty = pool.idle.is_empty();
+            if empty {
+                pool.sweeping = false;
+            }
+            empty
+        });
+        if empty {
+            return;
+        }
+    }
+}

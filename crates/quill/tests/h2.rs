@@ -1,0 +1,589 @@
+//! HTTP/2 from clients (`http` with ALPN `h2` on TLS listeners, `h2c` on plain ones), with
+//! clients nobody here wrote (curl, nghttp, h2load) and Debian's NGINX behind quill, which
+//! numbers its connections (`$connection`): that is how the tests see which requests
+//! shared a kept-alive server connection (`upstream_keepalive`).
+//!
+//! Each tool is skipped with a message where it is not installed; `.ci/run` installs them.
+#![allow(clippy::unwrap_used, clippy::expect_used, clippy::panic)]
+
+mod support;
+
+use std::collections::BTreeSet;
+use std::io::{Read, Write};
+use std::path::{Path, PathBuf};
+use std::process::Command;
+use std::sync::atomic::{AtomicUsize, Ordering::SeqCst};
+use std::sync::{Arc, Mutex};
+use std::time::Duration;
+
+use support::daemon::{nginx, Daemon};
+use support::*;
+
+/// h2load measures: one load at a time on the two cores.
+static ONE_AT_A_TIME: Mutex<()> = Mutex::new(());
+
+/// Runs `program args` and returns its output; `None` (with a message) when it is not
+/// installed. Panics when it fails.
+fn tool(program: &str, args: &[&str]) -> Option<String> {
+    match Command::new(program).args(args).output() {
+        Ok(out) => {
+            let text = format!(
+                "{}{}",
+                String::from_utf8_lossy(&out.stdout),
+                String::from_utf8_lossy(&out.stderr)
+            );
+            assert!(out.status.success(), "{program} {args:?} failed:\n{text}");
+            Some(text)
+        }
+        Err(e) if e.kind() == std::io::ErrorKind::NotFound => {
+            eprintln!("SKIPPED: {program} is not installed (.ci/run installs it)");
+            None
+        }
+        Err(e) => panic!("{program}: {e}"),
+    }
+}
+
+/// NGINX answering `/who` with "CONNECTION XFF PROTO HOST URI", serving `/1k`, and
+/// storing `PUT`s under `/files/` (the DAV module), behind quill.
+fn backend() -> Option<(Daemon, u16)> {
+    let page: Vec<u8> = (0..1024).map(|i| b'a' + (i % 26) as u8).collect();
+    nginx(
+        "",
+        " keepalive_requests 1000000;\n client_max_body_size 64m;",
+        "  location /who { default_type text/plain; \
+         return 200 \"$connection $http_x_forwarded_for $http_x_forwarded_proto $http_host $request_uri\\n\"; }\n\
+         location /files/ { dav_methods PUT; create_full_put_path on; }",
+        &[("1k", &page)],
+    )
+}
+
+/// A self-signed P-256 certificate for 127.0.0.1 and localhost, in `dir`.
+fn certificate(dir: &Path) -> (PathBuf, PathBuf) {
+    let (cert, key) = (dir.join("cert.pem"), dir.join("key.pem"));
+    tool(
+        "openssl",
+        &[
+            "req",
+            "-x509",
+            "-newkey",
+            "ec",
+            "-pkeyopt",
+            "ec_paramgen_curve:P-256",
+            "-nodes",
+            "-days",
+            "30",
+            "-subj",
+            "/CN=localhost",
+            "-addext",
+            "subjectAltName=DNS:localhost,IP:127.0.0.1",
+            "-keyout",
+            key.to_str().unwrap(),
+            "-out",
+            cert.to_str().unwrap(),
+        ],
+    )
+    .expect("openssl is needed (.ci/run installs it)");
+    (cert, key)
+}
+
+/// quill terminating TLS in `http` mode in front of `servers`, with `extra` arguments.
+fn tls_quill(dir: &TempDir, extra: &[&str], servers: &[String]) -> Quill {
+    let (cert, key) = certificate(dir.path());
+    let mut args = vec![
+        "-H",
+        "-E",
+        cert.to_str().unwrap(),
+        "-K",
+        key.to_str().unwrap(),
+    ];
+    args.extend_from_slice(extra);
+    args.push("{port}");
+    args.extend(servers.iter().map(String::as_str));
+    Quill::start(&args)
+}
+
+/// curl's output (body, then what `-w` asks) for `args` against quill.
+fn curl(args: &[&str]) -> Option<String> {
+    let mut all = vec!["-sS", "--max-time", "20"];
+    all.extend_from_slice(args);
+    tool("curl", &all)
+}
+
+/// The numbers NGINX gave the connections the `/who` answers in `out` came over.
+fn connections(out: &str) -> BTreeSet<u64> {
+    out.lines()
+        .filter_map(|l| l.split_whitespace().next()?.parse().ok())
+        .collect()
+}
+
+#[test]
+fn curl_over_tls_speaks_h2_and_the_server_gets_the_forwarded_headers() {
+    let Some((_nginx, port)) = backend() else {
+        return;
+    };
+    let dir = TempDir::new("h2");
+    let q = tls_quill(&dir, &["-O", "hsts 600"], &[format!("127.0.0.1:{port}")]);
+    let url = format!("https://127.0.0.1:{}/who?x=1", q.port);
+    let Some(out) = curl(&[
+        "-k",
+        "--http2",
+        "-D",
+        "-",
+        "-H",
+        "X-Forwarded-For: 10.0.0.1",
+        "-H",
+        "X-Forwarded-Proto: http",
+        "-w",
+        "version %{http_version}\n",
+        &url,
+    ]) else {
+        return;
+    };
+    assert!(out.starts_with("HTTP/2 200"), "{out}");
+    assert!(out.contains("version 2\n"), "{out}");
+    assert!(
+        out.to_lowercase()
+            .contains("strict-transport-security: max-age=600"),
+        "HSTS on every TLS response: {out}"
+    );
+    // The client's X-Forwarded-For is kept and the client appended; its
+    // X-Forwarded-Proto is replaced; `:authority` became `Host`.
+    let line = out
+        .lines()
+        .find(|l| l.contains("/who"))
+        .unwrap_or_else(|| panic!("{out}"));
+    let fields: Vec<&str> = line.split_whitespace().collect();
+    assert_eq!(
+        fields[1..],
+        [
+            "10.0.0.1,",
+            "127.0.0.1",
+            "https",
+            &format!("127.0.0.1:{}", q.port),
+            "/who?x=1"
+        ],
+        "{out}"
+    );
+}
+
+#[test]
+fn a_plain_listener_with_h2c_takes_http2_and_http11_alike() {
+    let Some((_nginx, port)) = backend() else {
+        return;
+    };
+    let q = Quill::start(&["-H", "-O", "h2c", "{port}", &format!("127.0.0.1:{port}")]);
+    let url = format!("http://127.0.0.1:{}/who", q.port);
+    let Some(h2) = curl(&[
+        "--http2-prior-knowledge",
+        "-w",
+        "version %{http_version}\n",
+        &url,
+    ]) else {
+        return;
+    };
+    assert!(h2.contains(" 127.0.0.1 http 127.0.0.1:"), "{h2}");
+    assert!(h2.ends_with("version 2\n"), "{h2}");
+    let h1 = curl(&["--http1.1", "-w", "version %{http_version}\n", &url]).unwrap();
+    assert!(h1.contains(" 127.0.0.1 http 127.0.0.1:"), "{h1}");
+    assert!(h1.ends_with("version 1.1\n"), "{h1}");
+    // Without `h2c`, the preface is not HTTP/1.x: refused like any bad request.
+    let plain = Quill::start(&["-H", "{port}", &format!("127.0.0.1:{port}")]);
+    let url = format!("http://127.0.0.1:{}/who", plain.port);
+    let out = Command::new("curl")
+        .args(["-sS", "--max-time", "10", "--http2-prior-knowledge", &url])
+        .output()
+        .unwrap();
+    assert!(!out.status.success(), "h2c needs the h2c command");
+}
+
+#[test]
+fn alpn_chooses_what_tls_listeners_offer() {
+    let Some((_nginx, port)) = backend() else {
+        return;
+    };
+    let dir = TempDir::new("h2");
+    let q = tls_quill(
+        &dir,
+        &["-O", "alpn http/1.1"],
+        &[format!("127.0.0.1:{port}")],
+    );
+    let url = format!("https://127.0.0.1:{}/who", q.port);
+    let Some(out) = curl(&["-k", "--http2", "-w", "version %{http_version}\n", &url]) else {
+        return;
+    };
+    assert!(out.ends_with("version 1.1\n"), "{out}");
+    // `h2` is HTTP: without `http` quill refuses to offer it, at start-up.
+    let (cert, key) = certificate(dir.path());
+    let (code, stderr) = Quill::start_expect_exit(&[
+        "-E",
+        cert.to_str().unwrap(),
+        "-K",
+        key.to_str().unwrap(),
+        "-O",
+        "alpn h2,http/1.1",
+        "{port}",
+        &format!("127.0.0.1:{port}"),
+    ]);
+    assert_ne!(code, Some(0), "{stderr}");
+    assert!(stderr.contains("alpn h2 needs http"), "{stderr}");
+}
+
+#[test]
+fn h2load_and_nghttp_get_every_stream_answered() {
+    let _one = ONE_AT_A_TIME.lock().unwrap_or_else(|e| e.into_inner());
+    let Some((_nginx, port)) = backend() else {
+        return;
+    };
+    let dir = TempDir::new("h2");
+    let q = tls_quill(&dir, &[], &[format!("127.0.0.1:{port}")]);
+    let url = format!("https://127.0.0.1:{}/1k", q.port);
+    let Some(out) = tool("h2load", &["-c10", "-m20", "-n4000", &url]) else {
+        return;
+    };
+    assert!(out.contains("Application protocol: h2"), "{out}");
+    assert!(
+        out.contains("4000 total, 4000 started, 4000 done, 4000 succeeded, 0 failed"),
+        "{out}"
+    );
+    assert!(out.contains("status codes: 4000 2xx"), "{out}");
+    let Some(out) = tool("nghttp", &["-nv", &url]) else {
+        return;
+    };
+    assert!(out.contains(":status: 200"), "{out}");
+    assert!(out.contains("content-length: 1024"), "{out}");
+}
+
+#[test]
+fn two_hundred_client_connections_share_the_pooled_server_connections() {
+    let Some((_nginx, port)) = backend() else {
+        return;
+    };
+    let dir = TempDir::new("h2");
+    let q = tls_quill(
+        &dir,
+        &["-O", "upstream_keepalive 4"],
+        &[format!("127.0.0.1:{port}")],
+    );
+    let url = format!("https://127.0.0.1:{}/who", q.port);
+    let mut out = String::new();
+    for _ in 0..200 {
+        // Each curl is a client connection of its own.
+        let Some(one) = curl(&["-k", "--http2", &url]) else {
+            return;
+        };
+        out.push_str(&one);
+    }
+    assert_eq!(out.lines().count(), 200, "{out}");
+    let used = connections(&out);
+    assert!(
+        used.len() <= 4,
+        "200 client connections used {} server connections: {used:?}",
+        used.len()
+    );
+}
+
+#[test]
+fn upstream_keepalive_0_opens_a_server_connection_per_request() {
+    let Some((_nginx, port)) = backend() else {
+        return;
+    };
+    let dir = TempDir::new("h2");
+    let q = tls_quill(
+        &dir,
+        &["-O", "upstream_keepalive 0"],
+        &[format!("127.0.0.1:{port}")],
+    );
+    let url = format!("https://127.0.0.1:{}/who", q.port);
+    // One client connection (curl reuses it for every URL), twenty streams.
+    let urls = vec![url.as_str(); 20];
+    let mut args = vec!["-k", "--http2"];
+    args.extend(urls);
+    let Some(out) = curl(&args) else { return };
+    assert_eq!(connections(&out).len(), 20, "{out}");
+}
+
+#[test]
+fn upstream_max_requests_retires_a_server_connection() {
+    let Some((_nginx, port)) = backend() else {
+        return;
+    };
+    let dir = TempDir::new("h2");
+    let q = tls_quill(
+        &dir,
+        &["-O", "upstream_max_requests 5"],
+        &[format!("127.0.0.1:{port}")],
+    );
+    let url = format!("https://127.0.0.1:{}/who", q.port);
+    let urls = vec![url.as_str(); 20];
+    let mut args = vec!["-k", "--http2"];
+    args.extend(urls);
+    let Some(out) = curl(&args) else { return };
+    // One stream after the other: each server connection carries five, then closes.
+    assert_eq!(connections(&out).len(), 4, "{out}");
+}
+
+#[test]
+fn a_server_that_refuses_is_failed_over_request_by_request() {
+    let _one = ONE_AT_A_TIME.lock().unwrap_or_else(|e| e.into_inner());
+    let Some((_nginx, port)) = backend() else {
+        return;
+    };
+    let dead = free_port();
+    let dir = TempDir::new("h2");
+    let q = tls_quill(
+        &dir,
+        &["-r"],
+        &[format!("127.0.0.1:{dead}"), format!("127.0.0.1:{port}")],
+    );
+    let url = format!("https://127.0.0.1:{}/1k", q.port);
+    let Some(out) = tool("h2load", &["-c4", "-m10", "-n400", &url]) else {
+        return;
+    };
+    assert!(
+        out.contains("400 total, 400 started, 400 done, 400 succeeded, 0 failed"),
+        "{out}"
+    );
+}
+
+#[test]
+fn a_request_body_and_a_large_response_stream_through_byte_exact() {
+    let Some((_nginx, port)) = backend() else {
+        return;
+    };
+    let dir = TempDir::new("h2");
+    let q = tls_quill(&dir, &[], &[format!("127.0.0.1:{port}")]);
+    let file = dir.path().join("upload");
+    let data: Vec<u8> = (0..8u32 << 20)
+        .map(|i| (i.wrapping_mul(2_654_435_761) >> 24) as u8)
+        .collect();
+    std::fs::write(&file, &data).unwrap();
+    let url = format!("https://127.0.0.1:{}/files/blob", q.port);
+    let Some(out) = curl(&[
+        "-k",
+        "--http2",
+        "-T",
+        file.to_str().unwrap(),
+        "-w",
+        "%{http_code} %{http_version}\n",
+        &url,
+    ]) else {
+        return;
+    };
+    assert!(out.ends_with("201 2\n"), "PUT over h2: {out}");
+    let back = dir.path().join("download");
+    curl(&["-k", "--http2", "-o", back.to_str().unwrap(), &url]).unwrap();
+    assert!(
+        std::fs::read(&back).unwrap() == data,
+        "8 MiB came back changed"
+    );
+}
+
+/// A server that answers each request's head at once and its body after `delay`.
+fn slow_server(delay: Duration) -> (u16, Arc<AtomicUsize>) {
+    let listener = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
+    let port = listener.local_addr().unwrap().port();
+    let started = Arc::new(AtomicUsize::new(0));
+    let seen = Arc::clone(&started);
+    std::thread::spawn(move || {
+        for conn in listener.incoming() {
+            let Ok(mut conn) = conn else { continue };
+            let seen = Arc::clone(&seen);
+            std::thread::spawn(move || {
+                let mut got = Vec::new();
+                let mut buf = [0u8; 4096];
+                loop {
+                    while let Some(end) = got.windows(4).position(|w| w == b"\r\n\r\n") {
+                        got.drain(..end + 4);
+                        seen.fetch_add(1, SeqCst);
+                        let head = "HTTP/1.1 200 OK\r\nContent-Length: 5\r\n\r\n";
+                        if conn.write_all(head.as_bytes()).is_err() {
+                            return;
+                        }
+                        std::thread::sleep(delay);
+                        if conn.write_all(b"done\n").is_err() {
+                            return;
+                        }
+                    }
+                    match conn.read(&mut buf) {
+                        Ok(0) | Err(_) => return,
+                        Ok(n) => got.extend_from_slice(&buf[..n]),
+                    }
+                }
+            });
+        }
+    });
+    (port, started)
+}
+
+#[test]
+fn stopping_sends_goaway_and_lets_the_streams_in_flight_finish() {
+    let (port, started) = slow_server(Duration::from_secs(2));
+    let dir = TempDir::new("h2");
+    let mut q = tls_quill(&dir, &[], &[format!("127.0.0.1:{port}")]);
+    let url = format!("https://127.0.0.1:{}/slow", q.port);
+    if Command::new("curl").arg("--version").output().is_err() {
+        eprintln!("SKIPPED: curl is not installed (.ci/run installs it)");
+        return;
+    }
+    let client = std::thread::spawn(move || curl(&["-k", "--http2", "-w", " %{http_code}", &url]));
+    wait_until(
+        Duration::from_secs(10),
+        "the request reaches the server",
+        || started.load(SeqCst) == 1,
+    );
+    q.signal("TERM");
+    let out = client.join().unwrap().unwrap();
+    assert_eq!(out, "done\n 200", "the stream in flight finished");
+    assert!(
+        q.wait_exit(Duration::from_secs(10)).is_some(),
+        "quill stops once its streams are done"
+    );
+}
+
+#[test]
+fn a_client_that_never_sends_a_request_is_sent_away() {
+    let Some((_nginx, port)) = backend() else {
+        return;
+    };
+    let q = Quill::start(&[
+        "-H",
+        "-O",
+        "h2c",
+        "-O",
+        "http_request_timeout 1",
+        "{port}",
+        &format!("127.0.0.1:{port}"),
+    ]);
+    // The preface and an empty SETTINGS frame, then nothing: an HTTP/2 slowloris.
+    let mut s = q.connect();
+    s.write_all(b"PRI * HTTP/2.0\r\n\r\nSM\r\n\r\n\x00\x00\x00\x04\x00\x00\x00\x00\x00")
+        .unwrap();
+    let (got, _) = expect_closed(&mut s, Duration::from_secs(10));
+    // GOAWAY (type 7) among the frames quill sent before closing.
+    let mut at = 0;
+    let mut goaway = false;
+    while at + 9 <= got.len() {
+        let len = u32::from_be_bytes([0, got[at], got[at + 1], got[at + 2]]) as usize;
+        goaway |= got[at + 3] == 7;
+        at += 9 + len;
+    }
+    assert!(goaway, "no GOAWAY in {got:?}");
+}
+
+/// Runs `tests/fixtures/h2_attack.py MODE PORT N` (hyper-h2's framing library builds the
+/// frames); its one line of output says what quill did. `None` when python3-h2 is missing.
+fn attack(mode: &str, port: u16, n: u32) -> Option<String> {
+    let python = "/usr/bin/python3";
+    let has_h2 = Command::new(python)
+        .args(["-c", "import h2, hyperframe, hpack"])
+        .status()
+        .is_ok_and(|s| s.success());
+    if !has_h2 {
+        eprintln!("SKIPPED: python3-h2 is not installed (.ci/run installs it)");
+        return None;
+    }
+    let script = Path::new(env!("CARGO_MANIFEST_DIR")).join("tests/fixtures/h2_attack.py");
+    tool(
+        python,
+        &[
+            script.to_str().unwrap(),
+            mode,
+            &port.to_string(),
+            &n.to_string(),
+        ],
+    )
+}
+
+/// quill with `h2c` in front of NGINX, for the attacks (plain HTTP/2 frames are easier to
+/// write than TLS; the HTTP/2 code is the same).
+fn h2c_quill(port: u16, extra: &[&str]) -> Quill {
+    let mut args = vec!["-H", "-O", "h2c"];
+    args.extend_from_slice(extra);
+    let server = format!("127.0.0.1:{port}");
+    args.extend(["{port}", server.as_str()]);
+    Quill::start(&args)
+}
+
+/// After an attack: quill is up, small, and serves a well-behaved client.
+fn still_serving(q: &mut Quill) {
+    q.assert_running();
+    let url = format!("http://127.0.0.1:{}/who", q.port);
+    let out = curl(&["--http2-prior-knowledge", &url]).unwrap();
+    assert!(out.contains("/who"), "{out}");
+    if let Some(rss) = q.rss_kib() {
+        assert!(rss < 64 * 1024, "quill's RSS grew to {rss} KiB");
+    }
+}
+
+/// CVE-2023-44487: streams opened and reset at once, 2,000 in one burst. quill (hyper's
+/// h2) answers GOAWAY ENHANCE_YOUR_CALM (0xb) once more than 20 resets wait.
+#[test]
+fn a_rapid_reset_attack_is_sent_away_enhance_your_calm() {
+    let Some((_nginx, port)) = backend() else {
+        return;
+    };
+    let mut q = h2c_quill(port, &[]);
+    let Some(out) = attack("rapid_reset", q.port, 2000) else {
+        return;
+    };
+    assert_eq!(out.trim(), "goaway 11", "{out}");
+    still_serving(&mut q);
+}
+
+/// The 2024 CONTINUATION flood: a head that never ends, 16 kB a frame, up to 32 MB. quill
+/// stops at `http_header_max` and sends GOAWAY before the attacker is through.
+#[test]
+fn a_continuation_flood_is_cut_short() {
+    let Some((_nginx, port)) = backend() else {
+        return;
+    };
+    let mut q = h2c_quill(port, &[]);
+    let Some(out) = attack("continuation", q.port, 2000) else {
+        return;
+    };
+    let words: Vec<&str> = out.split_whitespace().collect();
+    assert!(
+        matches!(words[..2], ["goaway", "11"] | ["closed", "None"]),
+        "{out}"
+    );
+    let sent: u64 = words[words.len() - 1].parse().unwrap();
+    assert!(
+        sent < 16 << 20,
+        "quill read {sent} bytes of one head: {out}"
+    );
+    still_serving(&mut q);
+}
+
+/// 200,000 PINGs from a client that never reads the answers: quill's memory stays bounded
+/// (hyper's h2 keeps one PONG pending), and other clients are served.
+#[test]
+fn a_ping_flood_leaves_quill_small() {
+    let Some((_nginx, port)) = backend() else {
+        return;
+    };
+    let mut q = h2c_quill(port, &[]);
+    if attack("ping_flood", q.port, 200).is_none() {
+        return;
+    }
+    still_serving(&mut q);
+}
+
+/// `h2_max_streams 7`: eight requests at once against a slow server, the eighth is refused
+/// (RST_STREAM REFUSED_STREAM, 0x7, which a client may retry elsewhere).
+#[test]
+fn streams_beyond_h2_max_streams_are_refused() {
+    let (port, _) = slow_server(Duration::from_secs(3));
+    let q = Quill::start(&[
+        "-H",
+        "-O",
+        "h2c",
+        "-O",
+        "h2_max_streams 7",
+        "{port}",
+        &format!("127.0.0.1:{port}"),
+    ]);
+    let Some(out) = attack("streams", q.port, 8) else {
+        return;
+    };
+    assert_eq!(out.trim(), "refused [(15, 7)]", "{out}");
+}
