@@ -7,8 +7,10 @@
 //!
 //! Modes: `keepalive` (each connection sends requests one after another, HTTP/1.1
 //! keep-alive) and `handshake` (each request on a new TCP + TLS connection, full handshake:
-//! resumption is off). Every response is checked: status 200 and a body of
-//! `--expect-bytes`. Output: one JSON line.
+//! resumption is off). `--per-connection N` closes a keep-alive connection after N requests
+//! and opens the next (session resumption on, as a browser's next visit), and `--pace MS`
+//! waits that long after every answer (a paced load instead of saturation). Every response
+//! is checked: status 200 and a body of `--expect-bytes`. Output: one JSON line.
 
 use std::io;
 use std::net::SocketAddr;
@@ -33,6 +35,10 @@ struct Args {
     tls12: bool,
     plain: bool,
     expect: usize,
+    /// Requests per connection in keep-alive mode (0: no limit).
+    per_connection: u64,
+    /// Wait after each answer.
+    pace: Duration,
 }
 
 #[derive(Clone, Copy, PartialEq)]
@@ -45,7 +51,7 @@ fn usage() -> ! {
     eprintln!(
         "usage: tlsload --addr IP:PORT [--mode keepalive|handshake] [--connections N] \
          [--duration S] [--threads T] [--path /1k] [--sni NAME] [--tls12] [--plain] \
-         [--expect-bytes N]"
+         [--expect-bytes N] [--per-connection N] [--pace MS]"
     );
     std::process::exit(2)
 }
@@ -62,6 +68,8 @@ fn parse_args() -> Args {
         tls12: false,
         plain: false,
         expect: 1024,
+        per_connection: 0,
+        pace: Duration::ZERO,
     };
     let mut it = std::env::args().skip(1);
     while let Some(flag) = it.next() {
@@ -85,6 +93,10 @@ fn parse_args() -> Args {
             "--tls12" => a.tls12 = true,
             "--plain" => a.plain = true,
             "--expect-bytes" => a.expect = val().parse().unwrap_or_else(|_| usage()),
+            "--per-connection" => a.per_connection = val().parse().unwrap_or_else(|_| usage()),
+            "--pace" => {
+                a.pace = Duration::from_millis(val().parse().unwrap_or_else(|_| usage()))
+            }
             _ => usage(),
         }
     }
@@ -240,6 +252,7 @@ async fn worker(args: Arc<Args>, config: Arc<ClientConfig>, totals: Arc<Totals>,
             }
         };
         totals.handshakes.fetch_add(1, Relaxed);
+        let mut sent = 0u64;
         loop {
             let req = if args.mode == Mode::Handshake { &close } else { &keep };
             let r = async {
@@ -259,7 +272,12 @@ async fn worker(args: Arc<Args>, config: Arc<ClientConfig>, totals: Arc<Totals>,
                     break;
                 }
             }
-            if args.mode == Mode::Handshake {
+            if !args.pace.is_zero() {
+                tokio::time::sleep(args.pace).await;
+            }
+            sent += 1;
+            let enough = args.per_connection > 0 && sent >= args.per_connection;
+            if args.mode == Mode::Handshake || enough {
                 let _ = conn.shutdown().await;
                 break;
             }

@@ -421,7 +421,9 @@ fn slow_or_silent_clients_never_reach_a_backend_and_time_out() {
         write!(busy, "GET /b{i} HTTP/1.1\r\n\r\n").unwrap();
         assert_eq!(read_response(&mut busy).unwrap().status, 200);
     }
-    assert_eq!(backend.connections(), 4);
+    // At most one server connection per client that sent a whole request (fewer when
+    // the kept-alive ones are shared, `upstream_keepalive`).
+    assert!(backend.connections() <= 4, "{}", backend.connections());
     // Counted once the connections are over (after a 408 quill reads what the client
     // still sends for a while, until it closes): the slow, silent, trickling and idle
     // clients (and the good one, idle since its answer), two of them answered 408.

@@ -2,6 +2,8 @@
 //! never parse configuration text, and never block.
 
 pub mod dummy;
+pub mod gateway;
+pub mod h1;
 pub mod h2;
 pub mod http;
 pub mod park;
@@ -11,6 +13,7 @@ pub mod proxy_protocol;
 pub mod pump;
 pub mod registry;
 pub mod relay;
+pub mod replay;
 pub mod splice;
 pub mod stream;
 pub mod tcp;

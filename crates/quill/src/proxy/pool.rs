@@ -17,7 +17,7 @@ use std::time::{Duration, Instant};
 
 use hyper::client::conn::http1::SendRequest;
 
-use super::h2::RequestBody;
+use super::gateway::RequestBody;
 use crate::balance::ServerState;
 
 /// Default `upstream_keepalive`: idle connections per server (NGINX's examples use 32).

@@ -23,12 +23,14 @@ use std::time::Duration;
 use tokio::net::{TcpListener, TcpStream, UnixListener};
 use tokio::sync::{mpsc, watch};
 
+use super::gateway::Peer;
 use super::http::{Exchange, HttpParams, Scheme};
 use super::park::{self, Parked};
 use super::proxy_protocol;
 use super::pump::{self, Http};
 use super::registry::{ConnInfo, Registered, Upstream};
 use super::relay::{self, relay, Outcome, RelayOptions, Stop, Stream, Totals};
+use super::replay::{Prefixed, Recording};
 use super::stream;
 use crate::balance::{clock, Choice, Selector, ServerState};
 use crate::command::{Host, ProxyVersion, ServerProxy};
@@ -196,7 +198,7 @@ async fn accept_failed(e: io::Error) {
 
 /// A client-side socket: TCP or Unix.
 trait ClientStream:
-    Sized + Stream + tokio::io::AsyncRead + tokio::io::AsyncWrite + Unpin + 'static
+    Sized + Stream + tokio::io::AsyncRead + tokio::io::AsyncWrite + Unpin + Send + 'static
 {
     /// The socket out of the reactor, while its connection is parked.
     type Std: AsFd + 'static;
@@ -625,19 +627,19 @@ async fn open<C: ClientStream>(
     // connection, only its own socket and the partial head (at most `http_header_max`).
     let mut client = client;
     // HTTP/2 (ALPN `h2`, or the preface on a plain listener with `h2c`) is served request
-    // by request here; HTTP/1.x goes on to the byte pump below.
-    let mut sniffed = None;
+    // by request; so is HTTP/1.x with `upstream_keepalive`, after the checks of its first
+    // head below. Else HTTP/1.x goes on to the byte pump.
+    let mut sniffed = Vec::new();
+    let peer_info = |tls| Peer {
+        addr: peer,
+        tls,
+        permitted,
+        preamble,
+        opts,
+    };
     if settings.http {
-        let peer_info = |tls| super::h2::Peer {
-            addr: peer,
-            tls,
-            permitted,
-            preamble,
-            opts,
-        };
         match client {
             Client::Tls(c) if c.get_ref().1.alpn_protocol() == Some(b"h2") => {
-                state.counters.h2_connections.fetch_add(1, Relaxed);
                 Box::pin(super::h2::serve(state, c, peer_info(true))).await;
                 return None;
             }
@@ -646,13 +648,12 @@ async fn open<C: ClientStream>(
                 let first = tokio::time::timeout(limit, super::h2::sniff_preface(&mut c)).await;
                 match first {
                     Ok(Ok((bytes, true))) => {
-                        state.counters.h2_connections.fetch_add(1, Relaxed);
-                        let io = super::h2::Prefixed::new(bytes, c);
+                        let io = Prefixed::new(bytes, c);
                         Box::pin(super::h2::serve(state, io, peer_info(false))).await;
                         return None;
                     }
                     Ok(Ok((bytes, false))) => {
-                        sniffed = Some(bytes);
+                        sniffed = bytes;
                         client = Client::Plain(c);
                     }
                     Ok(Err(_)) | Err(_) => return None,
@@ -673,21 +674,49 @@ async fn open<C: ClientStream>(
         });
         let mut http = Box::new(Http::new(exchange, seconds(settings.http_request_timeout)));
         let capture = log.is_some();
+        // Request by request, hyper reads the head again: what was read is kept for it.
+        let per_request = settings.upstream_keepalive > 0;
+        let seen;
         let ended = match &mut client {
-            Client::Plain(c) => match sniffed.take() {
-                None => Box::pin(pump::first_head(c, &mut http, capture)).await,
-                Some(bytes) => {
-                    let mut c = super::h2::Prefixed::new(bytes, c);
-                    Box::pin(pump::first_head(&mut c, &mut http, capture)).await
-                }
-            },
-            Client::Tls(c) => Box::pin(pump::first_head(&mut **c, &mut http, capture)).await,
+            Client::Plain(c) => {
+                let mut c = Prefixed::new(std::mem::take(&mut sniffed), &mut *c);
+                let mut c = Recording::new(&mut c, per_request);
+                let ended = Box::pin(pump::first_head(&mut c, &mut http, capture)).await;
+                seen = c.seen;
+                ended
+            }
+            Client::Tls(c) => {
+                let mut c = Recording::new(&mut **c, per_request);
+                let ended = Box::pin(pump::first_head(&mut c, &mut http, capture)).await;
+                seen = c.seen;
+                ended
+            }
         };
         if let Some(outcome) = ended {
             count_http_end(state, &outcome.end);
             tracing::debug!(%peer, "closed before a whole request head: {:?}", outcome.end);
             if let Some(log) = &log {
                 log.record(ip, started_unix, None, &outcome.first);
+            }
+            return None;
+        }
+        // A bad request right behind the first, in the same read, is the byte pump's to
+        // refuse after the first answer (hyper would drop the connection unanswered).
+        if per_request && http.exchange.refusal().is_none() {
+            if let Some(log) = &log {
+                let first = &seen[..seen.len().min(crate::connlog::REQUEST_BYTES)];
+                log.record(ip, started_unix, None, first);
+            }
+            drop(http);
+            match client {
+                Client::Plain(c) => {
+                    let io = Prefixed::new(seen, c);
+                    Box::pin(super::h1::serve(state, io, peer_info(false))).await;
+                }
+                Client::Tls(c) => {
+                    let io = Prefixed::new(seen, c);
+                    Box::pin(super::h1::serve(state, io, peer_info(true))).await;
+                }
             }
             return None;
         }

@@ -1,7 +1,8 @@
-//! HTTP/2 from clients (`http` with ALPN `h2` on TLS listeners, `h2c` on plain ones), with
-//! clients nobody here wrote (curl, nghttp, h2load) and Debian's NGINX behind quill, which
-//! numbers its connections (`$connection`): that is how the tests see which requests
-//! shared a kept-alive server connection (`upstream_keepalive`).
+//! Request-level proxying with `http`: HTTP/2 from clients (ALPN `h2` on TLS listeners, `h2c`
+//! on plain ones) and HTTP/1.1 clients, each request sent to a server chosen for it over the
+//! pool of kept-alive server connections (`upstream_keepalive`). With clients nobody here
+//! wrote (curl, nghttp, h2load) and Debian's NGINX behind quill, which numbers its
+//! connections (`$connection`): that is how the tests see which requests shared one.
 //!
 //! Each tool is skipped with a message where it is not installed; `.ci/run` installs them.
 #![allow(clippy::unwrap_used, clippy::expect_used, clippy::panic)]
@@ -280,6 +281,93 @@ fn two_hundred_client_connections_share_the_pooled_server_connections() {
         "200 client connections used {} server connections: {used:?}",
         used.len()
     );
+}
+
+#[test]
+fn two_hundred_http11_clients_share_the_pooled_server_connections_too() {
+    let Some((_nginx, port)) = backend() else {
+        return;
+    };
+    let q = Quill::start(&[
+        "-H",
+        "-O",
+        "upstream_keepalive 4",
+        "{port}",
+        &format!("127.0.0.1:{port}"),
+    ]);
+    let url = format!("http://127.0.0.1:{}/who", q.port);
+    let mut out = String::new();
+    for _ in 0..200 {
+        let Some(one) = curl(&["--http1.1", &url]) else {
+            return;
+        };
+        out.push_str(&one);
+    }
+    assert_eq!(out.lines().count(), 200, "{out}");
+    let used = connections(&out);
+    assert!(
+        used.len() <= 4,
+        "{} server connections: {used:?}",
+        used.len()
+    );
+}
+
+/// NGINX answering `/port` with the port it listens on.
+fn named_backend() -> Option<(Daemon, u16)> {
+    nginx(
+        "",
+        "",
+        "  location /port { default_type text/plain; return 200 \"$server_port\\n\"; }",
+        &[],
+    )
+}
+
+#[test]
+fn requests_of_one_keep_alive_client_are_balanced_one_by_one() {
+    let Some((_a, a)) = named_backend() else {
+        return;
+    };
+    let Some((_b, b)) = named_backend() else {
+        return;
+    };
+    // Round robin without client tracking (-r): Pen's rule, now per request.
+    let q = Quill::start(&[
+        "-H",
+        "-r",
+        "{port}",
+        &format!("127.0.0.1:{a}"),
+        &format!("127.0.0.1:{b}"),
+    ]);
+    let url = format!("http://127.0.0.1:{}/port", q.port);
+    // curl reuses one connection for every URL of its command line.
+    let mut args = vec!["--http1.1", "-w", "%{num_connects}\n"];
+    let urls = vec![url.as_str(); 6];
+    args.extend(urls);
+    let Some(out) = curl(&args) else { return };
+    let ports: Vec<&str> = out.lines().filter(|l| l.len() > 2).collect();
+    assert_eq!(ports.len(), 6, "{out}");
+    assert!(ports.contains(&a.to_string().as_str()), "{out}");
+    assert!(ports.contains(&b.to_string().as_str()), "{out}");
+    let connects: u32 = out
+        .lines()
+        .filter(|l| l.len() <= 2)
+        .map(|l| l.parse::<u32>().unwrap())
+        .sum();
+    assert_eq!(connects, 1, "one client connection: {out}");
+    // With client tracking (the default), one client stays on one server.
+    let tracking = Quill::start(&[
+        "-H",
+        "{port}",
+        &format!("127.0.0.1:{a}"),
+        &format!("127.0.0.1:{b}"),
+    ]);
+    let url = format!("http://127.0.0.1:{}/port", tracking.port);
+    let mut args = vec!["--http1.1"];
+    let urls = vec![url.as_str(); 6];
+    args.extend(urls);
+    let out = curl(&args).unwrap();
+    let distinct: BTreeSet<&str> = out.lines().collect();
+    assert_eq!(distinct.len(), 1, "{out}");
 }
 
 #[test]

@@ -1,0 +1,881 @@
+//! Request-level proxying (`http`, `-H`, with HTTP/2 clients or `upstream_keepalive`):
+//! every request is sent to a server chosen for it by Pen's rules, over a pooled HTTP/1.1
+//! connection (`proxy::pool`), and its response streamed back. `proxy::h2` and `proxy::h1`
+//! serve the client connections with hyper and hand each request here.
+//!
+//! Invariants: a request goes to a server with its hop-by-hop fields removed,
+//! `X-Forwarded-For` merged (the client appended) and `X-Forwarded-Proto` replaced, exactly
+//! as the byte pump does; a request is sent again only when none of it reached the server
+//! (a pooled connection the server had just closed); a server's `conns` counts the
+//! requests in flight to it (a lease held until the response body ends), which is what
+//! least-connections and `server N max` compare.
+
+use std::cell::Cell;
+use std::future::Future;
+use std::net::{IpAddr, SocketAddr};
+use std::pin::Pin;
+use std::rc::Rc;
+use std::sync::atomic::Ordering::Relaxed;
+use std::task::{Context, Poll};
+use std::time::{Duration, Instant};
+
+use bytes::Bytes;
+use http_body_util::{Either, Full};
+use hyper::body::{Body, Frame, Incoming, SizeHint};
+use hyper::header::{self, HeaderMap, HeaderName, HeaderValue};
+use hyper::{Method, Request, Response, StatusCode, Uri, Version};
+use hyper_util::rt::TokioIo;
+
+use super::pool::{self, Conn, Limits, Target};
+use super::tcp::{open_upstream, Preamble, Server};
+use crate::balance::select::{Choice, Selector};
+use crate::balance::{clock, ServerState};
+use crate::net::connect::{is_local_failure, SocketOptions};
+use crate::settings::Settings;
+use crate::state::State;
+
+/// How long a connection with no request left may stay open after quill asked it to end
+/// (GOAWAY): a client that does not close by then is closed.
+const CLOSE_GRACE: Duration = Duration::from_secs(1);
+
+/// A request body on its way to a server, counted into the server's `bytes_to`.
+pub struct RequestBody {
+    inner: Incoming,
+    server: Option<&'static ServerState>,
+    activity: Rc<Activity>,
+}
+
+impl Body for RequestBody {
+    type Data = Bytes;
+    type Error = hyper::Error;
+
+    fn poll_frame(
+        mut self: Pin<&mut Self>,
+        cx: &mut Context<'_>,
+    ) -> Poll<Option<Result<Frame<Bytes>, hyper::Error>>> {
+        let polled = Pin::new(&mut self.inner).poll_frame(cx);
+        if let Poll::Ready(Some(Ok(frame))) = &polled {
+            self.activity.progress();
+            if let (Some(data), Some(server)) = (frame.data_ref(), self.server) {
+                server.bytes_to.fetch_add(data.len() as u64, Relaxed);
+            }
+        }
+        polled
+    }
+
+    fn is_end_stream(&self) -> bool {
+        self.inner.is_end_stream()
+    }
+
+    fn size_hint(&self) -> SizeHint {
+        self.inner.size_hint()
+    }
+}
+
+/// A server's response body on its way to the client: counted into the server's
+/// `bytes_from`; holds the request's lease on the server and its place among the
+/// connection's streams in flight until the body ends (or the client resets the stream).
+pub struct ResponseBody {
+    inner: Incoming,
+    server: &'static ServerState,
+    _lease: Lease,
+    _stream: InFlight,
+}
+
+impl Body for ResponseBody {
+    type Data = Bytes;
+    type Error = hyper::Error;
+
+    fn poll_frame(
+        mut self: Pin<&mut Self>,
+        cx: &mut Context<'_>,
+    ) -> Poll<Option<Result<Frame<Bytes>, hyper::Error>>> {
+        let polled = Pin::new(&mut self.inner).poll_frame(cx);
+        if let Poll::Ready(Some(Ok(frame))) = &polled {
+            self._stream.0.progress();
+            if let Some(data) = frame.data_ref() {
+                self.server.bytes_from.fetch_add(data.len() as u64, Relaxed);
+            }
+        }
+        polled
+    }
+
+    fn is_end_stream(&self) -> bool {
+        self.inner.is_end_stream()
+    }
+
+    fn size_hint(&self) -> SizeHint {
+        self.inner.size_hint()
+    }
+}
+
+pub(super) type Reply = Response<Either<ResponseBody, Full<Bytes>>>;
+
+/// One request in flight on a server: counts in its `conns` until dropped.
+struct Lease(&'static ServerState);
+
+impl Lease {
+    fn take(server: &'static ServerState) -> Lease {
+        server.conns.fetch_add(1, Relaxed);
+        Lease(server)
+    }
+}
+
+impl Drop for Lease {
+    fn drop(&mut self) {
+        self.0.conns.fetch_sub(1, Relaxed);
+    }
+}
+
+/// The requests of one client connection in flight, and when bytes last moved for one:
+/// the connection's watchdog ([`supervise`]) reads both.
+#[derive(Default)]
+pub(super) struct Activity {
+    in_flight: Cell<usize>,
+    /// When a request last started, moved body bytes or ended (`None`: none yet).
+    last: Cell<Option<Instant>>,
+    /// The tunnel an `Upgrade` or `CONNECT` request opened: it runs once hyper has let go
+    /// of the client connection, in the connection's own task.
+    tunnel: Cell<Option<Pin<Box<dyn Future<Output = ()>>>>>,
+}
+
+impl Activity {
+    fn progress(&self) {
+        self.last.set(Some(Instant::now()));
+    }
+}
+
+/// One request in flight (dropped when its response has ended).
+pub(super) struct InFlight(Rc<Activity>);
+
+impl InFlight {
+    pub(super) fn start(activity: &Rc<Activity>) -> InFlight {
+        activity.in_flight.set(activity.in_flight.get() + 1);
+        activity.progress();
+        InFlight(Rc::clone(activity))
+    }
+}
+
+impl Drop for InFlight {
+    fn drop(&mut self) {
+        self.0
+            .in_flight
+            .set(self.0.in_flight.get().saturating_sub(1));
+        self.0.last.set(Some(Instant::now()));
+    }
+}
+
+/// What is known of the client for all its requests.
+#[derive(Debug, Clone, Copy)]
+pub(super) struct Peer {
+    pub addr: SocketAddr,
+    /// Over TLS (`X-Forwarded-Proto: https`, HSTS).
+    pub tls: bool,
+    /// The client ACL lets it in; else its requests go to the abuse server.
+    pub permitted: bool,
+    /// For a PROXY protocol header to servers (such connections are not pooled).
+    pub preamble: Preamble,
+    pub opts: SocketOptions,
+}
+
+/// Spawns hyper's per-stream tasks on the connection's event loop.
+#[derive(Clone, Copy)]
+pub(super) struct LocalExec;
+
+impl<F> hyper::rt::Executor<F> for LocalExec
+where
+    F: Future + 'static,
+    F::Output: 'static,
+{
+    fn execute(&self, fut: F) {
+        tokio::task::spawn_local(fut);
+    }
+}
+
+/// A hyper server connection that can be asked to end after the requests it has.
+pub(super) trait Graceful: Future {
+    fn shut(self: Pin<&mut Self>);
+}
+
+/// The timers of a served client connection.
+#[derive(Debug, Clone, Copy)]
+pub(super) struct Timers {
+    /// Before the first request (`http_request_timeout`).
+    pub first: Option<Duration>,
+    /// Between requests.
+    pub between: Option<Duration>,
+    /// `between` bounds the time to send the next head (HTTP/1.x: counted as a request
+    /// timeout), not just an idle connection (HTTP/2).
+    pub between_is_head: bool,
+    /// A request in flight whose bytes do not move (`idle_timeout`).
+    pub stalled: Option<Duration>,
+}
+
+/// Drives `conn` until it ends, and ends it: asked to (GOAWAY, or a close after the
+/// response in flight) when quill stops or no request came within `timers`; dropped when a
+/// request in flight moves no byte for `timers.stalled`, or when the client stays longer
+/// than `CLOSE_GRACE` after being asked to go. When `timers.between` passes, `late_head`
+/// is asked first whether the client had started a head since `last` (it then answers the
+/// client 408 itself). Then runs the tunnel a request upgraded to, if any. Returns how a
+/// head did not come in time, if one did not.
+pub(super) async fn supervise<G: Graceful>(
+    state: &State,
+    mut conn: Pin<&mut G>,
+    activity: &Activity,
+    timers: Timers,
+    late_head: &dyn Fn(Instant) -> bool,
+) -> Option<HeadTimeout> {
+    let started = Instant::now();
+    let mut stopping = state.stopping.subscribe();
+    let mut shut: Option<Instant> = None;
+    let mut timed_out = None;
+    if *stopping.borrow_and_update() {
+        conn.as_mut().shut();
+        shut = Some(Instant::now());
+    }
+    loop {
+        // The watchdog looks again every second at most.
+        let tick = tokio::time::sleep(Duration::from_secs(1));
+        tokio::select! {
+            _ = conn.as_mut() => break,
+            _ = stopping.changed(), if shut.is_none() => {
+                conn.as_mut().shut();
+                shut = Some(Instant::now());
+            }
+            () = tick => {
+                let last = activity.last.get();
+                let quiet = last.unwrap_or(started).elapsed();
+                if activity.in_flight.get() > 0 {
+                    if timers.stalled.is_some_and(|l| quiet >= l) {
+                        return timed_out;
+                    }
+                    continue;
+                }
+                if let Some(at) = shut {
+                    if last.map_or(at, |l| l.max(at)).elapsed() >= CLOSE_GRACE {
+                        return timed_out;
+                    }
+                    continue;
+                }
+                let limit = if last.is_none() { timers.first } else { timers.between };
+                if limit.is_some_and(|l| quiet >= l) {
+                    timed_out = match last {
+                        None => Some(HeadTimeout::Silent),
+                        Some(at) if late_head(at) => Some(HeadTimeout::Answered),
+                        Some(_) if timers.between_is_head => Some(HeadTimeout::Silent),
+                        Some(_) => None,
+                    };
+                    // A late head is answered by the read that ends it; asked to shut
+                    // first, hyper would close before that read.
+                    if timed_out != Some(HeadTimeout::Answered) {
+                        conn.as_mut().shut();
+                    }
+                    shut = Some(Instant::now());
+                }
+            }
+        }
+    }
+    let tunnel = activity.tunnel.take();
+    if let Some(tunnel) = tunnel {
+        tunnel.await;
+    }
+    timed_out
+}
+
+/// How a client connection ended for want of a request head.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(super) enum HeadTimeout {
+    /// Closed without a word (nothing of a head had come).
+    Silent,
+    /// Answered 408 (part of a head had come).
+    Answered,
+}
+
+impl HeadTimeout {
+    /// Counts it as the byte pump does.
+    pub(super) fn count(self, state: &State) {
+        state.counters.http_request_timeouts.fetch_add(1, Relaxed);
+        if self == HeadTimeout::Answered {
+            state.counters.http_refused.fetch_add(1, Relaxed);
+        }
+    }
+}
+
+pub(super) fn secs(n: u64) -> Option<Duration> {
+    (n > 0).then(|| Duration::from_secs(n))
+}
+
+/// Sends one request to a server chosen for it and returns the server's response, or
+/// quill's own answer when no server could take it (502, 503). An HTTP/1.x `Upgrade` or
+/// `CONNECT` that the server accepts becomes a tunnel between the two connections.
+pub(super) async fn forward(
+    state: &'static State,
+    peer: Peer,
+    mut req: Request<Incoming>,
+    stream: InFlight,
+) -> Reply {
+    let settings = state.settings();
+    let version = req.version();
+    let tunnel = if version == Version::HTTP_2 {
+        state.counters.h2_requests.fetch_add(1, Relaxed);
+        if req.method() == Method::CONNECT {
+            return answer(
+                StatusCode::NOT_IMPLEMENTED,
+                "CONNECT is not proxied over HTTP/2\n",
+            );
+        }
+        None
+    } else if req.method() == Method::CONNECT || req.headers().contains_key(header::UPGRADE) {
+        Some(hyper::upgrade::on(&mut req))
+    } else {
+        None
+    };
+    // An HTTP/1.0 client keeps its connection only when it asks and the answer says so.
+    let keep_alive_10 = version == Version::HTTP_10
+        && req
+            .headers()
+            .get_all(header::CONNECTION)
+            .iter()
+            .filter_map(|v| v.to_str().ok())
+            .flat_map(|v| v.split(','))
+            .any(|t| t.trim().eq_ignore_ascii_case("keep-alive"));
+    let Some(mut req) = upstream_request(req, peer, &stream.0) else {
+        return answer(StatusCode::BAD_REQUEST, "Bad request\n");
+    };
+    let how = How {
+        limits: Limits {
+            keepalive: settings.upstream_keepalive,
+            idle_timeout: Duration::from_secs(settings.upstream_idle_timeout.max(1)),
+            max_requests: settings.upstream_max_requests,
+        },
+        upgrade: tunnel.is_some(),
+        version,
+        keep_alive_10,
+    };
+    let mut choice = None;
+    let mut selector = None;
+    if peer.permitted {
+        let s = selector.insert(Selector::new(
+            &settings,
+            &state.servers,
+            &state.clients,
+            &state.cursor,
+            peer.addr,
+            clock::now_ms(),
+        ));
+        choice = Some(s.initial());
+    } else if settings.abuse.is_none() {
+        return answer(StatusCode::FORBIDDEN, "Forbidden\n");
+    }
+    while let Some(Choice::Server(index)) = choice {
+        let (Some(addr), Some(server)) = (
+            settings.servers.get(index).and_then(|s| s.addr()),
+            state.servers.get(index),
+        ) else {
+            choice = selector.as_mut().map(|s| s.failover(index));
+            continue;
+        };
+        let target = Target::Server(index);
+        match send(state, &settings, peer, target, addr, server, req, how).await {
+            Sent::Answer(answered) => {
+                if selector.as_ref().is_some_and(|s| s.tracks()) {
+                    state
+                        .clients
+                        .record(peer.addr.ip().to_canonical(), index, clock::now_ms());
+                }
+                return reply(
+                    &settings, peer, target, server, answered, how, stream, tunnel,
+                );
+            }
+            Sent::Unsent(_, e) if is_local_failure(&e) => {
+                tracing::warn!(peer = %peer.addr, "cannot connect to server {index} ({addr}): {e}");
+                state.counters.no_server.fetch_add(1, Relaxed);
+                return answer(StatusCode::SERVICE_UNAVAILABLE, "Service unavailable\n");
+            }
+            Sent::Unsent(back, e) => {
+                tracing::info!(
+                    "server {index} ({addr}) failed: {e}; blacklisted for {} s",
+                    settings.blacklist
+                );
+                state.server_failed(index, settings.blacklist);
+                req = back;
+                choice = selector.as_mut().map(|s| s.failover(index));
+            }
+            Sent::Lost(e) => {
+                tracing::info!(
+                    "server {index} ({addr}) failed during a request: {e}; blacklisted for {} s",
+                    settings.blacklist
+                );
+                state.server_failed(index, settings.blacklist);
+                return answer(StatusCode::BAD_GATEWAY, "Bad gateway\n");
+            }
+        }
+    }
+    // The last resort of permitted clients, and the only server of denied ones.
+    let (last, target, server) = if peer.permitted {
+        (&settings.emergency, Target::Emergency, &state.emergency)
+    } else {
+        (&settings.abuse, Target::Abuse, &state.abuse)
+    };
+    if let Some(extra) = last {
+        match send(state, &settings, peer, target, extra.addr, server, req, how).await {
+            Sent::Answer(answered) => {
+                return reply(
+                    &settings, peer, target, server, answered, how, stream, tunnel,
+                )
+            }
+            Sent::Unsent(_, e) | Sent::Lost(e) => {
+                tracing::warn!(peer = %peer.addr, "{target:?} server {} failed: {e}", extra.name);
+            }
+        }
+    }
+    state.counters.no_server.fetch_add(1, Relaxed);
+    answer(StatusCode::SERVICE_UNAVAILABLE, "Service unavailable\n")
+}
+
+/// How a request is sent: the pool's rules, whether it asks for a tunnel (then a new
+/// connection, never pooled), and the client's HTTP version (for the response).
+#[derive(Debug, Clone, Copy)]
+struct How {
+    limits: Limits,
+    upgrade: bool,
+    version: Version,
+    /// An HTTP/1.0 client asked to keep its connection (`Connection: keep-alive`).
+    keep_alive_10: bool,
+}
+
+/// The server's answer: its response head, the connection (for the pool) and the
+/// request's lease on the server.
+struct Answered {
+    resp: Response<Incoming>,
+    conn: Conn,
+    lease: Lease,
+}
+
+/// How sending a request to one server went.
+enum Sent {
+    Answer(Answered),
+    /// Nothing of the request reached the server: it may go to another one.
+    Unsent(Request<RequestBody>, std::io::Error),
+    /// The server failed after the request (or part of it) was sent.
+    Lost(std::io::Error),
+}
+
+/// Sends `req` to the server at `addr` over a pooled connection, or a new one. A pooled
+/// connection that turns out closed before any of the request was written is replaced by
+/// a new one at once (that is not the server's failure).
+#[allow(clippy::too_many_arguments)]
+async fn send(
+    state: &'static State,
+    settings: &Settings,
+    peer: Peer,
+    target: Target,
+    addr: SocketAddr,
+    server: &'static ServerState,
+    mut req: Request<RequestBody>,
+    how: How,
+) -> Sent {
+    req.body_mut().server = Some(server);
+    let index = match target {
+        Target::Server(i) => Some(i),
+        _ => None,
+    };
+    // A PROXY protocol header describes one client, and a tunnel takes the connection:
+    // neither kind is ever pooled.
+    let poolable = !how.upgrade && super::tcp::proxy_version(settings, index).is_none();
+    let mut pooled = if poolable {
+        pool::take(target, addr)
+    } else {
+        None
+    };
+    loop {
+        let reused = pooled.is_some();
+        let mut conn = match pooled.take() {
+            Some(conn) => conn,
+            None => match connect(state, settings, peer, index, addr, server, how.upgrade).await {
+                Ok(sender) => Conn {
+                    sender,
+                    uses: 0,
+                    addr,
+                    poolable,
+                },
+                Err(e) => return Sent::Unsent(req, e),
+            },
+        };
+        conn.uses += 1;
+        let lease = Lease::take(server);
+        match conn.sender.try_send_request(req).await {
+            Ok(resp) => {
+                server.requests.fetch_add(1, Relaxed);
+                if reused {
+                    server.reused.fetch_add(1, Relaxed);
+                }
+                return Sent::Answer(Answered { resp, conn, lease });
+            }
+            Err(mut e) => {
+                drop(lease);
+                let message = e.take_message();
+                let error = std::io::Error::other(e.into_error());
+                match message {
+                    // A kept-alive connection closed under us: try a new one.
+                    Some(back) if reused => req = back,
+                    Some(back) => return Sent::Unsent(back, error),
+                    None => return Sent::Lost(error),
+                }
+            }
+        }
+    }
+}
+
+/// A new HTTP/1.1 connection to a server (TLS with `upstream_tls`, the PROXY header when
+/// configured), driven by a task of its own on this event loop.
+async fn connect(
+    state: &'static State,
+    settings: &Settings,
+    peer: Peer,
+    index: Option<usize>,
+    addr: SocketAddr,
+    server: &'static ServerState,
+    upgrades: bool,
+) -> std::io::Result<hyper::client::conn::http1::SendRequest<RequestBody>> {
+    let host = match index {
+        Some(i) => settings.servers.get(i).and_then(|s| s.host.as_ref()),
+        None => None,
+    };
+    let stream =
+        open_upstream(state, settings, addr, index, host, peer.preamble, peer.opts).await?;
+    server.total.fetch_add(1, Relaxed);
+    let mut builder = hyper::client::conn::http1::Builder::new();
+    // Field names go out as the client wrote them (HTTP/1.x clients), the others (HTTP/2's
+    // lowercase ones, quill's own) in title case, as the byte pump writes its fields.
+    builder.preserve_header_case(true).title_case_headers(true);
+    let failed = |e: hyper::Error| std::io::Error::other(e);
+    let sender = match stream {
+        Server::Plain(s) => {
+            let (sender, conn) = builder.handshake(TokioIo::new(s)).await.map_err(failed)?;
+            if upgrades {
+                drive(conn.with_upgrades(), server);
+            } else {
+                drive(conn, server);
+            }
+            sender
+        }
+        Server::Tls(s) => {
+            let (sender, conn) = builder.handshake(TokioIo::new(s)).await.map_err(failed)?;
+            if upgrades {
+                drive(conn.with_upgrades(), server);
+            } else {
+                drive(conn, server);
+            }
+            sender
+        }
+    };
+    Ok(sender)
+}
+
+/// Runs a server connection's I/O until it closes, counted in the server's `pool_open`.
+fn drive<F>(conn: F, server: &'static ServerState)
+where
+    F: Future<Output = hyper::Result<()>> + 'static,
+{
+    server.pool_open.fetch_add(1, Relaxed);
+    tokio::task::spawn_local(async move {
+        if let Err(e) = conn.await {
+            tracing::debug!("server connection ended: {e}");
+        }
+        server.pool_open.fetch_sub(1, Relaxed);
+    });
+}
+
+/// The server's response as the client gets it; the connection goes back to the pool
+/// once the response body has been read to the end. A `101` to an `Upgrade` (a `2xx` to a
+/// `CONNECT`) leaves the tunnel to the client connection's task.
+#[allow(clippy::too_many_arguments)]
+fn reply(
+    settings: &Settings,
+    peer: Peer,
+    target: Target,
+    server: &'static ServerState,
+    answered: Answered,
+    how: How,
+    stream: InFlight,
+    tunnel: Option<hyper::upgrade::OnUpgrade>,
+) -> Reply {
+    let Answered {
+        mut resp,
+        conn,
+        lease,
+    } = answered;
+    let status = resp.status();
+    let upgraded = status == StatusCode::SWITCHING_PROTOCOLS
+        || (how.version != Version::HTTP_2 && status.is_success() && tunnel.is_some());
+    let kept = upgraded.then(|| {
+        (
+            resp.headers().get(header::UPGRADE).cloned(),
+            hyper::upgrade::on(&mut resp),
+        )
+    });
+    // A tunnel's server connection is the tunnel's (hyper hands it over once the 101 is
+    // read); its sender lives as long as the tunnel.
+    let mut unpooled = None;
+    if conn.poolable && !upgraded {
+        pool::give_back(conn, target, server, how.limits);
+    } else {
+        unpooled = Some(conn);
+    }
+    let (mut parts, body) = resp.into_parts();
+    strip_hop_by_hop(&mut parts.headers);
+    if peer.tls {
+        if let Some(h) = settings.hsts {
+            if !parts
+                .headers
+                .contains_key(header::STRICT_TRANSPORT_SECURITY)
+            {
+                if let Ok(v) = HeaderValue::from_str(&h.header_value()) {
+                    parts.headers.insert(header::STRICT_TRANSPORT_SECURITY, v);
+                }
+            }
+        }
+    }
+    parts.version = how.version;
+    if how.keep_alive_10 {
+        parts
+            .headers
+            .insert(header::CONNECTION, HeaderValue::from_static("keep-alive"));
+    }
+    if let (Some((protocol, server_side)), Some(client_side)) = (kept, tunnel) {
+        if let Some(p) = protocol {
+            parts.headers.insert(header::UPGRADE, p);
+            parts
+                .headers
+                .insert(header::CONNECTION, HeaderValue::from_static("upgrade"));
+        }
+        let idle = secs(settings.idle_timeout);
+        let activity = Rc::clone(&stream.0);
+        let run = async move {
+            // The lease and the request's place in flight last as long as the tunnel.
+            let _held = (lease, stream, unpooled);
+            if let (Ok(c), Ok(s)) = (client_side.await, server_side.await) {
+                let mut c = TokioIo::new(c);
+                let mut s = Marked {
+                    inner: TokioIo::new(s),
+                    activity: Rc::clone(&_held.1 .0),
+                };
+                let copy = tokio::io::copy_bidirectional(&mut c, &mut s);
+                let _ = stalls_after(copy, &_held.1 .0, idle).await;
+            }
+        };
+        activity.tunnel.set(Some(Box::pin(run)));
+        return Response::from_parts(parts, Either::Right(Full::new(Bytes::new())));
+    }
+    let body = ResponseBody {
+        inner: body,
+        server,
+        _lease: lease,
+        _stream: stream,
+    };
+    Response::from_parts(parts, Either::Left(body))
+}
+
+/// Runs `fut`, or gives up once `activity` has seen no progress for `limit`.
+async fn stalls_after<F: Future>(
+    fut: F,
+    activity: &Activity,
+    limit: Option<Duration>,
+) -> Option<F::Output> {
+    let Some(limit) = limit else {
+        return Some(fut.await);
+    };
+    tokio::pin!(fut);
+    loop {
+        tokio::select! {
+            out = fut.as_mut() => return Some(out),
+            () = tokio::time::sleep(Duration::from_secs(1)) => {
+                if activity.last.get().is_some_and(|l| l.elapsed() >= limit) {
+                    return None;
+                }
+            }
+        }
+    }
+}
+
+/// A tunnel's server side, marking progress on every read and write.
+struct Marked<IO> {
+    inner: IO,
+    activity: Rc<Activity>,
+}
+
+impl<IO: tokio::io::AsyncRead + Unpin> tokio::io::AsyncRead for Marked<IO> {
+    fn poll_read(
+        mut self: Pin<&mut Self>,
+        cx: &mut Context<'_>,
+        buf: &mut tokio::io::ReadBuf<'_>,
+    ) -> Poll<std::io::Result<()>> {
+        let polled = Pin::new(&mut self.inner).poll_read(cx, buf);
+        if polled.is_ready() {
+            self.activity.progress();
+        }
+        polled
+    }
+}
+
+impl<IO: tokio::io::AsyncWrite + Unpin> tokio::io::AsyncWrite for Marked<IO> {
+    fn poll_write(
+        mut self: Pin<&mut Self>,
+        cx: &mut Context<'_>,
+        buf: &[u8],
+    ) -> Poll<std::io::Result<usize>> {
+        let polled = Pin::new(&mut self.inner).poll_write(cx, buf);
+        if polled.is_ready() {
+            self.activity.progress();
+        }
+        polled
+    }
+
+    fn poll_flush(mut self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<std::io::Result<()>> {
+        Pin::new(&mut self.inner).poll_flush(cx)
+    }
+
+    fn poll_shutdown(mut self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<std::io::Result<()>> {
+        Pin::new(&mut self.inner).poll_shutdown(cx)
+    }
+}
+
+/// quill's own answer.
+fn answer(status: StatusCode, text: &'static str) -> Reply {
+    let mut resp = Response::new(Either::Right(Full::new(Bytes::from_static(
+        text.as_bytes(),
+    ))));
+    *resp.status_mut() = status;
+    resp.headers_mut().insert(
+        header::CONTENT_TYPE,
+        HeaderValue::from_static("text/plain; charset=utf-8"),
+    );
+    resp
+}
+
+/// Fields that describe one hop (RFC 9110 7.6.1), never forwarded; HTTP/2 forbids them.
+const HOP_BY_HOP: [&str; 6] = [
+    "connection",
+    "keep-alive",
+    "proxy-connection",
+    "transfer-encoding",
+    "upgrade",
+    "te",
+];
+
+fn strip_hop_by_hop(headers: &mut HeaderMap) {
+    // Fields the `Connection` field names are hop-by-hop too.
+    let named: Vec<HeaderName> = headers
+        .get_all(header::CONNECTION)
+        .iter()
+        .filter_map(|v| v.to_str().ok())
+        .flat_map(|v| v.split(','))
+        .filter_map(|n| HeaderName::from_bytes(n.trim().as_bytes()).ok())
+        .collect();
+    for name in named {
+        headers.remove(name);
+    }
+    for name in HOP_BY_HOP {
+        headers.remove(name);
+    }
+}
+
+/// The request as a server gets it over HTTP/1.1: origin-form target (a `CONNECT` keeps
+/// its authority-form), `Host` from `:authority`, cookies joined, hop-by-hop fields
+/// dropped (but `Upgrade` kept for a tunnel and `TE: trailers`), `X-Forwarded-For` merged
+/// with the client appended and `X-Forwarded-Proto` set. `None` when a field cannot be
+/// rebuilt.
+fn upstream_request(
+    req: Request<Incoming>,
+    peer: Peer,
+    activity: &Rc<Activity>,
+) -> Option<Request<RequestBody>> {
+    let (mut parts, body) = req.into_parts();
+    let authority = parts.uri.authority().cloned();
+    if parts.method != Method::CONNECT {
+        let target = parts
+            .uri
+            .path_and_query()
+            .map_or("/", |p| p.as_str())
+            .to_string();
+        parts.uri = Uri::try_from(target).ok()?;
+    }
+    let h1 = parts.version != Version::HTTP_2;
+    // Servers are always spoken to in HTTP/1.1 (an HTTP/1.0 request would close the
+    // pooled connection after its answer).
+    parts.version = Version::HTTP_11;
+    let trailers_wanted = parts
+        .headers
+        .get(header::TE)
+        .and_then(|v| v.to_str().ok())
+        .is_some_and(|v| {
+            v.split(',')
+                .any(|t| t.trim().eq_ignore_ascii_case("trailers"))
+        });
+    let upgrade = if h1 {
+        parts.headers.get(header::UPGRADE).cloned()
+    } else {
+        None
+    };
+    strip_hop_by_hop(&mut parts.headers);
+    if trailers_wanted {
+        parts
+            .headers
+            .insert(header::TE, HeaderValue::from_static("trailers"));
+    }
+    if let Some(protocol) = upgrade {
+        parts.headers.insert(header::UPGRADE, protocol);
+        parts
+            .headers
+            .insert(header::CONNECTION, HeaderValue::from_static("upgrade"));
+    }
+    // An HTTP/1.x request keeps its own `Host` (an absolute-form target's authority wins
+    // only where it has none); without either, it goes on without, as it came.
+    if let Some(a) = authority {
+        if !h1 || !parts.headers.contains_key(header::HOST) {
+            let v = HeaderValue::from_str(a.as_str()).ok()?;
+            parts.headers.insert(header::HOST, v);
+        }
+    }
+    // HTTP/2 may split cookies into several fields; HTTP/1.1 wants one (RFC 9113 8.2.3).
+    let cookies: Vec<&[u8]> = parts
+        .headers
+        .get_all(header::COOKIE)
+        .iter()
+        .map(HeaderValue::as_bytes)
+        .collect();
+    if cookies.len() > 1 && !h1 {
+        let joined = cookies.join(&b"; "[..]);
+        let v = HeaderValue::from_bytes(&joined).ok()?;
+        parts.headers.insert(header::COOKIE, v);
+    }
+    let client = client_text(peer.addr.ip());
+    let mut xff = Vec::new();
+    for v in parts.headers.get_all("x-forwarded-for") {
+        let v = v.as_bytes().trim_ascii();
+        if !v.is_empty() {
+            xff.extend_from_slice(v);
+            xff.extend_from_slice(b", ");
+        }
+    }
+    xff.extend_from_slice(client.as_bytes());
+    let xff = HeaderValue::from_bytes(&xff).ok()?;
+    parts.headers.insert("x-forwarded-for", xff);
+    parts.headers.insert(
+        "x-forwarded-proto",
+        HeaderValue::from_static(if peer.tls { "https" } else { "http" }),
+    );
+    Some(Request::from_parts(
+        parts,
+        RequestBody {
+            inner: body,
+            server: None,
+            activity: Rc::clone(activity),
+        },
+    ))
+}
+
+fn client_text(ip: IpAddr) -> String {
+    ip.to_canonical().to_string()
+}
