@@ -4,7 +4,9 @@
 //! One pool per event loop (a thread-local: a loop's tasks never leave its thread), so
 //! taking and returning a connection costs no lock. Invariants: an idle entry's sender was
 //! ready when it was put back (its last response was read to the end); a loop keeps at
-//! most its share of `upstream_keepalive` idle entries per server; an entry idle longer
+//! most its share of `upstream_keepalive` idle entries per server for longer than
+//! `TRIM_AFTER` (a burst of answers may leave more idle for a moment: closing them at once
+//! would make the next burst of requests open as many again); an entry idle longer
 //! than `upstream_idle_timeout`, or made to an address the server no longer has, is never
 //! handed out (it is dropped, which closes the connection).
 
@@ -26,6 +28,9 @@ pub const DEFAULT_KEEPALIVE: u32 = 32;
 pub const DEFAULT_IDLE_TIMEOUT: u64 = 60;
 /// Default `upstream_max_requests` (NGINX's `keepalive_requests`: 1000).
 pub const DEFAULT_MAX_REQUESTS: u64 = 1000;
+
+/// How long idle connections beyond a loop's share of `upstream_keepalive` are kept.
+const TRIM_AFTER: Duration = Duration::from_secs(1);
 
 /// The event loops sharing `upstream_keepalive` (set once at start-up).
 static LOOPS: AtomicUsize = AtomicUsize::new(1);
@@ -69,6 +74,8 @@ struct Idle {
     conn: Conn,
     since: Instant,
     idle_timeout: Duration,
+    /// This loop's share of `upstream_keepalive` for the server.
+    share: usize,
     gauge: &'static ServerState,
 }
 
@@ -119,14 +126,12 @@ pub fn give_back(mut conn: Conn, target: Target, server: &'static ServerState, l
         let start_sweeper = POOL.with(|pool| {
             let mut pool = pool.borrow_mut();
             let list = pool.idle.entry(target).or_default();
-            if list.len() >= share.max(1) {
-                return false;
-            }
             server.pool_idle.fetch_add(1, Relaxed);
             list.push(Idle {
                 conn,
                 since: Instant::now(),
                 idle_timeout: limits.idle_timeout,
+                share: share.max(1),
                 gauge: server,
             });
             !std::mem::replace(&mut pool.sweeping, true)
@@ -137,8 +142,9 @@ pub fn give_back(mut conn: Conn, target: Target, server: &'static ServerState, l
     });
 }
 
-/// Closes idle connections past their timeout (or closed by their server), every second,
-/// until the pool of this loop is empty.
+/// Closes idle connections past their timeout (or closed by their server), and the least
+/// recently used ones beyond the share idle for `TRIM_AFTER`, every second, until the pool
+/// of this loop is empty.
 async fn sweep() {
     loop {
         tokio::time::sleep(Duration::from_secs(1)).await;
@@ -146,9 +152,18 @@ async fn sweep() {
         let empty = POOL.with(|pool| {
             let mut pool = pool.borrow_mut();
             pool.idle.retain(|_, list| {
+                // Oldest first: beyond the share, those idle for TRIM_AFTER go.
+                let mut excess = list
+                    .len()
+                    .saturating_sub(list.first().map_or(0, |i| i.share));
                 list.retain(|idle| {
-                    let keep = now.duration_since(idle.since) < idle.idle_timeout
-                        && !idle.conn.sender.is_closed();
+                    let idle_for = now.duration_since(idle.since);
+                    let trimmed = excess > 0 && idle_for >= TRIM_AFTER;
+                    if trimmed {
+                        excess -= 1;
+                    }
+                    let keep =
+                        !trimmed && idle_for < idle.idle_timeout && !idle.conn.sender.is_closed();
                     if !keep {
                         idle.gauge.pool_idle.fetch_sub(1, Relaxed);
                     }
