@@ -23,26 +23,6 @@ static ONE_AT_A_TIME: Mutex<()> = Mutex::new(());
 
 const KIB: usize = 1024;
 
-/// Runs `program args`; `None` (with a message) when it is not installed.
-fn tool(program: &str, args: &[&str]) -> Option<String> {
-    match Command::new(program).args(args).output() {
-        Ok(out) => {
-            let text = format!(
-                "{}{}",
-                String::from_utf8_lossy(&out.stdout),
-                String::from_utf8_lossy(&out.stderr)
-            );
-            assert!(out.status.success(), "{program} {args:?} failed:\n{text}");
-            Some(text)
-        }
-        Err(e) if e.kind() == std::io::ErrorKind::NotFound => {
-            eprintln!("SKIPPED: {program} is not installed (.ci/run installs it)");
-            None
-        }
-        Err(e) => panic!("{program}: {e}"),
-    }
-}
-
 /// A 1 KiB page of printable bytes, served by NGINX as `/1k`.
 fn page() -> Vec<u8> {
     (0..KIB).map(|i| b'a' + (i % 26) as u8).collect()

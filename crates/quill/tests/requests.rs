@@ -23,27 +23,6 @@ use support::*;
 /// h2load measures: one load at a time on the two cores.
 static ONE_AT_A_TIME: Mutex<()> = Mutex::new(());
 
-/// Runs `program args` and returns its output; `None` (with a message) when it is not
-/// installed. Panics when it fails.
-fn tool(program: &str, args: &[&str]) -> Option<String> {
-    match Command::new(program).args(args).output() {
-        Ok(out) => {
-            let text = format!(
-                "{}{}",
-                String::from_utf8_lossy(&out.stdout),
-                String::from_utf8_lossy(&out.stderr)
-            );
-            assert!(out.status.success(), "{program} {args:?} failed:\n{text}");
-            Some(text)
-        }
-        Err(e) if e.kind() == std::io::ErrorKind::NotFound => {
-            eprintln!("SKIPPED: {program} is not installed (.ci/run installs it)");
-            None
-        }
-        Err(e) => panic!("{program}: {e}"),
-    }
-}
-
 /// NGINX answering `/who` with "CONNECTION XFF PROTO HOST URI", serving `/1k`, and
 /// storing `PUT`s under `/files/` (the DAV module), behind quill.
 fn backend() -> Option<(Daemon, u16)> {
@@ -254,6 +233,25 @@ fn h2load_and_nghttp_get_every_stream_answered() {
     assert!(out.contains("content-length: 1024"), "{out}");
 }
 
+/// 200 curl runs of `args` (each a client connection of its own, one after the other) are
+/// answered over at most 4 server connections (`upstream_keepalive 4`).
+fn two_hundred_clients_use_at_most_four(args: &[&str]) {
+    let mut out = String::new();
+    for _ in 0..200 {
+        let Some(one) = curl(args) else {
+            return;
+        };
+        out.push_str(&one);
+    }
+    assert_eq!(out.lines().count(), 200, "{out}");
+    let used = connections(&out);
+    assert!(
+        used.len() <= 4,
+        "200 client connections used {} server connections: {used:?}",
+        used.len()
+    );
+}
+
 #[test]
 fn two_hundred_client_connections_share_the_pooled_server_connections() {
     let Some((_nginx, port)) = backend() else {
@@ -266,21 +264,7 @@ fn two_hundred_client_connections_share_the_pooled_server_connections() {
         &[format!("127.0.0.1:{port}")],
     );
     let url = format!("https://127.0.0.1:{}/who", q.port);
-    let mut out = String::new();
-    for _ in 0..200 {
-        // Each curl is a client connection of its own.
-        let Some(one) = curl(&["-k", "--http2", &url]) else {
-            return;
-        };
-        out.push_str(&one);
-    }
-    assert_eq!(out.lines().count(), 200, "{out}");
-    let used = connections(&out);
-    assert!(
-        used.len() <= 4,
-        "200 client connections used {} server connections: {used:?}",
-        used.len()
-    );
+    two_hundred_clients_use_at_most_four(&["-k", "--http2", &url]);
 }
 
 #[test]
@@ -296,20 +280,7 @@ fn two_hundred_http11_clients_share_the_pooled_server_connections_too() {
         &format!("127.0.0.1:{port}"),
     ]);
     let url = format!("http://127.0.0.1:{}/who", q.port);
-    let mut out = String::new();
-    for _ in 0..200 {
-        let Some(one) = curl(&["--http1.1", &url]) else {
-            return;
-        };
-        out.push_str(&one);
-    }
-    assert_eq!(out.lines().count(), 200, "{out}");
-    let used = connections(&out);
-    assert!(
-        used.len() <= 4,
-        "{} server connections: {used:?}",
-        used.len()
-    );
+    two_hundred_clients_use_at_most_four(&["--http1.1", &url]);
 }
 
 /// NGINX answering `/port` with the port it listens on.
@@ -674,4 +645,51 @@ fn streams_beyond_h2_max_streams_are_refused() {
         return;
     };
     assert_eq!(out.trim(), "refused [(15, 7)]", "{out}");
+}
+
+/// One value of `/metrics` (the Prometheus text format), e.g. `quill_server_pool_idle`.
+fn metric(addr: std::net::SocketAddr, name: &str) -> u64 {
+    let text = support::http::get(addr, "/metrics").text();
+    text.lines()
+        .find(|l| l.starts_with(name) && l[name.len()..].starts_with(['{', ' ']))
+        .and_then(|l| l.split_whitespace().last()?.parse().ok())
+        .unwrap_or_else(|| panic!("no {name} in:\n{text}"))
+}
+
+/// A burst of 20 clients at once leaves up to 20 idle server connections; within about two
+/// seconds the pool is back to `upstream_keepalive` of them, the least recently used closed.
+/// Meanwhile every request was answered and most server connections were reused.
+#[test]
+fn the_pool_shrinks_back_to_upstream_keepalive_after_a_burst() {
+    let _one = ONE_AT_A_TIME.lock().unwrap_or_else(|e| e.into_inner());
+    let Some((_nginx, port)) = backend() else {
+        return;
+    };
+    let (q, metrics) = support::http::start_with_metrics(&[
+        "-H",
+        "-O",
+        "upstream_keepalive 4",
+        "-O",
+        "metrics_listen 127.0.0.1:{metrics}",
+        "{port}",
+        &format!("127.0.0.1:{port}"),
+    ]);
+    let url = format!("http://127.0.0.1:{}/1k", q.port);
+    let Some(out) = tool("h2load", &["--h1", "-c20", "-n4000", &url]) else {
+        return;
+    };
+    assert!(out.contains("4000 succeeded, 0 failed"), "{out}");
+    let made = metric(metrics, "quill_server_connections_total");
+    let reused = metric(metrics, "quill_server_requests_reused_total");
+    assert!(
+        reused >= 3000,
+        "{reused} of 4000 requests reused a connection ({made} made)"
+    );
+    wait_until(Duration::from_secs(10), "the pool trimmed to 4", || {
+        metric(metrics, "quill_server_pool_idle") <= 4
+    });
+    assert!(
+        metric(metrics, "quill_server_pool_idle") >= 1,
+        "the share is kept"
+    );
 }

@@ -305,6 +305,25 @@ pub(super) fn secs(n: u64) -> Option<Duration> {
     (n > 0).then(|| Duration::from_secs(n))
 }
 
+/// The hyper service of a client connection: every request to [`forward`], counted in
+/// flight in `activity` until its response has ended.
+pub(super) fn service(
+    state: &'static State,
+    peer: Peer,
+    activity: &Rc<Activity>,
+) -> impl hyper::service::Service<
+    Request<Incoming>,
+    Response = Reply,
+    Error = std::convert::Infallible,
+    Future = impl Future<Output = Result<Reply, std::convert::Infallible>>,
+> {
+    let activity = Rc::clone(activity);
+    hyper::service::service_fn(move |req| {
+        let stream = InFlight::start(&activity);
+        async move { Ok(forward(state, peer, req, stream).await) }
+    })
+}
+
 /// Sends one request to a server chosen for it and returns the server's response, or
 /// quill's own answer when no server could take it (502, 503). An HTTP/1.x `Upgrade` or
 /// `CONNECT` that the server accepts becomes a tunnel between the two connections.

@@ -3,7 +3,6 @@
 //! server before a whole head), hyper serves the connection and every request goes to
 //! `proxy::gateway`, which may send each to another server over pooled connections.
 
-use std::convert::Infallible;
 use std::pin::Pin;
 use std::rc::Rc;
 use std::sync::atomic::{AtomicBool, Ordering::Relaxed};
@@ -14,7 +13,7 @@ use std::time::Instant;
 use hyper_util::rt::{TokioIo, TokioTimer};
 use tokio::io::{AsyncRead, AsyncWrite, ReadBuf};
 
-use super::gateway::{self, Activity, Graceful, InFlight, Peer, Timers};
+use super::gateway::{self, Activity, Graceful, Peer, Timers};
 use crate::state::State;
 
 impl<I, S> Graceful for hyper::server::conn::http1::UpgradeableConnection<I, S>
@@ -50,13 +49,7 @@ where
         // quill's own watchdog bounds later heads: it answers a partial one 408.
         .header_read_timeout(None);
     let activity = Rc::new(Activity::default());
-    let service = {
-        let activity = Rc::clone(&activity);
-        hyper::service::service_fn(move |req| {
-            let stream = InFlight::start(&activity);
-            async move { Ok::<_, Infallible>(gateway::forward(state, peer, req, stream).await) }
-        })
-    };
+    let service = gateway::service(state, peer, &activity);
     let read = Arc::new(Reads::default());
     let io = Watched {
         inner: io,

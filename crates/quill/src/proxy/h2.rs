@@ -2,7 +2,6 @@
 //! plain ones): hyper serves the connection on the event loop, with quill's limits; every
 //! stream is one request for `proxy::gateway`.
 
-use std::convert::Infallible;
 use std::pin::Pin;
 use std::rc::Rc;
 use std::sync::atomic::Ordering::Relaxed;
@@ -11,7 +10,7 @@ use std::time::Duration;
 use hyper_util::rt::{TokioIo, TokioTimer};
 use tokio::io::{AsyncRead, AsyncWrite};
 
-use super::gateway::{self, Activity, Graceful, InFlight, LocalExec, Peer, Timers};
+use super::gateway::{self, Activity, Graceful, LocalExec, Peer, Timers};
 use crate::state::State;
 
 /// Default `h2_max_streams`: concurrent streams per client connection (what NGINX and
@@ -52,13 +51,7 @@ where
         .keep_alive_interval(Duration::from_secs(30))
         .keep_alive_timeout(Duration::from_secs(20));
     let activity = Rc::new(Activity::default());
-    let service = {
-        let activity = Rc::clone(&activity);
-        hyper::service::service_fn(move |req| {
-            let stream = InFlight::start(&activity);
-            async move { Ok::<_, Infallible>(gateway::forward(state, peer, req, stream).await) }
-        })
-    };
+    let service = gateway::service(state, peer, &activity);
     let conn = builder.serve_connection(TokioIo::new(io), service);
     tokio::pin!(conn);
     let timers = Timers {

@@ -1238,3 +1238,24 @@ impl Rng {
         }
     }
 }
+
+/// Runs `program args` and returns its output; `None` (with a message) when it is not
+/// installed. Panics when it fails.
+pub fn tool(program: &str, args: &[&str]) -> Option<String> {
+    match Command::new(program).args(args).output() {
+        Ok(out) => {
+            let text = format!(
+                "{}{}",
+                String::from_utf8_lossy(&out.stdout),
+                String::from_utf8_lossy(&out.stderr)
+            );
+            assert!(out.status.success(), "{program} {args:?} failed:\n{text}");
+            Some(text)
+        }
+        Err(e) if e.kind() == std::io::ErrorKind::NotFound => {
+            eprintln!("SKIPPED: {program} is not installed (.ci/run installs it)");
+            None
+        }
+        Err(e) => panic!("{program}: {e}"),
+    }
+}
