@@ -272,7 +272,7 @@ fn two_hundred_http11_clients_share_the_pooled_server_connections_too() {
     let Some((_nginx, port)) = backend() else {
         return;
     };
-    let q = Quill::start(&[
+    let (q, ctl) = support::ctl::start_with_tcp_control(&[
         "-H",
         "-O",
         "upstream_keepalive 4",
@@ -280,7 +280,30 @@ fn two_hundred_http11_clients_share_the_pooled_server_connections_too() {
         &format!("127.0.0.1:{port}"),
     ]);
     let url = format!("http://127.0.0.1:{}/who", q.port);
+    if which("curl").is_none() {
+        eprintln!("SKIPPED: curl is not installed (.ci/run installs it)");
+        return;
+    }
     two_hundred_clients_use_at_most_four(&["--http1.1", &url]);
+    // `status json` tells the same per server: every request, nearly all over a reused
+    // connection, and the pool's connections.
+    let status = support::ctl::status_json(&ctl);
+    let server = &status["servers"][0];
+    assert_eq!(server["requests"], 200, "{server}");
+    assert!(
+        server["requests_reused"].as_u64().unwrap() >= 196,
+        "{server}"
+    );
+    assert!(server["pool_open"].as_u64().unwrap() <= 4, "{server}");
+}
+
+/// Whether `program` is on the PATH.
+fn which(program: &str) -> Option<()> {
+    Command::new(program)
+        .arg("--version")
+        .output()
+        .ok()
+        .map(|_| ())
 }
 
 /// NGINX answering `/port` with the port it listens on.

@@ -199,6 +199,12 @@ pub fn json(ctx: &Context) -> String {
                 "failures": rt.failures.load(Relaxed),
                 "bytes_to_server": rt.bytes_to.load(Relaxed),
                 "bytes_from_server": rt.bytes_from.load(Relaxed),
+                // Request-level proxying (`http`): requests sent one by one, how many
+                // reused a kept-alive connection, and the pool's connections to it.
+                "requests": rt.requests.load(Relaxed),
+                "requests_reused": rt.reused.load(Relaxed),
+                "pool_open": rt.pool_open.load(Relaxed),
+                "pool_idle": rt.pool_idle.load(Relaxed),
             })
         })
         .collect();
