@@ -255,6 +255,9 @@ pub enum Command {
     UpstreamKeepalive(u32),
     /// `upstream_idle_timeout N` (extension): seconds an idle pooled connection is kept.
     UpstreamIdleTimeout(u64),
+    /// `access_log FILE` / `no access_log` (extension): with `http`, one line per request
+    /// (see `accesslog`), reopened on SIGHUP like `log`.
+    AccessLog(Option<Word>),
     /// `upstream_max_requests N` (extension): requests over one pooled connection before
     /// it is closed (0 = no limit).
     UpstreamMaxRequests(u64),
@@ -1037,6 +1040,7 @@ pub const NAMES: &[&str] = &[
     "upstream_keepalive",
     "upstream_idle_timeout",
     "upstream_max_requests",
+    "access_log",
 ];
 
 /// The static name of a command word, for error messages.
@@ -1118,6 +1122,7 @@ fn parse_negated(command: &'static str, w: &mut Words<'_>) -> Result<Command, Pa
         "accept_proxy" => Command::AcceptProxy(false),
         "alpn" => Command::Alpn(None),
         "h2c" => Command::H2c(false),
+        "access_log" => Command::AccessLog(None),
         _ => return Err(ParseError::Unknown(format!("no {command}"))),
     })
 }
@@ -1377,6 +1382,7 @@ fn parse_positive(command: &'static str, w: &mut Words<'_>) -> Result<Command, P
             Command::Alpn(Some(protocols))
         }
         "h2c" => Command::H2c(true),
+        "access_log" => Command::AccessLog(Some(w.word("a file name")?)),
         "h2_max_streams" => {
             let n: u32 = w.number("number of streams")?;
             if n == 0 {
@@ -1770,6 +1776,8 @@ impl fmt::Display for Command {
                 Ok(())
             }
             Command::H2c(on) => on_off(f, *on, "h2c"),
+            Command::AccessLog(Some(file)) => write!(f, "access_log {file}"),
+            Command::AccessLog(None) => f.write_str("no access_log"),
             Command::H2MaxStreams(n) => write!(f, "h2_max_streams {n}"),
             Command::UpstreamKeepalive(n) => write!(f, "upstream_keepalive {n}"),
             Command::UpstreamIdleTimeout(n) => write!(f, "upstream_idle_timeout {n}"),
@@ -2104,6 +2112,7 @@ mod roundtrip {
             ])
             .prop_map(Command::Alpn),
             any::<bool>().prop_map(Command::H2c),
+            proptest::option::of(word()).prop_map(Command::AccessLog),
             (1u32..).prop_map(Command::H2MaxStreams),
             any::<u32>().prop_map(Command::UpstreamKeepalive),
             any::<u64>().prop_map(Command::UpstreamIdleTimeout),

@@ -5,6 +5,7 @@
 //! [`settings::Settings::apply`]. The result is published as an immutable snapshot in
 //! [`state::State`], beside the runtime tables the data plane ([`proxy`]) updates.
 
+pub mod accesslog;
 pub mod acl;
 pub mod announce;
 pub mod balance;

@@ -186,6 +186,8 @@ pub struct Settings {
     pub metrics_listen: Option<SocketAddr>,
     /// The connection log file (`-l`, `log FILE`).
     pub log: Option<Word>,
+    /// The access log of request-level proxying (`access_log FILE`).
+    pub access_log: Option<Word>,
     /// The HTML status file written on SIGUSR1 (`-w`, `web_stats FILE`).
     pub web_stats: Option<Word>,
     /// Abort (core dump) instead of exiting on a fatal error.
@@ -301,6 +303,7 @@ impl Default for Settings {
             control_acl: AclId::default(),
             metrics_listen: None,
             log: None,
+            access_log: None,
             web_stats: None,
             abort_on_error: false,
             geoip: None,
@@ -578,6 +581,10 @@ impl Settings {
                 self.log = None;
                 Applied::action(Action::ReopenLog)
             }
+            Command::AccessLog(file) => {
+                self.access_log = file.clone();
+                Applied::action(Action::ReopenLog)
+            }
             Command::WebStats(None) => Applied::value(
                 self.web_stats
                     .as_ref()
@@ -783,6 +790,9 @@ impl Settings {
         }
         if let Some(f) = &self.log {
             out.push(Command::Log(Some(f.clone())));
+        }
+        if let Some(f) = &self.access_log {
+            out.push(Command::AccessLog(Some(f.clone())));
         }
         if let Some(f) = &self.web_stats {
             out.push(Command::WebStats(Some(f.clone())));

@@ -75,6 +75,8 @@ pub struct State {
     pub registry: Option<Arc<Registry>>,
     /// The connection log, when one is configured.
     pub log: ArcSwapOption<ConnLog>,
+    /// The access log of request-level proxying, when one is configured.
+    pub access_log: ArcSwapOption<crate::accesslog::AccessLog>,
     /// Process start, for uptime in status reports.
     pub started: std::time::Instant,
     /// The DSR plane's counters, once it runs (`dsr_if`), for the metrics.
@@ -110,6 +112,7 @@ impl State {
             counters: Counters::default(),
             registry: registry.then(Arc::default),
             log: ArcSwapOption::empty(),
+            access_log: ArcSwapOption::empty(),
             started: std::time::Instant::now(),
             dsr: std::sync::OnceLock::new(),
             generation: tokio::sync::watch::Sender::new(0),

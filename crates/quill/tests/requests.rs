@@ -716,3 +716,101 @@ fn the_pool_shrinks_back_to_upstream_keepalive_after_a_burst() {
         "the share is kept"
     );
 }
+
+/// `access_log FILE`: one line per request, eleven fields (client, time, method, authority,
+/// target, protocol, status, body bytes in and out, milliseconds, server), HTTP/2 and
+/// HTTP/1.1 alike, quill's own answers with `-` for the server.
+#[test]
+fn the_access_log_has_a_line_per_request() {
+    let Some((_nginx, port)) = backend() else {
+        return;
+    };
+    let dead = free_port();
+    let q = Quill::start(&[
+        "-H",
+        "-O",
+        "h2c",
+        "-O",
+        "access_log {dir}/access.log",
+        "{port}",
+        &format!("127.0.0.1:{port}"),
+    ]);
+    let base = format!("http://127.0.0.1:{}", q.port);
+    let Some(_) = curl(&["--http2-prior-knowledge", &format!("{base}/who?x=1")]) else {
+        return;
+    };
+    let upload = q.dir().join("upload");
+    std::fs::write(&upload, [b'u'; 100]).unwrap();
+    curl(&[
+        "--http1.1",
+        "-T",
+        upload.to_str().unwrap(),
+        &format!("{base}/files/a"),
+    ])
+    .unwrap();
+    // A second quill with only a dead server answers 503 itself.
+    let q2 = Quill::start(&[
+        "-H",
+        "-O",
+        "access_log {dir}/access.log",
+        "{port}",
+        &format!("127.0.0.1:{dead}"),
+    ]);
+    let out = Command::new("curl")
+        .args(["-s", "-o", "/dev/null", "-w", "%{http_code}"])
+        .arg(format!("http://127.0.0.1:{}/gone", q2.port))
+        .output()
+        .unwrap();
+    assert_eq!(String::from_utf8_lossy(&out.stdout), "503");
+    let log = q.dir().join("access.log");
+    wait_until(
+        Duration::from_secs(10),
+        "two lines in the access log",
+        || std::fs::read_to_string(&log).is_ok_and(|t| t.lines().count() == 2),
+    );
+    let text = std::fs::read_to_string(&log).unwrap();
+    let lines: Vec<Vec<&str>> = text.lines().map(|l| l.split(' ').collect()).collect();
+    assert!(lines.iter().all(|f| f.len() == 11), "{text}");
+    let authority = format!("127.0.0.1:{}", q.port);
+    let server = format!("127.0.0.1:{port}");
+    assert_eq!(lines[0][0], "127.0.0.1", "{text}");
+    assert_eq!(
+        lines[0][2..9],
+        [
+            "GET",
+            authority.as_str(),
+            "/who?x=1",
+            "HTTP/2.0",
+            "200",
+            "0",
+            lines[0][8]
+        ],
+        "{text}"
+    );
+    assert!(lines[0][8].parse::<u64>().unwrap() > 0, "{text}");
+    assert_eq!(lines[0][10], server, "{text}");
+    assert_eq!(
+        lines[1][2..8],
+        [
+            "PUT",
+            authority.as_str(),
+            "/files/a",
+            "HTTP/1.1",
+            "201",
+            "100"
+        ],
+        "{text}"
+    );
+    let log2 = q2.dir().join("access.log");
+    wait_until(Duration::from_secs(10), "the 503's line", || {
+        std::fs::read_to_string(&log2).is_ok_and(|t| t.lines().count() == 1)
+    });
+    let text = std::fs::read_to_string(&log2).unwrap();
+    let fields: Vec<&str> = text.trim_end().split(' ').collect();
+    assert_eq!(
+        fields[2..7],
+        ["GET", fields[3], "/gone", "HTTP/1.1", "503"],
+        "{text}"
+    );
+    assert_eq!(fields[10], "-", "{text}");
+}

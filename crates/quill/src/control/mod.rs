@@ -261,7 +261,8 @@ impl Context {
         Ok(())
     }
 
-    /// (Re)opens the connection log named in the settings, or closes it.
+    /// (Re)opens the connection log and the access log named in the settings, or closes
+    /// them.
     pub fn reopen_log(&self) {
         let settings = self.state.settings();
         match &settings.log {
@@ -269,6 +270,13 @@ impl Context {
             Some(file) => match ConnLog::open(Path::new(file.as_str())) {
                 Ok(log) => self.state.log.store(Some(Arc::new(log))),
                 Err(e) => tracing::error!("cannot open log file {file}: {e}"),
+            },
+        }
+        match &settings.access_log {
+            None => self.state.access_log.store(None),
+            Some(file) => match crate::accesslog::AccessLog::open(Path::new(file.as_str())) {
+                Ok(log) => self.state.access_log.store(Some(Arc::new(log))),
+                Err(e) => tracing::error!("cannot open access log {file}: {e}"),
             },
         }
     }

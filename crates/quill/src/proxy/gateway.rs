@@ -28,6 +28,7 @@ use hyper_util::rt::TokioIo;
 
 use super::pool::{self, Conn, Limits, Target};
 use super::tcp::{open_upstream, Preamble, Server};
+use crate::accesslog::{AccessLog, Record};
 use crate::balance::select::{Choice, Selector};
 use crate::balance::{clock, ServerState};
 use crate::net::connect::{is_local_failure, SocketOptions};
@@ -43,6 +44,7 @@ pub struct RequestBody {
     inner: Incoming,
     server: Option<&'static ServerState>,
     activity: Rc<Activity>,
+    record: Option<Rc<Record>>,
 }
 
 impl Body for RequestBody {
@@ -58,6 +60,9 @@ impl Body for RequestBody {
             self.activity.progress();
             if let (Some(data), Some(server)) = (frame.data_ref(), self.server) {
                 server.bytes_to.fetch_add(data.len() as u64, Relaxed);
+                if let Some(r) = &self.record {
+                    r.bytes_in.set(r.bytes_in.get() + data.len() as u64);
+                }
             }
         }
         polled
@@ -79,7 +84,7 @@ pub struct ResponseBody {
     inner: Incoming,
     server: &'static ServerState,
     _lease: Lease,
-    _stream: InFlight,
+    stream: InFlight,
 }
 
 impl Body for ResponseBody {
@@ -92,9 +97,12 @@ impl Body for ResponseBody {
     ) -> Poll<Option<Result<Frame<Bytes>, hyper::Error>>> {
         let polled = Pin::new(&mut self.inner).poll_frame(cx);
         if let Poll::Ready(Some(Ok(frame))) = &polled {
-            self._stream.0.progress();
+            self.stream.activity.progress();
             if let Some(data) = frame.data_ref() {
                 self.server.bytes_from.fetch_add(data.len() as u64, Relaxed);
+                if let Some(r) = &self.stream.record {
+                    r.bytes_out.set(r.bytes_out.get() + data.len() as u64);
+                }
             }
         }
         polled
@@ -145,23 +153,29 @@ impl Activity {
     }
 }
 
-/// One request in flight (dropped when its response has ended).
-pub(super) struct InFlight(Rc<Activity>);
+/// One request in flight (dropped when its response has ended), with its access log
+/// record when there is an access log.
+pub(super) struct InFlight {
+    activity: Rc<Activity>,
+    record: Option<Rc<Record>>,
+}
 
 impl InFlight {
     pub(super) fn start(activity: &Rc<Activity>) -> InFlight {
         activity.in_flight.set(activity.in_flight.get() + 1);
         activity.progress();
-        InFlight(Rc::clone(activity))
+        InFlight {
+            activity: Rc::clone(activity),
+            record: None,
+        }
     }
 }
 
 impl Drop for InFlight {
     fn drop(&mut self) {
-        self.0
-            .in_flight
-            .set(self.0.in_flight.get().saturating_sub(1));
-        self.0.last.set(Some(Instant::now()));
+        let a = &self.activity;
+        a.in_flight.set(a.in_flight.get().saturating_sub(1));
+        a.progress();
     }
 }
 
@@ -330,6 +344,54 @@ pub(super) fn service(
 pub(super) async fn forward(
     state: &'static State,
     peer: Peer,
+    req: Request<Incoming>,
+    mut stream: InFlight,
+) -> Reply {
+    let record = state
+        .access_log
+        .load_full()
+        .map(|log| Rc::new(record(log, peer, &req)));
+    stream.record = record.clone();
+    let reply = route(state, peer, req, stream).await;
+    // The line is written when the last holder lets go: here for quill's own answers and
+    // tunnels, at the end of the body for a server's response.
+    if let Some(r) = record {
+        r.status.set(reply.status().as_u16());
+    }
+    reply
+}
+
+/// The access log record of a request, as the client sent it.
+fn record(log: std::sync::Arc<AccessLog>, peer: Peer, req: &Request<Incoming>) -> Record {
+    let authority = req.uri().authority().map(|a| a.as_str()).or_else(|| {
+        req.headers()
+            .get(header::HOST)
+            .and_then(|h| h.to_str().ok())
+    });
+    let target = if req.method() == Method::CONNECT {
+        authority.unwrap_or("-")
+    } else {
+        req.uri().path_and_query().map_or("/", |p| p.as_str())
+    };
+    let protocol = match req.version() {
+        Version::HTTP_10 => "HTTP/1.0",
+        Version::HTTP_2 => "HTTP/2.0",
+        _ => "HTTP/1.1",
+    };
+    Record::new(
+        log,
+        peer.addr.ip(),
+        req.method().as_str(),
+        authority,
+        target,
+        protocol,
+    )
+}
+
+/// [`forward`] without the access log's bookkeeping.
+async fn route(
+    state: &'static State,
+    peer: Peer,
     mut req: Request<Incoming>,
     stream: InFlight,
 ) -> Reply {
@@ -358,7 +420,7 @@ pub(super) async fn forward(
             .filter_map(|v| v.to_str().ok())
             .flat_map(|v| v.split(','))
             .any(|t| t.trim().eq_ignore_ascii_case("keep-alive"));
-    let Some(mut req) = upstream_request(req, peer, &stream.0) else {
+    let Some(mut req) = upstream_request(req, peer, &stream) else {
         return answer(StatusCode::BAD_REQUEST, "Bad request\n");
     };
     let how = How {
@@ -495,6 +557,7 @@ async fn send(
     how: How,
 ) -> Sent {
     req.body_mut().server = Some(server);
+    let record = req.body().record.clone();
     let index = match target {
         Target::Server(i) => Some(i),
         _ => None,
@@ -525,6 +588,9 @@ async fn send(
         let lease = Lease::take(server);
         match conn.sender.try_send_request(req).await {
             Ok(resp) => {
+                if let Some(r) = &record {
+                    r.server.set(Some(addr));
+                }
                 server.requests.fetch_add(1, Relaxed);
                 if reused {
                     server.reused.fetch_add(1, Relaxed);
@@ -670,19 +736,20 @@ fn reply(
                 .insert(header::CONNECTION, HeaderValue::from_static("upgrade"));
         }
         let idle = secs(settings.idle_timeout);
-        let activity = Rc::clone(&stream.0);
+        let activity = Rc::clone(&stream.activity);
         let run = async move {
             // The lease and the request's place in flight last as long as the tunnel.
-            let _held = (lease, stream, unpooled);
+            let _held = (lease, unpooled);
             if let (Ok(c), Ok(s)) = (client_side.await, server_side.await) {
                 let mut c = TokioIo::new(c);
                 let mut s = Marked {
                     inner: TokioIo::new(s),
-                    activity: Rc::clone(&_held.1 .0),
+                    activity: Rc::clone(&stream.activity),
                 };
                 let copy = tokio::io::copy_bidirectional(&mut c, &mut s);
-                let _ = stalls_after(copy, &_held.1 .0, idle).await;
+                let _ = stalls_after(copy, &stream.activity, idle).await;
             }
+            drop(stream);
         };
         activity.tunnel.set(Some(Box::pin(run)));
         return Response::from_parts(parts, Either::Right(Full::new(Bytes::new())));
@@ -691,7 +758,7 @@ fn reply(
         inner: body,
         server,
         _lease: lease,
-        _stream: stream,
+        stream,
     };
     Response::from_parts(parts, Either::Left(body))
 }
@@ -808,7 +875,7 @@ fn strip_hop_by_hop(headers: &mut HeaderMap) {
 fn upstream_request(
     req: Request<Incoming>,
     peer: Peer,
-    activity: &Rc<Activity>,
+    stream: &InFlight,
 ) -> Option<Request<RequestBody>> {
     let (mut parts, body) = req.into_parts();
     let authority = parts.uri.authority().cloned();
@@ -890,7 +957,8 @@ fn upstream_request(
         RequestBody {
             inner: body,
             server: None,
-            activity: Rc::clone(activity),
+            activity: Rc::clone(&stream.activity),
+            record: stream.record.clone(),
         },
     ))
 }
