@@ -364,44 +364,33 @@ fn requests_of_one_keep_alive_client_are_balanced_one_by_one() {
     assert_eq!(distinct.len(), 1, "{out}");
 }
 
+/// The server connections twenty streams of one HTTP/2 client connection (curl reuses it
+/// for every URL, one stream after the other) came over, with quill's `option`.
+fn connections_for_twenty_streams(option: &str) -> Option<usize> {
+    let (_nginx, port) = backend()?;
+    let dir = TempDir::new("h2");
+    let q = tls_quill(&dir, &["-O", option], &[format!("127.0.0.1:{port}")]);
+    let url = format!("https://127.0.0.1:{}/who", q.port);
+    let mut args = vec!["-k", "--http2"];
+    args.extend(vec![url.as_str(); 20]);
+    let out = curl(&args)?;
+    assert_eq!(out.lines().count(), 20, "{out}");
+    Some(connections(&out).len())
+}
+
 #[test]
 fn upstream_keepalive_0_opens_a_server_connection_per_request() {
-    let Some((_nginx, port)) = backend() else {
-        return;
-    };
-    let dir = TempDir::new("h2");
-    let q = tls_quill(
-        &dir,
-        &["-O", "upstream_keepalive 0"],
-        &[format!("127.0.0.1:{port}")],
-    );
-    let url = format!("https://127.0.0.1:{}/who", q.port);
-    // One client connection (curl reuses it for every URL), twenty streams.
-    let urls = vec![url.as_str(); 20];
-    let mut args = vec!["-k", "--http2"];
-    args.extend(urls);
-    let Some(out) = curl(&args) else { return };
-    assert_eq!(connections(&out).len(), 20, "{out}");
+    if let Some(n) = connections_for_twenty_streams("upstream_keepalive 0") {
+        assert_eq!(n, 20);
+    }
 }
 
 #[test]
 fn upstream_max_requests_retires_a_server_connection() {
-    let Some((_nginx, port)) = backend() else {
-        return;
-    };
-    let dir = TempDir::new("h2");
-    let q = tls_quill(
-        &dir,
-        &["-O", "upstream_max_requests 5"],
-        &[format!("127.0.0.1:{port}")],
-    );
-    let url = format!("https://127.0.0.1:{}/who", q.port);
-    let urls = vec![url.as_str(); 20];
-    let mut args = vec!["-k", "--http2"];
-    args.extend(urls);
-    let Some(out) = curl(&args) else { return };
-    // One stream after the other: each server connection carries five, then closes.
-    assert_eq!(connections(&out).len(), 4, "{out}");
+    // Each server connection carries five requests, then closes.
+    if let Some(n) = connections_for_twenty_streams("upstream_max_requests 5") {
+        assert_eq!(n, 4);
+    }
 }
 
 #[test]
