@@ -143,10 +143,21 @@ impl Drop for TempDir {
     }
 }
 
-/// A TCP port that was free a moment ago (bound to 127.0.0.1:0, then released).
+/// A TCP port that was free a moment ago (bound to 127.0.0.1:0, then released), and never
+/// handed out before in this test process. The kernel may give a released port to the next
+/// `bind(0)` of a test running in parallel; and quill's listeners set SO_REUSEPORT, so two
+/// quills given the same port would both bind it and share its connections.
 pub fn free_port() -> u16 {
-    let l = TcpListener::bind("127.0.0.1:0").expect("bind 127.0.0.1:0");
-    l.local_addr().expect("local_addr").port()
+    static GIVEN: Mutex<Option<HashSet<u16>>> = Mutex::new(None);
+    let mut given = GIVEN.lock().unwrap_or_else(|e| e.into_inner());
+    let given = given.get_or_insert_with(HashSet::new);
+    loop {
+        let l = TcpListener::bind("127.0.0.1:0").expect("bind 127.0.0.1:0");
+        let port = l.local_addr().expect("local_addr").port();
+        if given.insert(port) {
+            return port;
+        }
+    }
 }
 
 /// The soft limit on open files of this process (None without /proc).
