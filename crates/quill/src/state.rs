@@ -85,6 +85,11 @@ pub struct State {
     pub generation: tokio::sync::watch::Sender<u64>,
     /// Set once when quill stops: HTTP/2 connections send GOAWAY and finish their streams.
     pub stopping: tokio::sync::watch::Sender<bool>,
+    /// Bumped by a reload (SIGHUP) and when the node starts draining (`drain`): the client
+    /// connections of request-level proxying are asked to move on to new connections
+    /// (HTTP/2 GOAWAY, HTTP/1.x `Connection: close` on the next response), which see the
+    /// new certificates and limits, or, draining, reach another node.
+    pub recycled: tokio::sync::watch::Sender<u64>,
     /// The routing table quill's route for the service address is in now
     /// (`announce_table`), 0 when none is.
     pub announced: std::sync::atomic::AtomicU32,
@@ -117,6 +122,7 @@ impl State {
             dsr: std::sync::OnceLock::new(),
             generation: tokio::sync::watch::Sender::new(0),
             stopping: tokio::sync::watch::Sender::new(false),
+            recycled: tokio::sync::watch::Sender::new(0),
             announced: std::sync::atomic::AtomicU32::new(0),
             node_draining: std::sync::atomic::AtomicBool::new(false),
         })

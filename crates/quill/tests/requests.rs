@@ -530,15 +530,195 @@ fn a_client_that_never_sends_a_request_is_sent_away() {
     s.write_all(b"PRI * HTTP/2.0\r\n\r\nSM\r\n\r\n\x00\x00\x00\x04\x00\x00\x00\x00\x00")
         .unwrap();
     let (got, _) = expect_closed(&mut s, Duration::from_secs(10));
-    // GOAWAY (type 7) among the frames quill sent before closing.
+    assert!(has_goaway(&got), "no GOAWAY in {got:?}");
+}
+
+/// Whether the HTTP/2 frames in `got` (after the server's preface) include a GOAWAY.
+fn has_goaway(got: &[u8]) -> bool {
     let mut at = 0;
-    let mut goaway = false;
     while at + 9 <= got.len() {
         let len = u32::from_be_bytes([0, got[at], got[at + 1], got[at + 2]]) as usize;
-        goaway |= got[at + 3] == 7;
+        if got[at + 3] == 7 {
+            return true;
+        }
         at += 9 + len;
     }
-    assert!(goaway, "no GOAWAY in {got:?}");
+    false
+}
+
+/// quill terminating TLS in `http` mode in front of NGINX, with a metrics listener.
+fn tls_quill_with_metrics(dir: &TempDir, port: u16) -> (Quill, std::net::SocketAddr) {
+    let (cert, key) = certificate(dir.path());
+    support::http::start_with_metrics(&[
+        "-H",
+        "-E",
+        cert.to_str().unwrap(),
+        "-K",
+        key.to_str().unwrap(),
+        "-O",
+        "metrics_listen 127.0.0.1:{metrics}",
+        "{port}",
+        &format!("127.0.0.1:{port}"),
+    ])
+}
+
+/// The counts of h2load's `requests:` line: total, started, done, succeeded, failed.
+fn h2load_requests(out: &str) -> [u64; 5] {
+    let line = out
+        .lines()
+        .find(|l| l.starts_with("requests:"))
+        .unwrap_or_else(|| panic!("no requests line in:\n{out}"));
+    let numbers: Vec<u64> = line
+        .split([' ', ','])
+        .filter_map(|w| w.parse().ok())
+        .collect();
+    numbers[..5].try_into().unwrap()
+}
+
+/// A reload sends every HTTP/2 client GOAWAY; each stream quill took before it is answered.
+/// (h2load does not reconnect after GOAWAY, from quill or NGINX alike: its clients end
+/// there, the requests they had left count as failed.)
+#[test]
+fn a_reload_sends_h2_clients_away_and_answers_every_stream_it_took() {
+    let _one = ONE_AT_A_TIME.lock().unwrap_or_else(|e| e.into_inner());
+    let Some((_nginx, port)) = backend() else {
+        return;
+    };
+    if which("h2load").is_none() {
+        eprintln!("SKIPPED: h2load is not installed (.ci/run installs nghttp2-client)");
+        return;
+    }
+    let dir = TempDir::new("h2");
+    let (q, metrics) = tls_quill_with_metrics(&dir, port);
+    let url = format!("https://127.0.0.1:{}/1k", q.port);
+    let load = std::thread::spawn(move || tool("h2load", &["-c4", "-m10", "-n40000", &url]));
+    wait_until(Duration::from_secs(10), "h2load's streams flow", || {
+        metric(metrics, "quill_h2_requests_total") >= 200
+    });
+    support::ctl::signal_when_handled(&q, "HUP");
+    let out = load.join().unwrap().unwrap();
+    let [total, _, done, succeeded, _] = h2load_requests(&out);
+    assert!(done < total, "its clients were not sent away\n{out}");
+    let taken = metric(metrics, "quill_h2_requests_total");
+    assert_eq!(
+        succeeded, taken,
+        "quill took {taken} streams, h2load saw {succeeded} succeed\n{out}"
+    );
+    assert!(out.contains("0 4xx, 0 5xx"), "{out}");
+    assert_eq!(metric(metrics, "quill_h2_connections_total"), 4, "{out}");
+}
+
+/// Sends SIGHUP to quill every 100 ms until `done`; returns how many it sent.
+fn reload_until(q: &Quill, done: &std::sync::atomic::AtomicBool) -> u32 {
+    let mut sent = 0;
+    while !done.load(SeqCst) {
+        support::ctl::signal_when_handled(q, "HUP");
+        sent += 1;
+        std::thread::sleep(Duration::from_millis(100));
+    }
+    sent
+}
+
+/// Clients that reconnect (curl over HTTP/2, h2load's HTTP/1.1 clients after a
+/// `Connection: close`) lose no request to reloads every 100 ms, and do reconnect.
+#[test]
+fn clients_that_reconnect_lose_no_request_to_a_reload_loop() {
+    let _one = ONE_AT_A_TIME.lock().unwrap_or_else(|e| e.into_inner());
+    let Some((_nginx, port)) = backend() else {
+        return;
+    };
+    if which("curl").is_none() || which("h2load").is_none() {
+        eprintln!("SKIPPED: curl or h2load is not installed (.ci/run installs them)");
+        return;
+    }
+    let dir = TempDir::new("h2");
+    let (q, metrics) = tls_quill_with_metrics(&dir, port);
+    let done = std::sync::atomic::AtomicBool::new(false);
+
+    // curl multiplexes its transfers over one HTTP/2 connection at a time.
+    let urls: Vec<String> = (0..3000)
+        .map(|i| format!("https://127.0.0.1:{}/1k?{i}", q.port))
+        .collect();
+    let mut args = vec![
+        "-k",
+        "--http2",
+        "--parallel",
+        "--parallel-max",
+        "20",
+        "-w",
+        "%{http_code} %{http_version}\n",
+    ];
+    for url in &urls {
+        args.extend(["-o", "/dev/null", url]);
+    }
+    let (out, reloads) = std::thread::scope(|s| {
+        let curl = s.spawn(|| {
+            let out = curl(&args);
+            done.store(true, SeqCst);
+            out
+        });
+        let reloads = reload_until(&q, &done);
+        (curl.join().unwrap().unwrap(), reloads)
+    });
+    let answered = out.lines().filter(|l| *l == "200 2").count();
+    assert_eq!(answered, 3000, "{reloads} reloads; curl said:\n{out}");
+    let h2 = metric(metrics, "quill_h2_connections_total");
+    assert!(
+        reloads < 2 || h2 >= 2,
+        "{reloads} reloads, but curl used {h2} connection(s)"
+    );
+
+    // HTTP/1.1 keep-alive clients get `Connection: close` and come back.
+    let accepted = metric(metrics, "quill_connections_accepted_total");
+    done.store(false, SeqCst);
+    let url = format!("https://127.0.0.1:{}/1k", q.port);
+    let (out, reloads) = std::thread::scope(|s| {
+        let load = s.spawn(|| {
+            let out = tool("h2load", &["--h1", "-c4", "-n4000", &url]);
+            done.store(true, SeqCst);
+            out
+        });
+        let reloads = reload_until(&q, &done);
+        (load.join().unwrap().unwrap(), reloads)
+    });
+    assert!(out.contains("4000 succeeded, 0 failed"), "{out}");
+    let reconnected = metric(metrics, "quill_connections_accepted_total") - accepted - 4;
+    assert!(
+        reloads < 2 || reconnected >= 4,
+        "{reloads} reloads, {reconnected} reconnections\n{out}"
+    );
+}
+
+/// `drain` sends the node's HTTP/2 clients GOAWAY, so that they reconnect elsewhere.
+#[test]
+fn drain_sends_h2_clients_goaway() {
+    let Some((_nginx, port)) = backend() else {
+        return;
+    };
+    let (q, ctl) = support::ctl::start_with_tcp_control(&[
+        "-H",
+        "-O",
+        "h2c",
+        "{port}",
+        &format!("127.0.0.1:{port}"),
+    ]);
+    let mut s = q.connect();
+    s.write_all(b"PRI * HTTP/2.0\r\n\r\nSM\r\n\r\n\x00\x00\x00\x04\x00\x00\x00\x00\x00")
+        .unwrap();
+    // quill's SETTINGS: the connection is served.
+    let mut head = [0u8; 9];
+    s.read_exact(&mut head).unwrap();
+    assert_eq!(head[3], 4, "{head:?}");
+    let mut settings = vec![0u8; u32::from_be_bytes([0, head[0], head[1], head[2]]) as usize];
+    s.read_exact(&mut settings).unwrap();
+    support::ctl::ctl_ok(&ctl, "drain");
+    let (got, took) = expect_closed(&mut s, Duration::from_secs(10));
+    assert!(has_goaway(&got), "no GOAWAY in {got:?}");
+    assert!(
+        took < Duration::from_secs(5),
+        "closed after {took:?}, by a timer rather than the drain"
+    );
+    support::ctl::ctl_ok(&ctl, "drain 0");
 }
 
 /// Runs `tests/fixtures/h2_attack.py MODE PORT N` (hyper-h2's framing library builds the

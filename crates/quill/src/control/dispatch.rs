@@ -79,6 +79,9 @@ pub fn execute(ctx: &Context, cmd: &Command) -> Result<String, String> {
             let was = state
                 .node_draining
                 .swap(*on, std::sync::atomic::Ordering::Relaxed);
+            if *on && !was {
+                state.recycled.send_modify(|g| *g = g.wrapping_add(1));
+            }
             if was != *on {
                 tracing::warn!(
                     "{}",

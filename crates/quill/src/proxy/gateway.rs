@@ -145,6 +145,9 @@ pub(super) struct Activity {
     /// The tunnel an `Upgrade` or `CONNECT` request opened: it runs once hyper has let go
     /// of the client connection, in the connection's own task.
     tunnel: Cell<Option<Pin<Box<dyn Future<Output = ()>>>>>,
+    /// An HTTP/1.x connection's next response says `Connection: close` (see
+    /// [`Graceful::recycle`]).
+    pub(super) close_next: Cell<bool>,
 }
 
 impl Activity {
@@ -209,6 +212,13 @@ where
 /// A hyper server connection that can be asked to end after the requests it has.
 pub(super) trait Graceful: Future {
     fn shut(self: Pin<&mut Self>);
+
+    /// Asks the client to move on to a new connection without failing a request (after a
+    /// reload, or when the node drains): HTTP/2 sends GOAWAY (the client knows which
+    /// streams were not taken and sends them again elsewhere) and returns true; HTTP/1.x
+    /// cannot close an idle connection without racing the client's next request, so its
+    /// next response says `Connection: close` instead (`activity.close_next`), and false.
+    fn recycle(self: Pin<&mut Self>, activity: &Activity) -> bool;
 }
 
 /// The timers of a served client connection.
@@ -226,7 +236,8 @@ pub(super) struct Timers {
 }
 
 /// Drives `conn` until it ends, and ends it: asked to (GOAWAY, or a close after the
-/// response in flight) when quill stops or no request came within `timers`; dropped when a
+/// response in flight) when quill stops or no request came within `timers`; asked to move
+/// on ([`Graceful::recycle`]) after a reload and when the node drains; dropped when a
 /// request in flight moves no byte for `timers.stalled`, or when the client stays longer
 /// than `CLOSE_GRACE` after being asked to go. When `timers.between` passes, `late_head`
 /// is asked first whether the client had started a head since `last` (it then answers the
@@ -241,6 +252,8 @@ pub(super) async fn supervise<G: Graceful>(
 ) -> Option<HeadTimeout> {
     let started = Instant::now();
     let mut stopping = state.stopping.subscribe();
+    let mut recycled = state.recycled.subscribe();
+    recycled.mark_unchanged();
     let mut shut: Option<Instant> = None;
     let mut timed_out = None;
     if *stopping.borrow_and_update() {
@@ -255,6 +268,11 @@ pub(super) async fn supervise<G: Graceful>(
             _ = stopping.changed(), if shut.is_none() => {
                 conn.as_mut().shut();
                 shut = Some(Instant::now());
+            }
+            _ = recycled.changed(), if shut.is_none() => {
+                if conn.as_mut().recycle(activity) {
+                    shut = Some(Instant::now());
+                }
             }
             () = tick => {
                 let last = activity.last.get();
@@ -723,7 +741,12 @@ fn reply(
         }
     }
     parts.version = how.version;
-    if how.keep_alive_10 {
+    if how.version != Version::HTTP_2 && !upgraded && stream.activity.close_next.get() {
+        // hyper closes the connection after a response that says so.
+        parts
+            .headers
+            .insert(header::CONNECTION, HeaderValue::from_static("close"));
+    } else if how.keep_alive_10 {
         parts
             .headers
             .insert(header::CONNECTION, HeaderValue::from_static("keep-alive"));

@@ -27,6 +27,11 @@ where
     fn shut(self: Pin<&mut Self>) {
         self.graceful_shutdown();
     }
+
+    fn recycle(self: Pin<&mut Self>, activity: &Activity) -> bool {
+        activity.close_next.set(true);
+        false
+    }
 }
 
 /// Serves one HTTP/1.x client connection until it ends (`io` starts with the first

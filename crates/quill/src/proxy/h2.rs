@@ -32,6 +32,11 @@ where
     fn shut(self: Pin<&mut Self>) {
         self.graceful_shutdown();
     }
+
+    fn recycle(self: Pin<&mut Self>, _: &Activity) -> bool {
+        self.graceful_shutdown();
+        true
+    }
 }
 
 /// Serves one HTTP/2 client connection until it ends: GOAWAY when quill stops, when no
