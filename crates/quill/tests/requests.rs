@@ -983,3 +983,35 @@ fn the_access_log_has_a_line_per_request() {
     );
     assert_eq!(fields[10], "-", "{text}");
 }
+
+/// A server that drains (or leaves the configuration) keeps no idle pooled connection: the
+/// pool closes them within a couple of seconds instead of at `upstream_idle_timeout`.
+#[test]
+fn a_draining_server_keeps_no_idle_connection() {
+    let Some((_nginx, port)) = backend() else {
+        return;
+    };
+    if which("curl").is_none() {
+        eprintln!("SKIPPED: curl is not installed (.ci/run installs it)");
+        return;
+    }
+    let (q, ctl) = support::ctl::start_with_tcp_control(&[
+        "-H",
+        "-O",
+        "upstream_keepalive 4",
+        "{port}",
+        &format!("127.0.0.1:{port}"),
+    ]);
+    let url = format!("http://127.0.0.1:{}/1k", q.port);
+    for _ in 0..5 {
+        curl(&["--http1.1", "-o", "/dev/null", &url]).unwrap();
+    }
+    let server = |field: &str| support::ctl::status_json(&ctl)["servers"][0][field].as_u64();
+    assert!(server("pool_idle") >= Some(1), "nothing was kept idle");
+    support::ctl::ctl_ok(&ctl, "server 0 drain");
+    wait_until(
+        Duration::from_secs(5),
+        "the drained server's idle connections closed",
+        || server("pool_open") == Some(0),
+    );
+}

@@ -483,7 +483,7 @@ async fn route(
                         .record(peer.addr.ip().to_canonical(), index, clock::now_ms());
                 }
                 return reply(
-                    &settings, peer, target, server, answered, how, stream, tunnel,
+                    state, &settings, peer, target, server, answered, how, stream, tunnel,
                 );
             }
             Sent::Unsent(_, e) if is_local_failure(&e) => {
@@ -520,7 +520,7 @@ async fn route(
         match send(state, &settings, peer, target, extra.addr, server, req, how).await {
             Sent::Answer(answered) => {
                 return reply(
-                    &settings, peer, target, server, answered, how, stream, tunnel,
+                    state, &settings, peer, target, server, answered, how, stream, tunnel,
                 )
             }
             Sent::Unsent(_, e) | Sent::Lost(e) => {
@@ -695,6 +695,7 @@ where
 /// `CONNECT`) leaves the tunnel to the client connection's task.
 #[allow(clippy::too_many_arguments)]
 fn reply(
+    state: &'static State,
     settings: &Settings,
     peer: Peer,
     target: Target,
@@ -722,7 +723,7 @@ fn reply(
     // read); its sender lives as long as the tunnel.
     let mut unpooled = None;
     if conn.poolable && !upgraded {
-        pool::give_back(conn, target, server, how.limits);
+        pool::give_back(state, conn, target, server, how.limits);
     } else {
         unpooled = Some(conn);
     }

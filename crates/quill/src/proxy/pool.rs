@@ -8,7 +8,9 @@
 //! `TRIM_AFTER` (a burst of answers may leave more idle for a moment: closing them at once
 //! would make the next burst of requests open as many again); an entry idle longer
 //! than `upstream_idle_timeout`, or made to an address the server no longer has, is never
-//! handed out (it is dropped, which closes the connection).
+//! handed out (it is dropped, which closes the connection); the sweeper also closes, within
+//! a second, the idle connections of a server that drains or left the configuration (its
+//! requests in flight finish on theirs).
 
 use std::cell::RefCell;
 use std::collections::HashMap;
@@ -21,6 +23,7 @@ use hyper::client::conn::http1::SendRequest;
 
 use super::gateway::RequestBody;
 use crate::balance::ServerState;
+use crate::state::State;
 
 /// Default `upstream_keepalive`: idle connections per server (NGINX's examples use 32).
 pub const DEFAULT_KEEPALIVE: u32 = 32;
@@ -112,7 +115,13 @@ pub fn take(target: Target, addr: SocketAddr) -> Option<Conn> {
 
 /// Puts `conn` back once its response has been read to the end, if the server keeps it
 /// open and the limits allow; else lets it close.
-pub fn give_back(mut conn: Conn, target: Target, server: &'static ServerState, limits: Limits) {
+pub fn give_back(
+    state: &'static State,
+    mut conn: Conn,
+    target: Target,
+    server: &'static ServerState,
+    limits: Limits,
+) {
     if limits.keepalive == 0 || (limits.max_requests > 0 && conn.uses >= limits.max_requests) {
         return;
     }
@@ -137,21 +146,43 @@ pub fn give_back(mut conn: Conn, target: Target, server: &'static ServerState, l
             !std::mem::replace(&mut pool.sweeping, true)
         });
         if start_sweeper {
-            tokio::task::spawn_local(sweep());
+            tokio::task::spawn_local(sweep(state));
         }
     });
 }
 
-/// Closes idle connections past their timeout (or closed by their server), and the least
-/// recently used ones beyond the share idle for `TRIM_AFTER`, every second, until the pool
-/// of this loop is empty.
-async fn sweep() {
+/// Whether idle connections to `target` at `addr` may still serve: the server is still
+/// configured at that address and not draining.
+fn still_wanted(
+    state: &State,
+    settings: &crate::settings::Settings,
+    target: Target,
+    addr: SocketAddr,
+) -> bool {
+    match target {
+        Target::Server(i) => {
+            settings.servers.get(i).and_then(|s| s.addr()) == Some(addr)
+                && !state
+                    .servers
+                    .get(i)
+                    .is_some_and(|s| s.draining.load(Relaxed))
+        }
+        Target::Emergency => settings.emergency.as_ref().map(|e| e.addr) == Some(addr),
+        Target::Abuse => settings.abuse.as_ref().map(|e| e.addr) == Some(addr),
+    }
+}
+
+/// Closes idle connections past their timeout (or closed by their server, or to a server
+/// no longer wanted), and the least recently used ones beyond the share idle for
+/// `TRIM_AFTER`, every second, until the pool of this loop is empty.
+async fn sweep(state: &'static State) {
     loop {
         tokio::time::sleep(Duration::from_secs(1)).await;
         let now = Instant::now();
+        let settings = state.settings();
         let empty = POOL.with(|pool| {
             let mut pool = pool.borrow_mut();
-            pool.idle.retain(|_, list| {
+            pool.idle.retain(|&target, list| {
                 // Oldest first: beyond the share, those idle for TRIM_AFTER go.
                 let mut excess = list
                     .len()
@@ -162,8 +193,10 @@ async fn sweep() {
                     if trimmed {
                         excess -= 1;
                     }
-                    let keep =
-                        !trimmed && idle_for < idle.idle_timeout && !idle.conn.sender.is_closed();
+                    let keep = !trimmed
+                        && idle_for < idle.idle_timeout
+                        && !idle.conn.sender.is_closed()
+                        && still_wanted(state, &settings, target, idle.conn.addr);
                     if !keep {
                         idle.gauge.pool_idle.fetch_sub(1, Relaxed);
                     }
