@@ -1,5 +1,6 @@
 //! Real clients that nobody here wrote (wrk paced by a `delay()` script, h2load, ab, curl
-//! `--parallel`, Python `requests`, nmap's TLS grading) through quill to a real backend: Debian's NGINX with
+//! `--parallel`, Python `requests`, nmap's and testssl.sh's TLS checks) through quill to a
+//! real backend: Debian's NGINX with
 //! `sendfile on`, whose every response leaves in two writes (head, then body), as many
 //! application servers' do. Each tool is skipped with a message where it is not installed;
 //! `.ci/run` installs them all.
@@ -12,9 +13,12 @@
 
 mod support;
 
+use std::path::Path;
 use std::process::Command;
 use std::sync::Mutex;
+use std::time::Duration;
 
+use support::ctl::run_tool;
 use support::daemon::{nginx, nginx_files, Daemon};
 use support::*;
 
@@ -351,32 +355,10 @@ fn testssl_finds_nothing_worse_than_low() {
         .collect();
     for (name, args) in [("default", default), ("Pen's A+ recipe", recipe)] {
         let q = Quill::start(&args);
-        let json = dir.path().join(format!("{}.json", q.addr().port()));
-        let target = format!("127.0.0.1:{}", q.addr().port());
-        let Some(_) = tool(
-            "testssl",
-            &[
-                "--quiet",
-                "--color",
-                "0",
-                "--warnings",
-                "off",
-                "-p",
-                "-s",
-                "-f",
-                "-U",
-                "--jsonfile",
-                json.to_str().unwrap(),
-                &target,
-            ],
-        ) else {
+        let Some(findings) = testssl(&q, &["-p", "-s", "-f", "-U"], dir.path()) else {
             return;
         };
-        let findings = std::fs::read_to_string(&json).unwrap();
-        let findings: serde_json::Value = serde_json::from_str(&findings).unwrap();
         let worse: Vec<String> = findings
-            .as_array()
-            .unwrap()
             .iter()
             .filter(|f| matches!(f["severity"].as_str(), Some("MEDIUM" | "HIGH" | "CRITICAL")))
             .map(|f| format!("{} {}: {}", f["severity"], f["id"], f["finding"]))
@@ -385,6 +367,99 @@ fn testssl_finds_nothing_worse_than_low() {
             worse.is_empty(),
             "testssl against quill's {name}: {worse:#?}"
         );
+    }
+}
+
+/// testssl.sh's protocol checks (`-p`, which try ALPN protocol by protocol with
+/// `openssl s_client -alpn`) against quill's TLS listener in `http` mode: `h2` offered
+/// beside `http/1.1` by default, and not offered with `alpn http/1.1`.
+#[test]
+fn testssl_finds_h2_offered_by_alpn_only_where_configured() {
+    let _one = ONE_AT_A_TIME.lock().unwrap_or_else(|e| e.into_inner());
+    let Some((_nginx, port)) = nginx_with_page() else {
+        return;
+    };
+    let dir = TempDir::new("testssl-alpn");
+    let (cert, key) = (dir.path().join("cert.pem"), dir.path().join("key.pem"));
+    self_signed(&cert, &key);
+    let backend = format!("127.0.0.1:{port}");
+    let tls = [
+        "-H",
+        "-E",
+        cert.to_str().unwrap(),
+        "-K",
+        key.to_str().unwrap(),
+    ];
+    // What testssl found about ALPN: the `ALPN_HTTP2` finding (only written when h2 is
+    // offered) and `ALPN` (the other protocols offered, or "not offered").
+    let alpn = |extra: &[&str]| {
+        let args: Vec<&str> = tls
+            .iter()
+            .chain(extra)
+            .copied()
+            .chain(["{port}", backend.as_str()])
+            .collect();
+        let q = Quill::start(&args);
+        let findings = testssl(&q, &["-p"], dir.path())?;
+        let finding = |id: &str| {
+            findings
+                .iter()
+                .find(|f| f["id"] == id)
+                .map(|f| f["finding"].as_str().unwrap_or_default().to_string())
+        };
+        Some((finding("ALPN_HTTP2"), finding("ALPN")))
+    };
+    let Some((h2, others)) = alpn(&[]) else {
+        return;
+    };
+    assert_eq!(h2.as_deref(), Some("h2"), "h2 offered by default");
+    assert_eq!(others.as_deref(), Some("http/1.1"));
+    let (h2, others) = alpn(&["-O", "alpn http/1.1"]).expect("testssl ran before");
+    assert_eq!(h2, None, "h2 offered with `alpn http/1.1`");
+    assert_eq!(others.as_deref(), Some("http/1.1"));
+}
+
+/// How long one testssl run may take (its checks are many handshakes, each bounded by
+/// its own `--connect-timeout` and `--openssl-timeout`).
+const TESTSSL_DEADLINE: Duration = Duration::from_secs(600);
+
+/// testssl.sh's `checks` against quill's listener: its JSON findings, or `None` (with a
+/// message) where testssl is not installed. The JSON file goes to `dir`.
+fn testssl(q: &Quill, checks: &[&str], dir: &Path) -> Option<Vec<serde_json::Value>> {
+    if Command::new("testssl").arg("--version").output().is_err() {
+        eprintln!("SKIPPED: testssl is not installed (.ci/run installs testssl.sh)");
+        return None;
+    }
+    let json = dir.join(format!("{}.json", q.addr().port()));
+    let target = format!("127.0.0.1:{}", q.addr().port());
+    let mut args = vec![
+        "--quiet",
+        "--color",
+        "0",
+        "--warnings",
+        "off",
+        "--connect-timeout",
+        "10",
+        "--openssl-timeout",
+        "10",
+    ];
+    args.extend_from_slice(checks);
+    args.extend(["--jsonfile", json.to_str().unwrap(), &target]);
+    let run = run_tool(Path::new("testssl"), &args, TESTSSL_DEADLINE);
+    assert_eq!(
+        run.code,
+        Some(0),
+        "testssl {args:?}:\n{}{}",
+        run.stdout,
+        run.stderr
+    );
+    let text = std::fs::read_to_string(&json)
+        .unwrap_or_else(|e| panic!("testssl wrote no {}: {e}", json.display()));
+    let findings: serde_json::Value = serde_json::from_str(&text)
+        .unwrap_or_else(|e| panic!("testssl's {} is not JSON ({e}): {text}", json.display()));
+    match findings {
+        serde_json::Value::Array(all) => Some(all),
+        other => panic!("testssl's findings are not a list: {other}"),
     }
 }
 

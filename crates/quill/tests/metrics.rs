@@ -17,6 +17,7 @@ use std::sync::Arc;
 use std::thread;
 use std::time::Duration;
 
+use support::browser::{browser_tools, CHROMIUM};
 use support::ctl::*;
 use support::http::*;
 use support::*;
@@ -526,44 +527,6 @@ fn slow_oversized_and_malformed_requests_cost_nothing_lasting() {
 // ---------------------------------------------------------------------------
 // The dashboard in a real browser
 // ---------------------------------------------------------------------------
-
-const CHROMIUM: &str = "/usr/bin/chromium";
-
-fn browser_dir() -> PathBuf {
-    Path::new(env!("CARGO_MANIFEST_DIR")).join("tests/browser")
-}
-
-/// What the browser test needs, or why it cannot run here.
-fn browser_tools() -> Result<PathBuf, String> {
-    let node = Command::new("node").arg("--version").output();
-    let Ok(node) = node else {
-        return Err("node is not installed".into());
-    };
-    // Playwright needs Node 20 or later.
-    let version = String::from_utf8_lossy(&node.stdout).trim().to_string();
-    let major: u32 = version
-        .trim_start_matches('v')
-        .split('.')
-        .next()
-        .and_then(|m| m.parse().ok())
-        .unwrap_or(0);
-    if major < 20 {
-        return Err(format!("node {version} is older than 20"));
-    }
-    if !Path::new(CHROMIUM).exists() {
-        return Err(format!(
-            "{CHROMIUM} is not installed (apt-get install chromium)"
-        ));
-    }
-    let dir = browser_dir();
-    if !dir.join("node_modules/playwright-core").exists() {
-        return Err(format!(
-            "playwright-core is not installed: run `npm ci` in {}",
-            dir.display()
-        ));
-    }
-    Ok(dir)
-}
 
 #[test]
 fn dashboard_in_a_browser_blacklists_a_server_and_traffic_moves() {

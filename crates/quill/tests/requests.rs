@@ -1,8 +1,9 @@
 //! Request-level proxying with `http`: HTTP/2 from clients (ALPN `h2` on TLS listeners, `h2c`
 //! on plain ones) and HTTP/1.1 clients, each request sent to a server chosen for it over the
 //! pool of kept-alive server connections (`upstream_keepalive`). With clients nobody here
-//! wrote (curl, nghttp, h2load) and Debian's NGINX behind quill, which numbers its
-//! connections (`$connection`): that is how the tests see which requests shared one.
+//! wrote (curl, nghttp, h2load, Debian's headless Chromium driven by Playwright) and
+//! Debian's NGINX behind quill, which numbers its connections (`$connection`): that is how
+//! the tests see which requests shared one.
 //!
 //! Each tool is skipped with a message where it is not installed; `.ci/run` installs them.
 #![allow(clippy::unwrap_used, clippy::expect_used, clippy::panic)]
@@ -17,6 +18,7 @@ use std::sync::atomic::{AtomicUsize, Ordering::SeqCst};
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
+use support::browser::{browser_tools, run_script, CHROMIUM};
 use support::daemon::{nginx, Daemon};
 use support::*;
 
@@ -231,6 +233,259 @@ fn h2load_and_nghttp_get_every_stream_answered() {
     };
     assert!(out.contains(":status: 200"), "{out}");
     assert!(out.contains("content-length: 1024"), "{out}");
+}
+
+// ---------------------------------------------------------------------------
+// A page in a real browser
+// ---------------------------------------------------------------------------
+
+/// Images, scripts and stylesheets of the browser's page: 50 assets, each at a URL of
+/// its own.
+const IMAGES: usize = 20;
+const SCRIPTS: usize = 15;
+const STYLES: usize = 15;
+
+/// The page (`index.html`) and its assets, as NGINX serves them: image `i` is an SVG
+/// `i + 1` pixels wide; script `i` pushes `i` onto `window.ran`; stylesheet `i` makes its
+/// probe element `i + 1` pixels wide. Scripts and stylesheets carry `i` KiB of comment
+/// first, so a body cut short or mixed up with another shows.
+fn page_and_assets() -> Vec<(String, Vec<u8>)> {
+    let padding = |kib: usize| "x".repeat(kib * 1024);
+    let mut files = Vec::new();
+    let mut head = String::new();
+    let mut body = String::new();
+    for i in 0..STYLES {
+        head.push_str(&format!(
+            "<link rel=\"stylesheet\" href=\"/style{i}.css\">\n"
+        ));
+        body.push_str(&format!("<div data-probe=\"{i}\"></div>\n"));
+        files.push((
+            format!("style{i}.css"),
+            format!(
+                "/* {} */\n[data-probe=\"{i}\"] {{ width: {}px; height: 1px; }}\n",
+                padding(i),
+                i + 1
+            )
+            .into_bytes(),
+        ));
+    }
+    for i in 0..SCRIPTS {
+        head.push_str(&format!("<script src=\"/script{i}.js\"></script>\n"));
+        files.push((
+            format!("script{i}.js"),
+            format!(
+                "/* {} */\n(window.ran = window.ran || []).push({i});\n",
+                padding(i)
+            )
+            .into_bytes(),
+        ));
+    }
+    for i in 0..IMAGES {
+        body.push_str(&format!("<img src=\"/img{i}.svg\" alt=\"\">\n"));
+        files.push((
+            format!("img{i}.svg"),
+            format!(
+                "<svg xmlns=\"http://www.w3.org/2000/svg\" width=\"{w}\" height=\"{w}\">\
+                 <rect width=\"{w}\" height=\"{w}\" fill=\"#3a7\"/></svg>\n",
+                w = i + 1
+            )
+            .into_bytes(),
+        ));
+    }
+    // No favicon request: the page names an empty one inline.
+    let page = format!(
+        "<!DOCTYPE html>\n<html><head><meta charset=\"utf-8\"><title>fifty assets</title>\n\
+         <link rel=\"icon\" href=\"data:,\">\n{head}</head>\n<body>\n{body}</body></html>\n"
+    );
+    files.push(("index.html".to_string(), page.into_bytes()));
+    files
+}
+
+/// The value of the sample `name` (with its labels, as written) in a Prometheus text.
+fn sample(metrics: &str, name: &str) -> f64 {
+    metrics
+        .lines()
+        .find_map(|l| {
+            let (n, v) = l.rsplit_once(' ')?;
+            (n == name).then(|| v.parse().ok()).flatten()
+        })
+        .unwrap_or_else(|| panic!("no sample {name} in:\n{metrics}"))
+}
+
+/// Headless Chromium loads a page of 50 assets through quill (TLS, ALPN `h2`) from
+/// NGINX, which logs per request its connection number and the forwarded headers. The
+/// browser got every response, 200 and over `h2`, on one connection, and every body
+/// whole; quill accepted one connection, served it as HTTP/2 and counted its 51
+/// requests; NGINX saw each with X-Forwarded-For and X-Forwarded-Proto `https`, over
+/// fewer connections than requests: as many as quill says it did not reuse.
+#[test]
+fn chromium_loads_a_page_of_fifty_assets_over_one_h2_connection() {
+    if let Err(why) = browser_tools() {
+        eprintln!("SKIPPED: the browser test needs node, chromium and playwright-core: {why}");
+        return;
+    }
+    let files = page_and_assets();
+    let refs: Vec<(&str, &[u8])> = files
+        .iter()
+        .map(|(n, c)| (n.as_str(), c.as_slice()))
+        .collect();
+    let Some((nginx, port)) = nginx(
+        "",
+        " types { text/html html; text/css css; text/javascript js; image/svg+xml svg; }\n \
+         log_format quill '$connection $http_x_forwarded_for $http_x_forwarded_proto \
+         $server_protocol $request_uri';\n keepalive_requests 1000000;",
+        "  access_log access.log quill;",
+        &refs,
+    ) else {
+        return;
+    };
+    let dir = TempDir::new("h2page");
+    let (cert, key) = certificate(dir.path());
+    let backend = format!("127.0.0.1:{port}");
+    let (q, m) = support::http::start_with_metrics(&[
+        "-H",
+        "-E",
+        cert.to_str().unwrap(),
+        "-K",
+        key.to_str().unwrap(),
+        "-O",
+        "metrics_listen {metrics}",
+        "{port}",
+        &backend,
+    ]);
+    let origin = format!("https://127.0.0.1:{}", q.port);
+    let profile = TempDir::new("chromium-profile");
+    let started = std::time::Instant::now();
+    let out = run_script(
+        "h2page.test.mjs",
+        &[
+            ("PAGE_URL", &format!("{origin}/")),
+            ("CERT", cert.to_str().unwrap()),
+            ("CHROMIUM", CHROMIUM),
+            ("PROFILE_DIR", profile.path().to_str().unwrap()),
+        ],
+        Duration::from_secs(120),
+    );
+    eprintln!("the browser ran for {:?}", started.elapsed());
+    let report: serde_json::Value = out
+        .lines()
+        .find_map(|l| l.strip_prefix("REPORT "))
+        .map(|r| serde_json::from_str(r).expect("the report is JSON"))
+        .unwrap_or_else(|| panic!("no report from the browser:\n{out}\n{}", q.stderr()));
+    let list = |key: &str| -> Vec<serde_json::Value> {
+        report[key]
+            .as_array()
+            .unwrap_or_else(|| panic!("no {key} in the report: {report}"))
+            .clone()
+    };
+    assert!(list("failed").is_empty(), "failed requests: {report}");
+    assert!(list("errors").is_empty(), "errors in the page: {report}");
+
+    // Every request answered 200 over HTTP/2, all on one connection, as the browser saw
+    // it (the DevTools protocol) and as the page did (Resource Timing).
+    let assets = IMAGES + SCRIPTS + STYLES;
+    // The page and its assets.
+    let all = assets + 1;
+    let responses = list("responses");
+    let urls: BTreeSet<String> = responses
+        .iter()
+        .map(|r| r["url"].as_str().unwrap_or_default().to_string())
+        .collect();
+    let want: BTreeSet<String> = files
+        .iter()
+        .map(|(n, _)| match n.as_str() {
+            "index.html" => format!("{origin}/"),
+            n => format!("{origin}/{n}"),
+        })
+        .collect();
+    assert_eq!(urls, want, "the page and its {assets} assets, each once");
+    assert_eq!(responses.len(), all, "{responses:#?}");
+    for r in &responses {
+        assert_eq!(r["status"], 200, "{r}");
+        assert_eq!(r["protocol"], "h2", "{r}");
+    }
+    let connections: BTreeSet<String> = responses
+        .iter()
+        .map(|r| r["connectionId"].to_string())
+        .collect();
+    assert_eq!(connections.len(), 1, "one connection: {responses:#?}");
+    let timing = list("resources");
+    assert_eq!(timing.len(), assets, "{timing:#?}");
+    for t in timing.iter().chain(&list("navigation")) {
+        assert_eq!(t["nextHopProtocol"], "h2", "{t}");
+        assert_eq!(t["responseStatus"], 200, "{t}");
+    }
+
+    // Every body arrived whole: the scripts ran, the images decoded at their own sizes,
+    // the stylesheets applied.
+    // (Scripts of the head run in document order.)
+    let ran: Vec<u64> = list("scripts").iter().filter_map(|v| v.as_u64()).collect();
+    assert_eq!(ran, (0..SCRIPTS as u64).collect::<Vec<_>>(), "{report}");
+    let images = list("images");
+    assert_eq!(images.len(), IMAGES);
+    for (i, img) in images.iter().enumerate() {
+        assert_eq!(img["src"], format!("{origin}/img{i}.svg"), "{img}");
+        assert_eq!(img["naturalWidth"], i + 1, "{img}");
+    }
+    let styles = list("styles");
+    assert_eq!(styles.len(), STYLES);
+    for (i, s) in styles.iter().enumerate() {
+        assert_eq!(s["width"], format!("{}px", i + 1), "{s}");
+    }
+
+    // quill's side: one client connection, one TLS handshake, served as HTTP/2, 51
+    // requests.
+    let metrics = support::http::get(m, "/metrics").text();
+    for (name, want) in [
+        ("quill_connections_accepted_total", 1),
+        ("quill_tls_handshakes_total{result=\"ok\"}", 1),
+        ("quill_tls_handshakes_total{result=\"failed\"}", 0),
+        ("quill_h2_connections_total", 1),
+        ("quill_h2_requests_total", all),
+    ] {
+        assert_eq!(sample(&metrics, name), want as f64, "{name}:\n{metrics}");
+    }
+
+    // NGINX's side: each request with X-Forwarded-For and X-Forwarded-Proto: https, in
+    // HTTP/1.1, over kept-alive connections (fewer than the requests), as many as quill's
+    // pool says it opened. (NGINX logs a request once it has answered it.)
+    let log_path = nginx.dir().join("access.log");
+    let read_log = || std::fs::read_to_string(&log_path).unwrap_or_default();
+    wait_until(
+        Duration::from_secs(10),
+        "NGINX logged every request",
+        || read_log().lines().count() >= all,
+    );
+    let log = read_log();
+    assert_eq!(log.lines().count(), all, "{log}");
+    let mut backend_connections = BTreeSet::new();
+    let mut uris = BTreeSet::new();
+    for line in log.lines() {
+        let fields: Vec<&str> = line.split_whitespace().collect();
+        assert_eq!(fields.len(), 5, "{line}");
+        assert_eq!(fields[1..4], ["127.0.0.1", "https", "HTTP/1.1"], "{line}");
+        backend_connections.insert(fields[0]);
+        uris.insert(format!("{origin}{}", fields[4]));
+    }
+    assert_eq!(uris, want, "NGINX got the page and each asset: {log}");
+    let status = support::http::get(m, "/status.json").json();
+    let server = &status["servers"][0];
+    let requests = server["requests"].as_u64().unwrap_or_default();
+    let reused = server["requests_reused"].as_u64().unwrap_or_default();
+    eprintln!(
+        "{requests} requests over {} server connections ({reused} reused one)",
+        backend_connections.len()
+    );
+    assert_eq!(requests, all as u64, "{server}");
+    assert!(
+        backend_connections.len() < all,
+        "a server connection per request: {log}"
+    );
+    assert_eq!(
+        backend_connections.len() as u64,
+        requests.saturating_sub(reused),
+        "{server}\n{log}"
+    );
 }
 
 /// 200 curl runs of `args` (each a client connection of its own, one after the other) are

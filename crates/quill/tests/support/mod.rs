@@ -24,6 +24,7 @@
 #![allow(dead_code)]
 #![allow(clippy::unwrap_used, clippy::expect_used, clippy::panic)]
 
+pub mod browser;
 pub mod ctl;
 pub mod daemon;
 pub mod dns;
