@@ -1270,3 +1270,42 @@ fn a_draining_server_keeps_no_idle_connection() {
         || server("pool_open") == Some(0),
     );
 }
+
+/// Pen's connection log (`-l`) has a line for every client connection, HTTP/2 ones too:
+/// no single server (each request has its own: the access log tells), and the preface's
+/// request line.
+#[test]
+fn the_connection_log_has_a_line_per_h2_connection() {
+    let Some((_nginx, port)) = backend() else {
+        return;
+    };
+    if which("curl").is_none() {
+        eprintln!("SKIPPED: curl is not installed (.ci/run installs it)");
+        return;
+    }
+    let dir = TempDir::new("h2");
+    let log = dir.path().join("connections.log");
+    let q = tls_quill(
+        &dir,
+        &["-l", log.to_str().unwrap()],
+        &[format!("127.0.0.1:{port}")],
+    );
+    let url = format!("https://127.0.0.1:{}/1k", q.port);
+    for version in ["--http2", "--http1.1"] {
+        curl(&["-k", version, "-o", "/dev/null", &url]).unwrap();
+    }
+    let mut lines = Vec::new();
+    wait_until(Duration::from_secs(5), "two lines in the log", || {
+        lines = std::fs::read_to_string(&log)
+            .unwrap_or_default()
+            .lines()
+            .map(str::to_string)
+            .collect();
+        lines.len() == 2
+    });
+    let fields: Vec<Vec<&str>> = lines.iter().map(|l| l.splitn(4, ' ').collect()).collect();
+    assert_eq!(fields[0][0], "127.0.0.1", "{lines:?}");
+    assert_eq!(fields[0][2], "-", "{lines:?}");
+    assert_eq!(fields[0][3], "PRI * HTTP/2.0", "{lines:?}");
+    assert_eq!(fields[1][3], "GET /1k HTTP/1.1", "{lines:?}");
+}

@@ -637,9 +637,17 @@ async fn open<C: ClientStream>(
         preamble,
         opts,
     };
+    // `-l` for an HTTP/2 connection: its servers are chosen per request (the access log
+    // has them); the request field is the preface's request line.
+    let log_h2 = || {
+        if let Some(log) = &log {
+            log.record(ip, started_unix, None, b"PRI * HTTP/2.0");
+        }
+    };
     if settings.http {
         match client {
             Client::Tls(c) if c.get_ref().1.alpn_protocol() == Some(b"h2") => {
+                log_h2();
                 Box::pin(super::h2::serve(state, c, peer_info(true))).await;
                 return None;
             }
@@ -648,6 +656,7 @@ async fn open<C: ClientStream>(
                 let first = tokio::time::timeout(limit, super::h2::sniff_preface(&mut c)).await;
                 match first {
                     Ok(Ok((bytes, true))) => {
+                        log_h2();
                         let io = Prefixed::new(bytes, c);
                         Box::pin(super::h2::serve(state, io, peer_info(false))).await;
                         return None;
