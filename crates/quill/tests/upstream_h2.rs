@@ -367,3 +367,42 @@ fn a_full_connection_makes_the_next_request_open_another() {
     // more than the two loops' shares need.
     assert!((5..=6).contains(&used.len()), "{used:?}\n{log}");
 }
+
+#[test]
+fn a_server_sent_the_proxy_protocol_keeps_http11_with_a_connection_per_request() {
+    // The header describes one client, and an HTTP/2 connection would carry many: such a
+    // server gets HTTP/1.1 even with upstream_h2 (this NGINX does not speak HTTP/2 at all).
+    let port = free_port();
+    let Some(_nginx) = nginx_at(
+        port,
+        " proxy_protocol",
+        "",
+        "  location /who { default_type text/plain; \
+         return 200 \"$connection $server_protocol $proxy_protocol_addr\\n\"; }",
+        &[],
+    ) else {
+        return;
+    };
+    let q = Quill::start(&[
+        "-H",
+        "-O",
+        "upstream_h2",
+        "-O",
+        "proxy_protocol v1",
+        "{port}",
+        &format!("127.0.0.1:{port}"),
+    ]);
+    let answers: Vec<_> = (0..5).map(|_| get(q.addr(), "/who")).collect();
+    let mut used = BTreeSet::new();
+    for (status, body) in &answers {
+        assert_eq!(*status, 200, "{body}");
+        let fields: Vec<&str> = body.split_whitespace().collect();
+        assert_eq!(
+            fields.get(1..3),
+            Some(&["HTTP/1.1", "127.0.0.1"][..]),
+            "{body}"
+        );
+        used.insert(fields[0].to_string());
+    }
+    assert_eq!(used.len(), 5, "{used:?}");
+}
