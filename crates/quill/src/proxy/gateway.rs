@@ -7,7 +7,9 @@
 //! Invariants: a request goes to a server with its hop-by-hop fields removed,
 //! `X-Forwarded-For` merged (the client appended) and `X-Forwarded-Proto` replaced, exactly
 //! as the byte pump does; a request is sent again only when none of it reached the server
-//! (a pooled or shared connection the server had just closed); a server's `conns` counts the
+//! (a pooled or shared connection the server had just closed), or when an HTTP/2 server
+//! refused its stream and it has neither body nor side effects to repeat (`Spare`: once,
+//! on a new connection); a server's `conns` counts the
 //! requests in flight to it (a lease held until the response body ends), which is what
 //! least-connections and `server N max` compare.
 
@@ -46,7 +48,8 @@ const CLOSE_GRACE: Duration = Duration::from_secs(1);
 
 /// A request body on its way to a server, counted into the server's `bytes_to`.
 pub struct RequestBody {
-    inner: Incoming,
+    /// `None`: no body (a request rebuilt to be sent again, see [`Spare`]).
+    inner: Option<Incoming>,
     server: Option<&'static ServerState>,
     activity: Rc<Activity>,
     record: Option<Rc<Record>>,
@@ -60,7 +63,10 @@ impl Body for RequestBody {
         mut self: Pin<&mut Self>,
         cx: &mut Context<'_>,
     ) -> Poll<Option<Result<Frame<Bytes>, hyper::Error>>> {
-        let polled = Pin::new(&mut self.inner).poll_frame(cx);
+        let Some(inner) = self.inner.as_mut() else {
+            return Poll::Ready(None);
+        };
+        let polled = Pin::new(inner).poll_frame(cx);
         if let Poll::Ready(Some(Ok(frame))) = &polled {
             self.activity.progress();
             if let (Some(data), Some(server)) = (frame.data_ref(), self.server) {
@@ -74,11 +80,13 @@ impl Body for RequestBody {
     }
 
     fn is_end_stream(&self) -> bool {
-        self.inner.is_end_stream()
+        self.inner.as_ref().map_or(true, Body::is_end_stream)
     }
 
     fn size_hint(&self) -> SizeHint {
-        self.inner.size_hint()
+        self.inner
+            .as_ref()
+            .map_or_else(|| SizeHint::with_exact(0), Body::size_hint)
     }
 }
 
@@ -489,6 +497,10 @@ async fn route(
                 req = back;
                 choice = selector.as_mut().map(|s| s.failover(index));
             }
+            Sent::Refused(e) => {
+                tracing::info!("server {index} ({addr}) refused a request's stream: {e}");
+                return answer(StatusCode::BAD_GATEWAY, "Bad gateway\n");
+            }
             Sent::Lost(e) => {
                 tracing::info!(
                     "server {index} ({addr}) failed during a request: {e}; blacklisted for {} s",
@@ -512,7 +524,7 @@ async fn route(
                     &settings, peer, target, server, answered, how, stream, tunnel,
                 )
             }
-            Sent::Unsent(_, e) | Sent::Lost(e) => {
+            Sent::Unsent(_, e) | Sent::Lost(e) | Sent::Refused(e) => {
                 tracing::warn!(peer = %peer.addr, "{target:?} server {} failed: {e}", extra.name);
             }
         }
@@ -555,6 +567,10 @@ enum Sent {
     Unsent(Request<RequestBody>, std::io::Error),
     /// The server failed after the request (or part of it) was sent.
     Lost(std::io::Error),
+    /// An HTTP/2 server refused the request's stream (`REFUSED_STREAM`, or a GOAWAY that
+    /// came as it was sent): not processed, not the server's failure, but the request was
+    /// consumed and cannot be sent again.
+    Refused(std::io::Error),
 }
 
 /// Sends `req` to the server at `addr` over a pooled or shared connection, or a new one.
@@ -581,9 +597,21 @@ async fn send(
     // neither kind is ever pooled, nor shared over HTTP/2 (such requests take HTTP/1.1).
     let poolable = !how.upgrade && super::tcp::proxy_version(settings, index).is_none();
     let h2 = poolable && settings.upstream_h2;
+    let mut retried = false;
     loop {
+        // Sent again after a refusal, a request takes a new connection, on which it is the
+        // first stream: no GOAWAY can cross it there.
         let (mut conn, reused) = match pick(
-            state, settings, peer, target, addr, server, how, poolable, h2,
+            state,
+            settings,
+            peer,
+            target,
+            addr,
+            server,
+            how,
+            poolable,
+            h2 && !retried,
+            h2,
         )
         .await
         {
@@ -591,12 +619,14 @@ async fn send(
             Err(e) => return Sent::Unsent(req, e),
         };
         let lease = Lease::take(server);
+        let mut spare = None;
         let sent = match &mut conn {
             Upstream::H1(c) => {
                 c.uses += 1;
                 c.sender.try_send_request(req).await
             }
             Upstream::H2(s) => {
+                spare = Spare::of(&req);
                 let scheme = if settings.tls_built.upstream.is_some() {
                     "https"
                 } else {
@@ -620,14 +650,25 @@ async fn send(
             Err(mut e) => {
                 drop(lease);
                 let message = e.take_message().map(from_h2);
+                let refused = matches!(conn, Upstream::H2(_)) && message.is_none() && refused(&e);
                 let error = std::io::Error::other(e.into_error());
-                if let (Upstream::H2(s), Some(_)) = (&conn, &message) {
-                    s.retire();
+                if let Upstream::H2(s) = &conn {
+                    if message.is_some() || refused {
+                        s.retire();
+                    }
                 }
                 match message {
                     // A kept-alive connection closed under us: try a new one.
                     Some(back) if reused => req = back,
                     Some(back) => return Sent::Unsent(back, error),
+                    None if refused => match spare {
+                        // Processed by no server, and harmless if it were: once more.
+                        Some(again) if !retried => {
+                            retried = true;
+                            req = again.rebuild();
+                        }
+                        _ => return Sent::Refused(error),
+                    },
                     None => return Sent::Lost(error),
                 }
             }
@@ -635,9 +676,73 @@ async fn send(
     }
 }
 
-/// The connection for a request: a stream of a shared HTTP/2 connection (`h2`), else a
-/// pooled HTTP/1.1 one (`poolable`), else a new connection (offering HTTP/2 when `h2`;
-/// over TLS the server may pick HTTP/1.1). True when the connection was reused.
+/// Whether an HTTP/2 server refused the stream before processing it (RFC 9113 §8.7):
+/// `REFUSED_STREAM`, or a GOAWAY whose last stream came before it.
+fn refused(e: &hyper::client::conn::TrySendError<Request<RequestBody>>) -> bool {
+    let mut source = std::error::Error::source(e.error());
+    while let Some(s) = source {
+        if let Some(h2) = s.downcast_ref::<h2::Error>() {
+            return h2.reason() == Some(h2::Reason::REFUSED_STREAM)
+                || (h2.is_go_away() && h2.is_remote());
+        }
+        source = s.source();
+    }
+    false
+}
+
+/// What it takes to send a request again after the HTTP/2 server refused its stream: only
+/// for a request without a body (nothing consumed) whose method is idempotent (harmless
+/// even if the refusal was a GOAWAY that crossed a request being processed).
+struct Spare {
+    method: Method,
+    uri: Uri,
+    headers: HeaderMap,
+    body: RequestBody,
+}
+
+impl Spare {
+    fn of(req: &Request<RequestBody>) -> Option<Spare> {
+        let idempotent = matches!(
+            *req.method(),
+            Method::GET
+                | Method::HEAD
+                | Method::OPTIONS
+                | Method::TRACE
+                | Method::PUT
+                | Method::DELETE
+        );
+        if !idempotent || !req.body().is_end_stream() {
+            return None;
+        }
+        let b = req.body();
+        Some(Spare {
+            method: req.method().clone(),
+            uri: req.uri().clone(),
+            headers: req.headers().clone(),
+            body: RequestBody {
+                inner: None,
+                server: b.server,
+                activity: Rc::clone(&b.activity),
+                record: b.record.clone(),
+            },
+        })
+    }
+
+    /// The request as it was before it became HTTP/2 (the next connection may not be).
+    fn rebuild(self) -> Request<RequestBody> {
+        let mut req = Request::new(self.body);
+        *req.method_mut() = self.method;
+        *req.uri_mut() = self.uri;
+        *req.version_mut() = Version::HTTP_2;
+        *req.headers_mut() = self.headers;
+        from_h2(req)
+    }
+}
+
+/// The connection for a request: a stream of a shared HTTP/2 connection (`shared`), else a
+/// pooled HTTP/1.1 one (`poolable`, and `shared` unless `h2`), else a new connection
+/// (offering HTTP/2 when `h2`; over TLS the server may pick HTTP/1.1). True when the
+/// connection was reused.
 #[allow(clippy::too_many_arguments)]
 async fn pick(
     state: &'static State,
@@ -648,9 +753,10 @@ async fn pick(
     server: &'static ServerState,
     how: How,
     poolable: bool,
+    shared: bool,
     h2: bool,
 ) -> std::io::Result<(Upstream, bool)> {
-    if h2 {
+    if shared {
         loop {
             match pool_h2::take(target, addr, how.limits) {
                 Take::Stream(s) => return Ok((Upstream::H2(s), true)),
@@ -659,7 +765,7 @@ async fn pick(
             }
         }
     }
-    if poolable {
+    if poolable && (shared || !h2) {
         if let Some(conn) = pool::take(target, addr) {
             return Ok((Upstream::H1(conn), true));
         }
@@ -1184,7 +1290,7 @@ fn upstream_request(
     Some(Request::from_parts(
         parts,
         RequestBody {
-            inner: body,
+            inner: Some(body),
             server: None,
             activity: Rc::clone(&stream.activity),
             record: stream.record.clone(),
