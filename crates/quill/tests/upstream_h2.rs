@@ -406,3 +406,28 @@ fn a_server_sent_the_proxy_protocol_keeps_http11_with_a_connection_per_request()
     }
     assert_eq!(used.len(), 5, "{used:?}");
 }
+
+#[test]
+fn a_server_that_sends_goaway_gets_the_next_requests_on_a_new_connection() {
+    // NGINX sends GOAWAY on a connection once it has taken `keepalive_requests` streams.
+    let port = free_port();
+    let Some(_nginx) = nginx_at(port, " http2", " keepalive_requests 5;", WHO, &[]) else {
+        return;
+    };
+    let q = Quill::start(&[
+        "-H",
+        "-O",
+        "upstream_h2",
+        "-O",
+        "workers 1",
+        "{port}",
+        &format!("127.0.0.1:{port}"),
+    ]);
+    let answers: Vec<_> = (0..30).map(|_| get(q.addr(), "/who")).collect();
+    let used = h2_connections(&answers);
+    assert_eq!(used.len(), 6, "{used:?}");
+    // And at once, with streams in flight when the GOAWAY comes.
+    for _ in 0..3 {
+        h2_connections(&many_at_once(q.addr(), 20));
+    }
+}
