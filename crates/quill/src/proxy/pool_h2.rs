@@ -255,7 +255,8 @@ pub struct Preface {
 }
 
 impl Preface {
-    fn feed(&self, bytes: &[u8]) {
+    /// Takes the next bytes read from the server (public for the fuzz target).
+    pub fn feed(&self, bytes: &[u8]) {
         if self.verdict.get().is_some() {
             return;
         }
@@ -285,6 +286,11 @@ impl Preface {
         } else if read >= 9 + len {
             self.decide(Ok(()));
         }
+    }
+
+    /// What the bytes fed so far say: `None` while the first frame is incomplete.
+    pub fn verdict(&self) -> Option<Result<(), NotH2>> {
+        self.verdict.get()
     }
 
     fn decide(&self, verdict: Result<(), NotH2>) {
