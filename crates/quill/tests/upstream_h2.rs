@@ -431,3 +431,41 @@ fn a_server_that_sends_goaway_gets_the_next_requests_on_a_new_connection() {
         h2_connections(&many_at_once(q.addr(), 20));
     }
 }
+
+#[test]
+fn hop_by_hop_fields_stay_behind_and_host_becomes_the_authority() {
+    let port = free_port();
+    let Some(_nginx) = nginx_at(
+        port,
+        " http2",
+        "",
+        "  location /hop { default_type text/plain; return 200 \
+         \"$server_protocol|$host|$http_keep_alive|$http_x_drop|$http_te|$http_x_keep\\n\"; }",
+        &[],
+    ) else {
+        return;
+    };
+    let q = Quill::start(&[
+        "-H",
+        "-O",
+        "upstream_h2",
+        "{port}",
+        &format!("127.0.0.1:{port}"),
+    ]);
+    let mut s = TcpStream::connect(q.addr()).unwrap();
+    s.set_read_timeout(Some(Duration::from_secs(20))).unwrap();
+    s.write_all(
+        b"GET /hop HTTP/1.1\r\nHost: example.test:8080\r\nConnection: close, x-drop\r\n\
+          Keep-Alive: timeout=5\r\nX-Drop: 1\r\nTE: trailers\r\nX-Keep: 2\r\n\r\n",
+    )
+    .unwrap();
+    let mut raw = Vec::new();
+    s.read_to_end(&mut raw).unwrap();
+    let text = String::from_utf8_lossy(&raw);
+    assert!(text.starts_with("HTTP/1.1 200"), "{text}");
+    // NGINX refuses connection-specific fields over HTTP/2 (400): 200 says none went.
+    assert!(
+        text.ends_with("HTTP/2.0|example.test|||trailers|2\n"),
+        "{text}"
+    );
+}
