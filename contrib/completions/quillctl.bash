@@ -21,7 +21,7 @@ check_interval check_timeout check_rise check_fall slow_start shutdown_grace ann
 announce_grace dsr_if dsr_path
 tarpit_acl transparent http http_header_max http_request_timeout hsts proxy_protocol
 accept_proxy alpn h2c h2_max_streams upstream_keepalive upstream_idle_timeout
-upstream_max_requests access_log'
+upstream_max_requests upstream_h2 access_log'
 
 # Operations on the running process, for the control socket only.
 _quillctl_operations='servers status mode recent connection close control pid include write
@@ -32,7 +32,8 @@ _quillctl_negatable='roundrobin hash hash_only stubborn weight prio tcp_nodelay 
 source emergency abuse block delayed_forward ascii acl log web_stats metrics_listen
 abort_on_error ssl_cert ssl_key ssl_ca ssl_ca_dir ssl_verify_client ssl_option ssl_ciphers
 ssl_sni_path ssl_ocsp_response ssl_compat upstream_tls upstream_ca upstream_sni check
-tarpit_acl transparent http hsts proxy_protocol accept_proxy announce_table alpn h2c access_log'
+tarpit_acl transparent http hsts proxy_protocol accept_proxy announce_table alpn h2c access_log
+upstream_h2'
 
 # The fields of `server N field value ...`.
 _quillctl_server_fields='acl address port max hard weight prio blacklist drain check

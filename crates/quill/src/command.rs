@@ -261,6 +261,10 @@ pub enum Command {
     /// `upstream_max_requests N` (extension): requests over one pooled connection before
     /// it is closed (0 = no limit).
     UpstreamMaxRequests(u64),
+    /// `upstream_h2` / `no upstream_h2` (extension): requests served per request go to
+    /// servers over HTTP/2 (prior knowledge on plain connections, ALPN `h2` with
+    /// `upstream_tls`), one multiplexed connection per server and event loop.
+    UpstreamH2(bool),
 }
 
 /// A protocol name TLS listeners may offer (ALPN, RFC 7301).
@@ -1040,6 +1044,7 @@ pub const NAMES: &[&str] = &[
     "upstream_keepalive",
     "upstream_idle_timeout",
     "upstream_max_requests",
+    "upstream_h2",
     "access_log",
 ];
 
@@ -1122,6 +1127,7 @@ fn parse_negated(command: &'static str, w: &mut Words<'_>) -> Result<Command, Pa
         "accept_proxy" => Command::AcceptProxy(false),
         "alpn" => Command::Alpn(None),
         "h2c" => Command::H2c(false),
+        "upstream_h2" => Command::UpstreamH2(false),
         "access_log" => Command::AccessLog(None),
         _ => return Err(ParseError::Unknown(format!("no {command}"))),
     })
@@ -1382,6 +1388,7 @@ fn parse_positive(command: &'static str, w: &mut Words<'_>) -> Result<Command, P
             Command::Alpn(Some(protocols))
         }
         "h2c" => Command::H2c(true),
+        "upstream_h2" => Command::UpstreamH2(true),
         "access_log" => Command::AccessLog(Some(w.word("a file name")?)),
         "h2_max_streams" => {
             let n: u32 = w.number("number of streams")?;
@@ -1782,6 +1789,7 @@ impl fmt::Display for Command {
             Command::UpstreamKeepalive(n) => write!(f, "upstream_keepalive {n}"),
             Command::UpstreamIdleTimeout(n) => write!(f, "upstream_idle_timeout {n}"),
             Command::UpstreamMaxRequests(n) => write!(f, "upstream_max_requests {n}"),
+            Command::UpstreamH2(on) => on_off(f, *on, "upstream_h2"),
             Command::HttpRequestTimeout(n) => with_optional(f, "http_request_timeout", n),
             Command::Hsts(Some(h)) => write!(f, "hsts {h}"),
             Command::Hsts(None) => f.write_str("no hsts"),
@@ -2117,6 +2125,7 @@ mod roundtrip {
             any::<u32>().prop_map(Command::UpstreamKeepalive),
             any::<u64>().prop_map(Command::UpstreamIdleTimeout),
             any::<u64>().prop_map(Command::UpstreamMaxRequests),
+            any::<bool>().prop_map(Command::UpstreamH2),
             tls_command(),
         ]
     }

@@ -219,6 +219,9 @@ pub struct Settings {
     pub upstream_idle_timeout: u64,
     /// Requests over one pooled connection (`upstream_max_requests`; 0 = no limit).
     pub upstream_max_requests: u64,
+    /// Requests served per request go to servers over HTTP/2 where they speak it
+    /// (`upstream_h2`).
+    pub upstream_h2: bool,
     /// PROXY protocol header sent to backends (`proxy_protocol`), unless a server says
     /// otherwise.
     pub proxy_protocol: Option<ProxyVersion>,
@@ -318,6 +321,7 @@ impl Default for Settings {
             upstream_keepalive: crate::proxy::pool::DEFAULT_KEEPALIVE,
             upstream_idle_timeout: crate::proxy::pool::DEFAULT_IDLE_TIMEOUT,
             upstream_max_requests: crate::proxy::pool::DEFAULT_MAX_REQUESTS,
+            upstream_h2: false,
             proxy_protocol: None,
             accept_proxy: false,
             check: HealthCheck::default(),
@@ -605,6 +609,7 @@ impl Settings {
             Command::UpstreamKeepalive(n) => set(&mut self.upstream_keepalive, *n),
             Command::UpstreamIdleTimeout(n) => set(&mut self.upstream_idle_timeout, *n),
             Command::UpstreamMaxRequests(n) => set(&mut self.upstream_max_requests, *n),
+            Command::UpstreamH2(on) => set(&mut self.upstream_h2, *on),
             Command::HttpHeaderMax(v) => query_or_set(&mut self.http_header_max, *v),
             Command::HttpRequestTimeout(v) => query_or_set(&mut self.http_request_timeout, *v),
             Command::Hsts(h) => set(&mut self.hsts, *h),
@@ -828,6 +833,9 @@ impl Settings {
         if self.upstream_max_requests != d.upstream_max_requests {
             out.push(Command::UpstreamMaxRequests(self.upstream_max_requests));
         }
+        if self.upstream_h2 {
+            out.push(Command::UpstreamH2(true));
+        }
         if self.proxy_protocol.is_some() {
             out.push(Command::ProxyProtocol(self.proxy_protocol));
         }
@@ -1020,6 +1028,7 @@ mod tests {
             "http_header_max 8192",
             "http_request_timeout 0",
             "hsts 31536000 include_subdomains",
+            "upstream_h2",
             "proxy_protocol v2",
             "accept_proxy",
             "dsr_if eth1",
@@ -1047,6 +1056,21 @@ mod tests {
                 .unwrap_or_else(|e| panic!("{line}: {e}"));
         }
         assert_eq!(rebuilt, s);
+    }
+
+    #[test]
+    fn upstream_h2_is_off_by_default_and_written_only_when_on() {
+        let lines = |s: &Settings| -> Vec<String> {
+            s.to_commands().iter().map(|c| c.to_string()).collect()
+        };
+        assert!(!Settings::default().upstream_h2);
+        assert!(!lines(&Settings::default())
+            .iter()
+            .any(|l| l.contains("upstream_h2")));
+        let on = apply_all(&["upstream_h2"]);
+        assert!(on.upstream_h2);
+        assert!(lines(&on).contains(&"upstream_h2".to_string()));
+        assert!(!apply_all(&["upstream_h2", "no upstream_h2"]).upstream_h2);
     }
 
     #[test]

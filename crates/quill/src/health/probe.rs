@@ -111,7 +111,7 @@ async fn run(target: &Target, timeout: Duration) -> Result<(), ProbeError> {
             let ip = target.addr.ip();
             let stream = tls
                 .conf
-                .connect(stream, tls.host.as_ref(), ip, timeout)
+                .connect(stream, tls.host.as_ref(), ip, timeout, false)
                 .await
                 .map_err(ProbeError::Tls)?;
             http_get(stream, target, path, expected).await

@@ -1,12 +1,15 @@
 //! Request-level proxying (`http`, `-H`, with HTTP/2 clients or `upstream_keepalive`):
 //! every request is sent to a server chosen for it by Pen's rules, over a pooled HTTP/1.1
-//! connection (`proxy::pool`), and its response streamed back. `proxy::h2` and `proxy::h1`
+//! connection (`proxy::pool`), or with `upstream_h2` as a stream of a shared HTTP/2
+//! connection (`proxy::pool_h2`), and its response streamed back. `proxy::h2` and `proxy::h1`
 //! serve the client connections with hyper and hand each request here.
 //!
 //! Invariants: a request goes to a server with its hop-by-hop fields removed,
 //! `X-Forwarded-For` merged (the client appended) and `X-Forwarded-Proto` replaced, exactly
 //! as the byte pump does; a request is sent again only when none of it reached the server
-//! (a pooled connection the server had just closed); a server's `conns` counts the
+//! (a pooled or shared connection the server had just closed), or when an HTTP/2 server
+//! refused its stream and it has neither body nor side effects to repeat (`Spare`: once,
+//! on a new connection); a server's `conns` counts the
 //! requests in flight to it (a lease held until the response body ends), which is what
 //! least-connections and `server N max` compare.
 
@@ -27,6 +30,7 @@ use hyper::{Method, Request, Response, StatusCode, Uri, Version};
 use hyper_util::rt::TokioIo;
 
 use super::pool::{self, Conn, Limits, Target};
+use super::pool_h2::{self, Take};
 use super::tcp::{open_upstream, Preamble, Server};
 use crate::accesslog::{AccessLog, Record};
 use crate::balance::select::{Choice, Selector};
@@ -35,13 +39,17 @@ use crate::net::connect::{is_local_failure, SocketOptions};
 use crate::settings::Settings;
 use crate::state::State;
 
+/// The HTTP/2 receive window of a stream to a server (`upstream_h2`).
+const H2_STREAM_WINDOW: u32 = 256 * 1024;
+
 /// How long a connection with no request left may stay open after quill asked it to end
 /// (GOAWAY): a client that does not close by then is closed.
 const CLOSE_GRACE: Duration = Duration::from_secs(1);
 
 /// A request body on its way to a server, counted into the server's `bytes_to`.
 pub struct RequestBody {
-    inner: Incoming,
+    /// `None`: no body (a request rebuilt to be sent again, see [`Spare`]).
+    inner: Option<Incoming>,
     server: Option<&'static ServerState>,
     activity: Rc<Activity>,
     record: Option<Rc<Record>>,
@@ -55,7 +63,10 @@ impl Body for RequestBody {
         mut self: Pin<&mut Self>,
         cx: &mut Context<'_>,
     ) -> Poll<Option<Result<Frame<Bytes>, hyper::Error>>> {
-        let polled = Pin::new(&mut self.inner).poll_frame(cx);
+        let Some(inner) = self.inner.as_mut() else {
+            return Poll::Ready(None);
+        };
+        let polled = Pin::new(inner).poll_frame(cx);
         if let Poll::Ready(Some(Ok(frame))) = &polled {
             self.activity.progress();
             if let (Some(data), Some(server)) = (frame.data_ref(), self.server) {
@@ -69,11 +80,13 @@ impl Body for RequestBody {
     }
 
     fn is_end_stream(&self) -> bool {
-        self.inner.is_end_stream()
+        self.inner.as_ref().map_or(true, Body::is_end_stream)
     }
 
     fn size_hint(&self) -> SizeHint {
-        self.inner.size_hint()
+        self.inner
+            .as_ref()
+            .map_or_else(|| SizeHint::with_exact(0), Body::size_hint)
     }
 }
 
@@ -85,6 +98,8 @@ pub struct ResponseBody {
     server: &'static ServerState,
     _lease: Lease,
     stream: InFlight,
+    /// Its stream on a shared HTTP/2 connection, counted there until the body ends.
+    _h2: Option<pool_h2::Stream>,
 }
 
 impl Body for ResponseBody {
@@ -500,6 +515,10 @@ async fn route(
                 req = back;
                 choice = selector.as_mut().map(|s| s.failover(index));
             }
+            Sent::Refused(e) => {
+                tracing::info!("server {index} ({addr}) refused a request's stream: {e}");
+                return answer(StatusCode::BAD_GATEWAY, "Bad gateway\n");
+            }
             Sent::Lost(e) => {
                 tracing::info!(
                     "server {index} ({addr}) failed during a request: {e}; blacklisted for {} s",
@@ -523,7 +542,7 @@ async fn route(
                     state, &settings, peer, target, server, answered, how, stream, tunnel,
                 )
             }
-            Sent::Unsent(_, e) | Sent::Lost(e) => {
+            Sent::Unsent(_, e) | Sent::Lost(e) | Sent::Refused(e) => {
                 tracing::warn!(peer = %peer.addr, "{target:?} server {} failed: {e}", extra.name);
             }
         }
@@ -543,11 +562,19 @@ struct How {
     keep_alive_10: bool,
 }
 
+/// The connection a request goes over.
+enum Upstream {
+    /// HTTP/1.1, one request at a time (pooled when `poolable`).
+    H1(Conn),
+    /// A stream of a shared HTTP/2 connection.
+    H2(pool_h2::Stream),
+}
+
 /// The server's answer: its response head, the connection (for the pool) and the
 /// request's lease on the server.
 struct Answered {
     resp: Response<Incoming>,
-    conn: Conn,
+    conn: Upstream,
     lease: Lease,
 }
 
@@ -558,11 +585,15 @@ enum Sent {
     Unsent(Request<RequestBody>, std::io::Error),
     /// The server failed after the request (or part of it) was sent.
     Lost(std::io::Error),
+    /// An HTTP/2 server refused the request's stream (`REFUSED_STREAM`, or a GOAWAY that
+    /// came as it was sent): not processed, not the server's failure, but the request was
+    /// consumed and cannot be sent again.
+    Refused(std::io::Error),
 }
 
-/// Sends `req` to the server at `addr` over a pooled connection, or a new one. A pooled
-/// connection that turns out closed before any of the request was written is replaced by
-/// a new one at once (that is not the server's failure).
+/// Sends `req` to the server at `addr` over a pooled or shared connection, or a new one.
+/// A reused connection that turns out closed before any of the request was written is
+/// replaced by a new one at once (that is not the server's failure).
 #[allow(clippy::too_many_arguments)]
 async fn send(
     state: &'static State,
@@ -581,30 +612,49 @@ async fn send(
         _ => None,
     };
     // A PROXY protocol header describes one client, and a tunnel takes the connection:
-    // neither kind is ever pooled.
+    // neither kind is ever pooled, nor shared over HTTP/2 (such requests take HTTP/1.1).
     let poolable = !how.upgrade && super::tcp::proxy_version(settings, index).is_none();
-    let mut pooled = if poolable {
-        pool::take(target, addr)
-    } else {
-        None
-    };
+    let h2 = poolable && settings.upstream_h2;
+    let mut retried = false;
     loop {
-        let reused = pooled.is_some();
-        let mut conn = match pooled.take() {
-            Some(conn) => conn,
-            None => match connect(state, settings, peer, index, addr, server, how.upgrade).await {
-                Ok(sender) => Conn {
-                    sender,
-                    uses: 0,
-                    addr,
-                    poolable,
-                },
-                Err(e) => return Sent::Unsent(req, e),
-            },
+        // Sent again after a refusal, a request takes a new connection, on which it is the
+        // first stream: no GOAWAY can cross it there.
+        let (mut conn, reused) = match pick(
+            state,
+            settings,
+            peer,
+            target,
+            addr,
+            server,
+            how,
+            poolable,
+            h2 && !retried,
+            h2,
+        )
+        .await
+        {
+            Ok(picked) => picked,
+            Err(e) => return Sent::Unsent(req, e),
         };
-        conn.uses += 1;
         let lease = Lease::take(server);
-        match conn.sender.try_send_request(req).await {
+        let mut spare = None;
+        let sent = match &mut conn {
+            Upstream::H1(c) => {
+                c.uses += 1;
+                c.sender.try_send_request(req).await
+            }
+            Upstream::H2(s) => {
+                spare = Spare::of(&req);
+                let scheme = if settings.tls_built.upstream.is_some() {
+                    "https"
+                } else {
+                    "http"
+                };
+                // Sent as a stream; given back unsent, it is turned back by `from_h2`.
+                s.sender.try_send_request(to_h2(req, scheme, addr)).await
+            }
+        };
+        match sent {
             Ok(resp) => {
                 if let Some(r) = &record {
                     r.server.set(Some(addr));
@@ -617,12 +667,26 @@ async fn send(
             }
             Err(mut e) => {
                 drop(lease);
-                let message = e.take_message();
+                let message = e.take_message().map(from_h2);
+                let refused = matches!(conn, Upstream::H2(_)) && message.is_none() && refused(&e);
                 let error = std::io::Error::other(e.into_error());
+                if let Upstream::H2(s) = &conn {
+                    if message.is_some() || refused {
+                        s.retire();
+                    }
+                }
                 match message {
                     // A kept-alive connection closed under us: try a new one.
                     Some(back) if reused => req = back,
                     Some(back) => return Sent::Unsent(back, error),
+                    None if refused => match spare {
+                        // Processed by no server, and harmless if it were: once more.
+                        Some(again) if !retried => {
+                            retried = true;
+                            req = again.rebuild();
+                        }
+                        _ => return Sent::Refused(error),
+                    },
                     None => return Sent::Lost(error),
                 }
             }
@@ -630,8 +694,192 @@ async fn send(
     }
 }
 
-/// A new HTTP/1.1 connection to a server (TLS with `upstream_tls`, the PROXY header when
-/// configured), driven by a task of its own on this event loop.
+/// Whether an HTTP/2 server refused the stream before processing it (RFC 9113 §8.7):
+/// `REFUSED_STREAM`, or a GOAWAY whose last stream came before it.
+fn refused(e: &hyper::client::conn::TrySendError<Request<RequestBody>>) -> bool {
+    let mut source = std::error::Error::source(e.error());
+    while let Some(s) = source {
+        if let Some(h2) = s.downcast_ref::<h2::Error>() {
+            return h2.reason() == Some(h2::Reason::REFUSED_STREAM)
+                || (h2.is_go_away() && h2.is_remote());
+        }
+        source = s.source();
+    }
+    false
+}
+
+/// What it takes to send a request again after the HTTP/2 server refused its stream: only
+/// for a request without a body (nothing consumed) whose method is idempotent (harmless
+/// even if the refusal was a GOAWAY that crossed a request being processed).
+struct Spare {
+    method: Method,
+    uri: Uri,
+    headers: HeaderMap,
+    body: RequestBody,
+}
+
+impl Spare {
+    fn of(req: &Request<RequestBody>) -> Option<Spare> {
+        let idempotent = matches!(
+            *req.method(),
+            Method::GET
+                | Method::HEAD
+                | Method::OPTIONS
+                | Method::TRACE
+                | Method::PUT
+                | Method::DELETE
+        );
+        if !idempotent || !req.body().is_end_stream() {
+            return None;
+        }
+        let b = req.body();
+        Some(Spare {
+            method: req.method().clone(),
+            uri: req.uri().clone(),
+            headers: req.headers().clone(),
+            body: RequestBody {
+                inner: None,
+                server: b.server,
+                activity: Rc::clone(&b.activity),
+                record: b.record.clone(),
+            },
+        })
+    }
+
+    /// The request as it was before it became HTTP/2 (the next connection may not be).
+    fn rebuild(self) -> Request<RequestBody> {
+        let mut req = Request::new(self.body);
+        *req.method_mut() = self.method;
+        *req.uri_mut() = self.uri;
+        *req.version_mut() = Version::HTTP_2;
+        *req.headers_mut() = self.headers;
+        from_h2(req)
+    }
+}
+
+/// The connection for a request: a stream of a shared HTTP/2 connection (`shared`), else a
+/// pooled HTTP/1.1 one (`poolable`, and `shared` unless `h2`), else a new connection
+/// (offering HTTP/2 when `h2`; over TLS the server may pick HTTP/1.1). True when the
+/// connection was reused.
+#[allow(clippy::too_many_arguments)]
+async fn pick(
+    state: &'static State,
+    settings: &Settings,
+    peer: Peer,
+    target: Target,
+    addr: SocketAddr,
+    server: &'static ServerState,
+    how: How,
+    poolable: bool,
+    shared: bool,
+    h2: bool,
+) -> std::io::Result<(Upstream, bool)> {
+    if shared {
+        loop {
+            match pool_h2::take(target, addr, how.limits) {
+                Take::Stream(s) => return Ok((Upstream::H2(s), true)),
+                Take::Wait(notify) => notify.notified().await,
+                Take::Open => break,
+            }
+        }
+    }
+    if poolable && (shared || !h2) {
+        if let Some(conn) = pool::take(target, addr) {
+            return Ok((Upstream::H1(conn), true));
+        }
+    }
+    let index = match target {
+        Target::Server(i) => Some(i),
+        _ => None,
+    };
+    let _opening = h2.then(|| pool_h2::opening(target));
+    let fresh = connect(state, settings, peer, index, addr, server, how.upgrade, h2).await?;
+    Ok(match fresh {
+        Fresh::H1(sender) => (
+            Upstream::H1(Conn {
+                sender,
+                uses: 0,
+                addr,
+                poolable,
+            }),
+            false,
+        ),
+        Fresh::H2(sender, max_streams) => (
+            Upstream::H2(pool_h2::add(target, sender, addr, max_streams, how.limits)),
+            false,
+        ),
+    })
+}
+
+/// The request as an HTTP/2 server gets it: `Host` becomes `:authority`, with the scheme
+/// quill speaks to the server. Without a `Host` that is a valid authority (a client's
+/// mistake, which must not look like the server's), the server's address stands in.
+fn to_h2(
+    req: Request<RequestBody>,
+    scheme: &'static str,
+    addr: SocketAddr,
+) -> Request<RequestBody> {
+    use hyper::http::uri::{Authority, PathAndQuery, Scheme};
+    let (mut parts, body) = req.into_parts();
+    let authority = parts
+        .headers
+        .remove(header::HOST)
+        .and_then(|h| Authority::try_from(h.as_bytes()).ok())
+        .or_else(|| Authority::try_from(addr.to_string()).ok());
+    let mut uri = hyper::http::uri::Parts::default();
+    uri.scheme = Some(if scheme == "https" {
+        Scheme::HTTPS
+    } else {
+        Scheme::HTTP
+    });
+    uri.authority = authority;
+    uri.path_and_query = Some(
+        parts
+            .uri
+            .path_and_query()
+            .cloned()
+            .unwrap_or_else(|| PathAndQuery::from_static("/")),
+    );
+    if let Ok(u) = Uri::from_parts(uri) {
+        parts.uri = u;
+    }
+    parts.version = Version::HTTP_2;
+    Request::from_parts(parts, body)
+}
+
+/// Undoes [`to_h2`] for a request given back unsent (the next connection may be HTTP/1.1).
+fn from_h2(req: Request<RequestBody>) -> Request<RequestBody> {
+    if req.version() != Version::HTTP_2 {
+        return req;
+    }
+    let (mut parts, body) = req.into_parts();
+    if let Some(a) = parts.uri.authority() {
+        if let Ok(v) = HeaderValue::from_str(a.as_str()) {
+            parts.headers.insert(header::HOST, v);
+        }
+    }
+    let path = parts.uri.path_and_query().map_or("/", |p| p.as_str());
+    if let Ok(uri) = Uri::try_from(path) {
+        parts.uri = uri;
+    }
+    parts.version = Version::HTTP_11;
+    Request::from_parts(parts, body)
+}
+
+/// A new connection to a server, and the protocol it speaks.
+enum Fresh {
+    H1(hyper::client::conn::http1::SendRequest<RequestBody>),
+    /// With what reads the server's current limit of concurrent streams.
+    H2(
+        hyper::client::conn::http2::SendRequest<RequestBody>,
+        Box<dyn Fn() -> usize>,
+    ),
+}
+
+/// A new connection to a server (TLS with `upstream_tls`, the PROXY header when
+/// configured), driven by a task of its own on this event loop: HTTP/2 when `h2` (prior
+/// knowledge in plain, ALPN over TLS when the server picks it), else HTTP/1.1.
+#[allow(clippy::too_many_arguments)]
 async fn connect(
     state: &'static State,
     settings: &Settings,
@@ -640,14 +888,32 @@ async fn connect(
     addr: SocketAddr,
     server: &'static ServerState,
     upgrades: bool,
-) -> std::io::Result<hyper::client::conn::http1::SendRequest<RequestBody>> {
+    h2: bool,
+) -> std::io::Result<Fresh> {
     let host = match index {
         Some(i) => settings.servers.get(i).and_then(|s| s.host.as_ref()),
         None => None,
     };
-    let stream =
-        open_upstream(state, settings, addr, index, host, peer.preamble, peer.opts).await?;
+    let stream = open_upstream(
+        state,
+        settings,
+        addr,
+        index,
+        host,
+        peer.preamble,
+        peer.opts,
+        h2,
+    )
+    .await?;
     server.total.fetch_add(1, Relaxed);
+    let tls = settings.tls_built.upstream.is_some();
+    if h2 && (!tls || stream.picked_h2()) {
+        let limit = Duration::from_secs(settings.timeout.max(1));
+        return match stream {
+            Server::Plain(s) => connect_h2(s, server, limit).await,
+            Server::Tls(s) => connect_h2(s, server, limit).await,
+        };
+    }
     let mut builder = hyper::client::conn::http1::Builder::new();
     // Field names go out as the client wrote them (HTTP/1.x clients), the others (HTTP/2's
     // lowercase ones, quill's own) in title case, as the byte pump writes its fields.
@@ -673,7 +939,72 @@ async fn connect(
             sender
         }
     };
-    Ok(sender)
+    Ok(Fresh::H1(sender))
+}
+
+/// Starts HTTP/2 over `io`, ready once the server's SETTINGS have come (within `limit`).
+async fn connect_h2<T>(
+    io: T,
+    server: &'static ServerState,
+    limit: Duration,
+) -> std::io::Result<Fresh>
+where
+    T: tokio::io::AsyncRead + tokio::io::AsyncWrite + Unpin + 'static,
+{
+    let preface = Rc::new(pool_h2::Preface::default());
+    let io = pool_h2::Watched {
+        io,
+        preface: Rc::clone(&preface),
+    };
+    // What a server may send ahead of the clients reading it is held in quill: a stream's
+    // window bounds one client that does not read, the connection's how many such clients
+    // it takes to stall the others sharing the connection (32).
+    let (sender, conn) = hyper::client::conn::http2::Builder::new(LocalExec)
+        .initial_stream_window_size(H2_STREAM_WINDOW)
+        .initial_connection_window_size(32 * H2_STREAM_WINDOW)
+        .handshake(TokioIo::new(io))
+        .await
+        .map_err(std::io::Error::other)?;
+    // The connection task polls it; the pool reads its stream limit between polls (never
+    // during one: one thread), and takes the last value seen if it cannot. Once it has
+    // ended it is dropped at once: its request queue closes with it, which is how senders
+    // learn the connection is gone.
+    let conn = Rc::new(std::cell::RefCell::new(Some(Box::pin(conn))));
+    let seen = Rc::new(Cell::new(usize::MAX));
+    let max_streams = {
+        let conn = Rc::clone(&conn);
+        let seen = Rc::clone(&seen);
+        Box::new(move || {
+            if let Ok(Some(c)) = conn.try_borrow().as_deref() {
+                seen.set(c.current_max_send_streams());
+            }
+            seen.get()
+        })
+    };
+    drive(
+        std::future::poll_fn(move |cx| {
+            let Ok(mut slot) = conn.try_borrow_mut() else {
+                // Never borrowed across a poll; should it be, look again rather than stall.
+                cx.waker().wake_by_ref();
+                return Poll::Pending;
+            };
+            let Some(c) = slot.as_mut() else {
+                return Poll::Ready(Ok(()));
+            };
+            let polled = c.as_mut().poll(cx);
+            if polled.is_ready() {
+                *slot = None;
+            }
+            polled
+        }),
+        server,
+    );
+    // Dropping the sender on failure closes the connection.
+    preface
+        .settled(limit)
+        .await
+        .map_err(std::io::Error::other)?;
+    Ok(Fresh::H2(sender, max_streams))
 }
 
 /// Runs a server connection's I/O until it closes, counted in the server's `pool_open`.
@@ -722,10 +1053,13 @@ fn reply(
     // A tunnel's server connection is the tunnel's (hyper hands it over once the 101 is
     // read); its sender lives as long as the tunnel.
     let mut unpooled = None;
-    if conn.poolable && !upgraded {
-        pool::give_back(state, conn, target, server, how.limits);
-    } else {
-        unpooled = Some(conn);
+    let mut h2 = None;
+    match conn {
+        Upstream::H1(conn) if conn.poolable && !upgraded => {
+            pool::give_back(state, conn, target, server, how.limits);
+        }
+        Upstream::H1(conn) => unpooled = Some(conn),
+        Upstream::H2(s) => h2 = Some(s),
     }
     let (mut parts, body) = resp.into_parts();
     strip_hop_by_hop(&mut parts.headers);
@@ -783,6 +1117,7 @@ fn reply(
         server,
         _lease: lease,
         stream,
+        _h2: h2,
     };
     Response::from_parts(parts, Either::Left(body))
 }
@@ -979,7 +1314,7 @@ fn upstream_request(
     Some(Request::from_parts(
         parts,
         RequestBody {
-            inner: body,
+            inner: Some(body),
             server: None,
             activity: Rc::clone(&stream.activity),
             record: stream.record.clone(),

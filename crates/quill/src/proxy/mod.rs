@@ -9,6 +9,7 @@ pub mod http;
 pub mod park;
 pub mod polling;
 pub mod pool;
+pub mod pool_h2;
 pub mod proxy_protocol;
 pub mod pump;
 pub mod registry;

@@ -746,6 +746,7 @@ async fn open<C: ClientStream>(
             Some(&abuse.name.host),
             preamble,
             opts,
+            false,
         ))
         .await
         {
@@ -905,6 +906,14 @@ impl Server {
             Server::Tls(s) => s.get_ref().0.peer_addr(),
         }
     }
+
+    /// The server picked ALPN `h2` in the TLS handshake.
+    pub(super) fn picked_h2(&self) -> bool {
+        match self {
+            Server::Plain(_) => false,
+            Server::Tls(s) => s.get_ref().1.alpn_protocol() == Some(b"h2"),
+        }
+    }
 }
 
 /// Who the client is and where it connected to, for the PROXY header sent to a server.
@@ -951,7 +960,9 @@ pub(super) fn proxy_version(settings: &Settings, index: Option<usize>) -> Option
 /// Connects to an upstream, sends the PROXY header if one is configured, and with
 /// `upstream_tls` runs the TLS handshake (verifying the server's certificate). The PROXY
 /// header goes first, in clear, as PROXY-aware TLS servers expect. Any failure is the
-/// server's: the caller blacklists it and fails over.
+/// server's: the caller blacklists it and fails over. `offer_h2`: TLS offers ALPN `h2`
+/// (`Server::picked_h2` tells what the server picked).
+#[allow(clippy::too_many_arguments)]
 pub(super) async fn open_upstream(
     state: &State,
     settings: &Settings,
@@ -960,6 +971,7 @@ pub(super) async fn open_upstream(
     host: Option<&Host>,
     preamble: Preamble,
     opts: SocketOptions,
+    offer_h2: bool,
 ) -> io::Result<Server> {
     let mut stream = connect(
         addr,
@@ -976,7 +988,7 @@ pub(super) async fn open_upstream(
     match &settings.tls_built.upstream {
         None => Ok(Server::Plain(stream)),
         Some(tls) => match tls
-            .connect(stream, host, addr.ip(), timeout(settings))
+            .connect(stream, host, addr.ip(), timeout(settings), offer_h2)
             .await
         {
             Ok(s) => Ok(Server::Tls(Box::new(s))),
@@ -1037,7 +1049,18 @@ async fn choose_and_connect<'s>(
         };
         let lease = Lease::take(server, Some(index));
         let host = settings.servers.get(index).and_then(|s| s.host.as_ref());
-        match open_upstream(state, settings, addr, Some(index), host, preamble, opts).await {
+        match open_upstream(
+            state,
+            settings,
+            addr,
+            Some(index),
+            host,
+            preamble,
+            opts,
+            false,
+        )
+        .await
+        {
             Ok(stream) => {
                 server.total.fetch_add(1, Relaxed);
                 if selector.tracks() {
@@ -1067,7 +1090,7 @@ async fn choose_and_connect<'s>(
     if let Some(em) = &settings.emergency {
         let lease = Lease::take(&state.emergency, None);
         let host = Some(&em.name.host);
-        match open_upstream(state, settings, em.addr, None, host, preamble, opts).await {
+        match open_upstream(state, settings, em.addr, None, host, preamble, opts, false).await {
             Ok(stream) => {
                 tracing::debug!(%peer, "emergency server {}", em.name);
                 state.emergency.total.fetch_add(1, Relaxed);

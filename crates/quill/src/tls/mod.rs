@@ -305,6 +305,9 @@ impl ServerTls {
 /// TLS to upstream servers.
 pub struct UpstreamTls {
     connector: tokio_rustls::TlsConnector,
+    /// The same configuration (and session cache) offering ALPN `h2` and `http/1.1`, for
+    /// `upstream_h2`: a server that picks neither, or has no ALPN, gets HTTP/1.1.
+    connector_h2: tokio_rustls::TlsConnector,
     /// `upstream_sni`: overrides the name taken from the server's address.
     sni: Option<ServerName<'static>>,
 }
@@ -321,16 +324,22 @@ impl UpstreamTls {
     }
 
     /// Runs the client side of the handshake over an established connection, verifying
-    /// the server's certificate, within `limit`.
+    /// the server's certificate, within `limit`; offers ALPN `h2` first when `offer_h2`.
     pub async fn connect<IO: AsyncRead + AsyncWrite + Unpin>(
         &self,
         io: IO,
         host: Option<&Host>,
         ip: IpAddr,
         limit: Duration,
+        offer_h2: bool,
     ) -> io::Result<ClientTlsStream<IO>> {
         let name = self.name_for(host, ip);
-        match tokio::time::timeout(limit, self.connector.connect(name, io)).await {
+        let connector = if offer_h2 {
+            &self.connector_h2
+        } else {
+            &self.connector
+        };
+        match tokio::time::timeout(limit, connector.connect(name, io)).await {
             Err(_) => Err(io::Error::new(
                 io::ErrorKind::TimedOut,
                 "TLS handshake timed out",
@@ -641,8 +650,12 @@ fn build_upstream(conf: &TlsConf) -> Result<UpstreamTls, TlsError> {
             })?,
         }),
     };
+    // A clone shares the session store, so a resumed session serves either connector.
+    let mut config_h2 = config.clone();
+    config_h2.alpn_protocols = vec![b"h2".to_vec(), b"http/1.1".to_vec()];
     Ok(UpstreamTls {
         connector: tokio_rustls::TlsConnector::from(Arc::new(config)),
+        connector_h2: tokio_rustls::TlsConnector::from(Arc::new(config_h2)),
         sni,
     })
 }

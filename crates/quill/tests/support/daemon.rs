@@ -73,8 +73,19 @@ pub fn nginx(
     server: &str,
     files: &[(&str, &[u8])],
 ) -> Option<(Daemon, u16)> {
-    let dir = TempDir::new("nginx");
     let port = free_port();
+    nginx_at(port, listen_options, http, server, files).map(|n| (n, port))
+}
+
+/// [`nginx`] on a port of the caller's (an NGINX started again where one was).
+pub fn nginx_at(
+    port: u16,
+    listen_options: &str,
+    http: &str,
+    server: &str,
+    files: &[(&str, &[u8])],
+) -> Option<Daemon> {
+    let dir = TempDir::new("nginx");
     let d = dir.path().display().to_string();
     std::fs::create_dir(dir.path().join("www")).unwrap();
     for (name, content) in files {
@@ -97,7 +108,7 @@ pub fn nginx(
         "-c".to_string(),
         path.display().to_string(),
     ];
-    Daemon::start("/usr/sbin/nginx", &args, port, dir).map(|n| (n, port))
+    Daemon::start("/usr/sbin/nginx", &args, port, dir)
 }
 
 /// NGINX serving `files` the way a stock installation does: `sendfile on` without

@@ -1,0 +1,471 @@
+//! `upstream_h2`: requests of HTTP/1.1 clients go to Debian's NGINX over HTTP/2, with prior
+//! knowledge in plain (`listen PORT http2`) and by ALPN over TLS (`listen PORT ssl http2`).
+//! NGINX answers `/who` with "CONNECTION PROTOCOL XFF" (`$connection` numbers its
+//! connections, `$server_protocol` says which HTTP it was spoken): that is how the tests see
+//! how many server connections the requests shared, and over what.
+//!
+//! Skipped with a message where NGINX or curl is not installed; `.ci/run` installs them.
+#![allow(clippy::unwrap_used, clippy::expect_used, clippy::panic)]
+
+mod support;
+
+use std::collections::BTreeSet;
+use std::io::{Read, Write};
+use std::net::TcpStream;
+use std::path::{Path, PathBuf};
+use std::time::{Duration, Instant};
+
+use support::daemon::{nginx_at, Daemon};
+use support::*;
+
+const WHO: &str = "  location /who { default_type text/plain; \
+     return 200 \"$connection $server_protocol $http_x_forwarded_for\\n\"; }\n\
+     location /files/ { dav_methods PUT; create_full_put_path on; }";
+
+/// NGINX on `port` answering `/who` and storing `PUT`s under `/files/`; `listen` holds the
+/// options of its `listen` line, `tls` the certificate and key when it terminates TLS.
+fn nginx_on(port: u16, listen: &str, tls: Option<(&Path, &Path)>) -> Option<Daemon> {
+    let mut server = WHO.to_string();
+    if let Some((cert, key)) = tls {
+        server.push_str(&format!(
+            "\n  ssl_certificate {};\n  ssl_certificate_key {};",
+            cert.display(),
+            key.display()
+        ));
+    }
+    nginx_at(
+        port,
+        listen,
+        " keepalive_requests 1000000;\n client_max_body_size 64m;\n \
+         log_format up '$connection $server_protocol $request_method $status $request_length';",
+        &format!("{server}\n  access_log access.log up;"),
+        &[],
+    )
+}
+
+/// A test CA (its certificate, for `upstream_ca`) and a server certificate and key it
+/// signed for 127.0.0.1 and localhost, written in `dir`.
+fn certificates(dir: &Path) -> (PathBuf, PathBuf, PathBuf) {
+    use rcgen::{BasicConstraints, CertificateParams, IsCa, Issuer, KeyPair, SanType};
+    let ca_key = KeyPair::generate().unwrap();
+    let mut ca = CertificateParams::new(Vec::<String>::new()).unwrap();
+    ca.is_ca = IsCa::Ca(BasicConstraints::Unconstrained);
+    let ca_cert = ca.self_signed(&ca_key).unwrap();
+    let issuer = Issuer::new(ca, ca_key);
+    let key = KeyPair::generate().unwrap();
+    let mut params = CertificateParams::new(vec!["localhost".to_string()]).unwrap();
+    params
+        .subject_alt_names
+        .push(SanType::IpAddress("127.0.0.1".parse().unwrap()));
+    let cert = params.signed_by(&key, &issuer).unwrap();
+    let paths = (
+        dir.join("ca.pem"),
+        dir.join("server.pem"),
+        dir.join("server.key"),
+    );
+    std::fs::write(&paths.0, ca_cert.pem()).unwrap();
+    std::fs::write(&paths.1, cert.pem()).unwrap();
+    std::fs::write(&paths.2, key.serialize_pem()).unwrap();
+    paths
+}
+
+/// An HTTP/1.1 request on a connection of its own: status and body.
+fn get(addr: std::net::SocketAddr, path: &str) -> (u16, String) {
+    let mut s = TcpStream::connect(addr).unwrap();
+    s.set_read_timeout(Some(Duration::from_secs(20))).unwrap();
+    write!(
+        s,
+        "GET {path} HTTP/1.1\r\nHost: example.test\r\nConnection: close\r\n\r\n"
+    )
+    .unwrap();
+    let mut raw = Vec::new();
+    s.read_to_end(&mut raw)
+        .unwrap_or_else(|e| panic!("GET {path}: {e}"));
+    let text = String::from_utf8_lossy(&raw).into_owned();
+    let status = text
+        .split_whitespace()
+        .nth(1)
+        .and_then(|c| c.parse().ok())
+        .unwrap_or_else(|| panic!("no status line: {text:?}"));
+    let body = text
+        .split_once("\r\n\r\n")
+        .map_or(String::new(), |(_, b)| b.to_string());
+    (status, body)
+}
+
+/// `n` requests for `/who` from as many client connections at once.
+fn many_at_once(addr: std::net::SocketAddr, n: usize) -> Vec<(u16, String)> {
+    let threads: Vec<_> = (0..n)
+        .map(|_| std::thread::spawn(move || get(addr, "/who")))
+        .collect();
+    threads.into_iter().map(|t| t.join().unwrap()).collect()
+}
+
+/// The connection numbers in `/who` answers, after checking each was HTTP/2 with the
+/// client in X-Forwarded-For.
+fn h2_connections(answers: &[(u16, String)]) -> BTreeSet<u64> {
+    answers
+        .iter()
+        .map(|(status, body)| {
+            assert_eq!(*status, 200, "{body}");
+            let fields: Vec<&str> = body.split_whitespace().collect();
+            assert_eq!(fields.get(1), Some(&"HTTP/2.0"), "{body}");
+            assert_eq!(fields.get(2), Some(&"127.0.0.1"), "X-Forwarded-For: {body}");
+            fields[0].parse().unwrap()
+        })
+        .collect()
+}
+
+#[test]
+fn two_hundred_http11_clients_reach_an_h2c_server_over_one_connection_per_loop() {
+    let port = free_port();
+    let Some(_nginx) = nginx_on(port, " http2", None) else {
+        return;
+    };
+    let (q, ctl) = support::ctl::start_with_tcp_control(&[
+        "-H",
+        "-O",
+        "upstream_h2",
+        "-O",
+        "workers 2",
+        "{port}",
+        &format!("127.0.0.1:{port}"),
+    ]);
+    let answers = many_at_once(q.addr(), 200);
+    let used = h2_connections(&answers);
+    // 200 at once stay under NGINX's 128 streams per loop's connection (100 each): one
+    // each, or two where a burst filled one.
+    assert!(
+        !used.is_empty() && used.len() <= 4,
+        "200 client connections used {} server connections: {used:?}",
+        used.len()
+    );
+    let status = support::ctl::status_json(&ctl);
+    let server = &status["servers"][0];
+    assert_eq!(server["requests"], 200, "{server}");
+    let reused = server["requests_reused"].as_u64().unwrap();
+    assert!(reused >= 200 - used.len() as u64, "{server}");
+    assert!(server["pool_open"].as_u64().unwrap() <= 4, "{server}");
+}
+
+#[test]
+fn a_one_mib_body_goes_up_and_down_over_h2c() {
+    let port = free_port();
+    let Some(nginx) = nginx_on(port, " http2", None) else {
+        return;
+    };
+    let q = Quill::start(&[
+        "-H",
+        "-O",
+        "upstream_h2",
+        "{port}",
+        &format!("127.0.0.1:{port}"),
+    ]);
+    let dir = TempDir::new("uph2");
+    let file = dir.path().join("upload");
+    let data: Vec<u8> = (0..1u32 << 20)
+        .map(|i| (i.wrapping_mul(2_654_435_761) >> 24) as u8)
+        .collect();
+    std::fs::write(&file, &data).unwrap();
+    let url = format!("http://127.0.0.1:{}/files/blob", q.port);
+    let Some(out) = tool(
+        "curl",
+        &[
+            "-sS",
+            "--max-time",
+            "20",
+            "--http1.1",
+            "-T",
+            file.to_str().unwrap(),
+            "-w",
+            "%{http_code}",
+            &url,
+        ],
+    ) else {
+        return;
+    };
+    assert!(out.ends_with("201"), "PUT: {out}");
+    let back = dir.path().join("download");
+    tool(
+        "curl",
+        &[
+            "-sS",
+            "--max-time",
+            "20",
+            "--http1.1",
+            "-o",
+            back.to_str().unwrap(),
+            &url,
+        ],
+    )
+    .unwrap();
+    assert!(
+        std::fs::read(&back).unwrap() == data,
+        "1 MiB came back changed"
+    );
+    let log = std::fs::read_to_string(nginx.dir().join("access.log")).unwrap();
+    let put = log
+        .lines()
+        .find(|l| l.contains(" PUT "))
+        .unwrap_or_else(|| panic!("no PUT in NGINX's log: {log}"));
+    assert!(put.contains(" HTTP/2.0 PUT 201 "), "{log}");
+    assert!(log.contains(" HTTP/2.0 GET 200 "), "{log}");
+}
+
+#[test]
+fn over_tls_alpn_picks_h2_or_falls_back_to_http11() {
+    let dir = TempDir::new("uph2-tls");
+    let (ca, cert, key) = certificates(dir.path());
+    let (h2_port, h1_port) = (free_port(), free_port());
+    let Some(_h2) = nginx_on(h2_port, " ssl http2", Some((&cert, &key))) else {
+        return;
+    };
+    let Some(_h1) = nginx_on(h1_port, " ssl", Some((&cert, &key))) else {
+        return;
+    };
+    let ca = format!("upstream_ca {}", ca.display());
+    for (port, protocol) in [(h2_port, "HTTP/2.0"), (h1_port, "HTTP/1.1")] {
+        let q = Quill::start(&[
+            "-H",
+            "-O",
+            "upstream_tls",
+            "-O",
+            &ca,
+            "-O",
+            "upstream_h2",
+            "{port}",
+            &format!("127.0.0.1:{port}"),
+        ]);
+        let answers = many_at_once(q.addr(), 50);
+        let mut used = BTreeSet::new();
+        for (status, body) in &answers {
+            assert_eq!(*status, 200, "{body}");
+            let fields: Vec<&str> = body.split_whitespace().collect();
+            assert_eq!(fields.get(1), Some(&protocol), "{body}");
+            assert_eq!(fields.get(2), Some(&"127.0.0.1"), "{body}");
+            used.insert(fields[0].to_string());
+        }
+        if protocol == "HTTP/2.0" {
+            assert!(used.len() <= 4, "{used:?}");
+        }
+    }
+}
+
+#[test]
+fn prior_knowledge_to_a_server_without_http2_fails_over_before_any_request() {
+    let (h1_port, h2_port) = (free_port(), free_port());
+    let Some(h1) = nginx_on(h1_port, "", None) else {
+        return;
+    };
+    let Some(_h2) = nginx_on(h2_port, " http2", None) else {
+        return;
+    };
+    // Round robin sends requests to the HTTP/1.1-only server too: its connection is found
+    // not to be HTTP/2 before a request goes over it, so the request fails over.
+    let q = Quill::start(&[
+        "-H",
+        "-r",
+        "-O",
+        "upstream_h2",
+        "-O",
+        "blacklist 30",
+        "{port}",
+        &format!("127.0.0.1:{h1_port}"),
+        &format!("127.0.0.1:{h2_port}"),
+    ]);
+    let answers: Vec<_> = (0..10).map(|_| get(q.addr(), "/who")).collect();
+    h2_connections(&answers);
+    let log = std::fs::read_to_string(h1.dir().join("access.log")).unwrap_or_default();
+    assert!(!log.contains(" GET "), "{log}");
+    // Alone, it leaves no server: 503 at once, not a hang.
+    let q = Quill::start(&[
+        "-H",
+        "-O",
+        "upstream_h2",
+        "{port}",
+        &format!("127.0.0.1:{h1_port}"),
+    ]);
+    let started = Instant::now();
+    let (status, body) = get(q.addr(), "/who");
+    assert_eq!(status, 503, "{body}");
+    assert!(
+        started.elapsed() < Duration::from_secs(5),
+        "took {:?}",
+        started.elapsed()
+    );
+}
+
+#[test]
+fn a_restarted_server_is_reconnected_to_without_failed_requests() {
+    let port = free_port();
+    let Some(nginx) = nginx_on(port, " http2", None) else {
+        return;
+    };
+    let q = Quill::start(&[
+        "-H",
+        "-O",
+        "upstream_h2",
+        "-O",
+        "blacklist 1",
+        "{port}",
+        &format!("127.0.0.1:{port}"),
+    ]);
+    h2_connections(&many_at_once(q.addr(), 20));
+    drop(nginx);
+    // Started again (listening once this returns): the connections quill had are closed.
+    let Some(_nginx) = nginx_on(port, " http2", None) else {
+        return;
+    };
+    let after = h2_connections(&many_at_once(q.addr(), 50));
+    assert!(after.len() <= 4, "{after:?}");
+}
+
+#[test]
+fn a_full_connection_makes_the_next_request_open_another() {
+    // Four streams per connection, and answers that take a second each (8 KiB at 8 KiB/s).
+    let port = free_port();
+    let Some(nginx) = nginx_at(
+        port,
+        " http2",
+        " http2_max_concurrent_streams 4;\n \
+         log_format up '$connection $server_protocol $request_method $status $request_length';",
+        "  location /slow { limit_rate 8k; }\n  access_log access.log up;",
+        &[("slow", &[b'x'; 8192])],
+    ) else {
+        return;
+    };
+    let q = Quill::start(&[
+        "-H",
+        "-O",
+        "upstream_h2",
+        "-O",
+        "workers 2",
+        "{port}",
+        &format!("127.0.0.1:{port}"),
+    ]);
+    let started = Instant::now();
+    let threads: Vec<_> = (0..20)
+        .map(|_| {
+            let addr = q.addr();
+            std::thread::spawn(move || get(addr, "/slow"))
+        })
+        .collect();
+    for t in threads {
+        let (status, body) = t.join().unwrap();
+        assert_eq!((status, body.len()), (200, 8192));
+    }
+    // Queued behind full connections, 20 answers would take five rounds (5 s).
+    let took = started.elapsed();
+    assert!(took < Duration::from_secs(4), "took {took:?}");
+    let log = std::fs::read_to_string(nginx.dir().join("access.log")).unwrap();
+    let used: BTreeSet<&str> = log
+        .lines()
+        .inspect(|l| assert!(l.contains(" HTTP/2.0 GET 200 "), "{log}"))
+        .filter_map(|l| l.split_whitespace().next())
+        .collect();
+    // 20 streams four at a time over two event loops: at least five connections, and no
+    // more than the two loops' shares need.
+    assert!((5..=6).contains(&used.len()), "{used:?}\n{log}");
+}
+
+#[test]
+fn a_server_sent_the_proxy_protocol_keeps_http11_with_a_connection_per_request() {
+    // The header describes one client, and an HTTP/2 connection would carry many: such a
+    // server gets HTTP/1.1 even with upstream_h2 (this NGINX does not speak HTTP/2 at all).
+    let port = free_port();
+    let Some(_nginx) = nginx_at(
+        port,
+        " proxy_protocol",
+        "",
+        "  location /who { default_type text/plain; \
+         return 200 \"$connection $server_protocol $proxy_protocol_addr\\n\"; }",
+        &[],
+    ) else {
+        return;
+    };
+    let q = Quill::start(&[
+        "-H",
+        "-O",
+        "upstream_h2",
+        "-O",
+        "proxy_protocol v1",
+        "{port}",
+        &format!("127.0.0.1:{port}"),
+    ]);
+    let answers: Vec<_> = (0..5).map(|_| get(q.addr(), "/who")).collect();
+    let mut used = BTreeSet::new();
+    for (status, body) in &answers {
+        assert_eq!(*status, 200, "{body}");
+        let fields: Vec<&str> = body.split_whitespace().collect();
+        assert_eq!(
+            fields.get(1..3),
+            Some(&["HTTP/1.1", "127.0.0.1"][..]),
+            "{body}"
+        );
+        used.insert(fields[0].to_string());
+    }
+    assert_eq!(used.len(), 5, "{used:?}");
+}
+
+#[test]
+fn a_server_that_sends_goaway_gets_the_next_requests_on_a_new_connection() {
+    // NGINX sends GOAWAY on a connection once it has taken `keepalive_requests` streams.
+    let port = free_port();
+    let Some(_nginx) = nginx_at(port, " http2", " keepalive_requests 5;", WHO, &[]) else {
+        return;
+    };
+    let q = Quill::start(&[
+        "-H",
+        "-O",
+        "upstream_h2",
+        "-O",
+        "workers 1",
+        "{port}",
+        &format!("127.0.0.1:{port}"),
+    ]);
+    let answers: Vec<_> = (0..30).map(|_| get(q.addr(), "/who")).collect();
+    let used = h2_connections(&answers);
+    assert_eq!(used.len(), 6, "{used:?}");
+    // And at once, with streams in flight when the GOAWAY comes.
+    for _ in 0..3 {
+        h2_connections(&many_at_once(q.addr(), 20));
+    }
+}
+
+#[test]
+fn hop_by_hop_fields_stay_behind_and_host_becomes_the_authority() {
+    let port = free_port();
+    let Some(_nginx) = nginx_at(
+        port,
+        " http2",
+        "",
+        "  location /hop { default_type text/plain; return 200 \
+         \"$server_protocol|$host|$http_keep_alive|$http_x_drop|$http_te|$http_x_keep\\n\"; }",
+        &[],
+    ) else {
+        return;
+    };
+    let q = Quill::start(&[
+        "-H",
+        "-O",
+        "upstream_h2",
+        "{port}",
+        &format!("127.0.0.1:{port}"),
+    ]);
+    let mut s = TcpStream::connect(q.addr()).unwrap();
+    s.set_read_timeout(Some(Duration::from_secs(20))).unwrap();
+    s.write_all(
+        b"GET /hop HTTP/1.1\r\nHost: example.test:8080\r\nConnection: close, x-drop\r\n\
+          Keep-Alive: timeout=5\r\nX-Drop: 1\r\nTE: trailers\r\nX-Keep: 2\r\n\r\n",
+    )
+    .unwrap();
+    let mut raw = Vec::new();
+    s.read_to_end(&mut raw).unwrap();
+    let text = String::from_utf8_lossy(&raw);
+    assert!(text.starts_with("HTTP/1.1 200"), "{text}");
+    // NGINX refuses connection-specific fields over HTTP/2 (400): 200 says none went.
+    assert!(
+        text.ends_with("HTTP/2.0|example.test|||trailers|2\n"),
+        "{text}"
+    );
+}
