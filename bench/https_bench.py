@@ -141,18 +141,22 @@ def balancer_argv(name: str, port: int, backend: tls.Backend, tmp: Path, quill: 
     return pin + ["nginx", "-c", str(write_nginx(tmp, port, crt, key, backend, keepalive)), "-p", f"{tmp}/"]
 
 
-def load_argv(scenario: str, port: int, duration: float, paced: bool) -> list[str]:
+def load_argv(scenario: str, port: int, duration: float, paced: bool,
+              pace_ms: int = PACE_MS, h2_rps: int = H2_RPS) -> list[str]:
+    """The load generator's command line; a paced load must stay below every balancer's
+    saturation (else the slower ones are compared at their ceiling): `pace_ms` and
+    `h2_rps` set it."""
     pin = ["taskset", "-c", tb.LOAD_CORE]
     if scenario == "h2":
         argv = pin + ["h2load", "-c", str(H2_CLIENTS), "-m", str(H2_STREAMS), "-t", "1",
                       "-D", str(int(duration)), f"https://127.0.0.1:{port}/1k"]
-        return argv + (["--rps", str(H2_RPS)] if paced else [])
+        return argv + (["--rps", str(h2_rps)] if paced else [])
     argv = pin + [str(tls.tlsload_bin()), "--addr", f"127.0.0.1:{port}", "--threads", "1",
                   "--expect-bytes", "1024", "--mode", "keepalive",
                   "--connections", str(H1_CONNECTIONS), "--duration", str(duration)]
     if scenario == "reconnect10":
         argv += ["--per-connection", "10"]
-    return argv + (["--pace", str(PACE_MS)] if paced else [])
+    return argv + (["--pace", str(pace_ms)] if paced else [])
 
 
 def parse_h2load(out: str, duration: float) -> dict[str, Any]:
@@ -187,7 +191,8 @@ def measure(procs: tb.Procs, tmp: Path, args: argparse.Namespace, backend: tls.B
             raise tb.StartError(f"{bal}: no HTTPS request served ({check}); log:\n{tb.tail(logf)}")
         before_cpu = tls.cpu_snapshot(p, backend)
         before = tb.machine_idle()
-        out = tb.run_load(procs, load_argv(scenario, port, args.duration, paced), args.duration + 60)
+        out = tb.run_load(procs, load_argv(scenario, port, args.duration, paced, args.pace_ms, args.h2_rps),
+                          args.duration + 60)
         after = tb.machine_idle()
         after_cpu = tls.cpu_snapshot(p, backend)
         res = parse_h2load(out, args.duration) if scenario == "h2" else tb.last_json(out)
@@ -276,6 +281,9 @@ def main(argv: list[str]) -> int:
     ap.add_argument("--keepalive", type=int, default=32,
                     help="idle server connections kept (quill upstream_keepalive, NGINX keepalive, "
                          "HAProxy pool-max-conn); 32 as seed 004")
+    ap.add_argument("--pace-ms", type=int, default=PACE_MS,
+                    help="paced h1 and reconnect10: each connection waits this long after an answer")
+    ap.add_argument("--h2-rps", type=int, default=H2_RPS, help="paced h2: requests/s per h2load client")
     ap.add_argument("--quill-bin", type=Path, default=tb.REPO_ROOT / "target" / "release" / "quill")
     ap.add_argument("--no-build", action="store_true")
     args = ap.parse_args(argv)
