@@ -26,10 +26,12 @@ fn one_at_a_time() -> MutexGuard<'static, ()> {
     HEAVY.lock().unwrap_or_else(|p| p.into_inner())
 }
 
-/// The most resident memory quill may use with 9,000 connections open (each has been used
-/// for one request and is idle). Measured: about 22 MiB in a debug build (see
-/// docs/SECURITY.md, "Resource bounds"); the bound leaves room for allocator slack.
-const RSS_BOUND_9000_KIB: usize = 48 * 1024;
+/// The most resident memory quill may grow by with 9,000 connections open (each has been
+/// used for one request and is idle). Measured in a debug build: +16 MiB (2026-11-23),
+/// +25 MiB (2026-11-25, another machine and kernel); the bound leaves room for allocator
+/// slack. Growth, not the total: the total counts the pages of the debug binary that start-up
+/// touched (14 MiB of RssFile on 2026-11-25), which grow with the code, not with connections.
+const RSS_GROWTH_BOUND_9000_KIB: usize = 40 * 1024;
 
 const REQUEST: &[u8] = b"GET / HTTP/1.1\r\nHost: quill\r\n\r\n";
 
@@ -260,8 +262,8 @@ fn nine_thousand_connections_stay_under_the_memory_bound() {
         (rss.saturating_sub(rss_before)) * 1024 / CONNS
     );
     assert!(
-        rss <= RSS_BOUND_9000_KIB,
-        "quill uses {rss} KiB with {CONNS} connections open, above the bound of {RSS_BOUND_9000_KIB} KiB"
+        rss.saturating_sub(rss_before) <= RSS_GROWTH_BOUND_9000_KIB,
+        "quill grew from {rss_before} KiB to {rss} KiB with {CONNS} connections open, more than the bound of {RSS_GROWTH_BOUND_9000_KIB} KiB"
     );
     drop(conns);
     wait_until(
