@@ -521,14 +521,18 @@ fn a_storm_of_reloads_under_traffic_loses_no_request() {
         q.signal("HUP");
     }
     // Signals are handled in order: once a change made before one last HUP is in force,
-    // every reload of the storm is done. Traffic runs on until then.
+    // every reload of the storm is done. Traffic runs on until then. The file is replaced
+    // by a rename, as an operator must while reloads may run: a reload reading a file
+    // truncated by an in-place write would find no server in it.
+    let next = dir.path().join("quill.cfg.new");
     fs::write(
-        &cfg,
+        &next,
         fs::read_to_string(&cfg)
             .unwrap()
             .replace("timeout 3", "timeout 7"),
     )
     .unwrap();
+    fs::rename(&next, &cfg).unwrap();
     q.signal("HUP");
     wait_until(Duration::from_secs(30), "the last reload is done", || {
         ctl_ok(&ctl, "timeout") == "7\n"
