@@ -979,15 +979,7 @@ fn drain_sends_h2_clients_goaway() {
 /// Runs `tests/fixtures/h2_attack.py MODE PORT N` (hyper-h2's framing library builds the
 /// frames); its one line of output says what quill did. `None` when python3-h2 is missing.
 fn attack(mode: &str, port: u16, n: u32) -> Option<String> {
-    let python = "/usr/bin/python3";
-    let has_h2 = Command::new(python)
-        .args(["-c", "import h2, hyperframe, hpack"])
-        .status()
-        .is_ok_and(|s| s.success());
-    if !has_h2 {
-        eprintln!("SKIPPED: python3-h2 is not installed (.ci/run installs it)");
-        return None;
-    }
+    let python = python_h2()?;
     let script = Path::new(env!("CARGO_MANIFEST_DIR")).join("tests/fixtures/h2_attack.py");
     tool(
         python,
@@ -998,6 +990,20 @@ fn attack(mode: &str, port: u16, n: u32) -> Option<String> {
             &n.to_string(),
         ],
     )
+}
+
+/// Debian's python3 when it has hyper-h2 (python3-h2); `None`, said, when it has not.
+fn python_h2() -> Option<&'static str> {
+    let python = "/usr/bin/python3";
+    let has_h2 = Command::new(python)
+        .args(["-c", "import h2, hyperframe, hpack"])
+        .status()
+        .is_ok_and(|s| s.success());
+    if !has_h2 {
+        eprintln!("SKIPPED: python3-h2 is not installed (.ci/run installs it)");
+        return None;
+    }
+    Some(python)
 }
 
 /// quill with `h2c` in front of NGINX, for the attacks (plain HTTP/2 frames are easier to
@@ -1308,4 +1314,253 @@ fn the_connection_log_has_a_line_per_h2_connection() {
     assert_eq!(fields[0][2], "-", "{lines:?}");
     assert_eq!(fields[0][3], "PRI * HTTP/2.0", "{lines:?}");
     assert_eq!(fields[1][3], "GET /1k HTTP/1.1", "{lines:?}");
+}
+
+/// An HTTP/1.1 server of WebSockets, small: records each request head. `/ws` is answered
+/// `101 Switching Protocols` and then echoes each WebSocket message (RFC 6455 frames:
+/// the client's are masked, the server's not); `/raw` switches too and echoes bytes as
+/// they come; `/plain` is a `200` (a server that ignores `Upgrade`); `/` a small page; any
+/// other path a `404`. Plain answers keep the connection for the next request.
+fn websocket_server() -> (u16, Arc<Mutex<Vec<String>>>) {
+    let listener = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
+    let port = listener.local_addr().unwrap().port();
+    let heads = Arc::new(Mutex::new(Vec::new()));
+    let seen = Arc::clone(&heads);
+    std::thread::spawn(move || {
+        for conn in listener.incoming() {
+            let Ok(conn) = conn else { continue };
+            let seen = Arc::clone(&seen);
+            std::thread::spawn(move || websocket_connection(conn, &seen));
+        }
+    });
+    (port, heads)
+}
+
+fn websocket_connection(mut conn: std::net::TcpStream, seen: &Mutex<Vec<String>>) {
+    loop {
+        let mut head = Vec::new();
+        let mut byte = [0u8; 1];
+        while !head.ends_with(b"\r\n\r\n") {
+            if conn.read(&mut byte).unwrap_or(0) == 0 {
+                return;
+            }
+            head.push(byte[0]);
+        }
+        let head = String::from_utf8_lossy(&head).into_owned();
+        let path = head.split(' ').nth(1).unwrap_or("").to_string();
+        seen.lock().unwrap().push(head);
+        let plain = |body: &str, status: &str| {
+            format!(
+                "HTTP/1.1 {status}\r\nContent-Type: text/html\r\nContent-Length: {}\r\n\r\n{body}",
+                body.len()
+            )
+        };
+        let answer = match path.split('?').next().unwrap_or("") {
+            "/plain" => plain("ok", "200 OK"),
+            "/" => plain(
+                "<!doctype html><link rel=icon href=\"data:,\"><title>ws</title><p>ws",
+                "200 OK",
+            ),
+            "/ws" | "/raw" => break,
+            _ => plain("", "404 Not Found"),
+        };
+        if conn.write_all(answer.as_bytes()).is_err() {
+            return;
+        }
+    }
+    let raw = seen.lock().unwrap().last().unwrap().starts_with("GET /raw");
+    let _ = conn.write_all(
+        b"HTTP/1.1 101 Switching Protocols\r\nUpgrade: websocket\r\n\
+          Connection: Upgrade\r\nSec-WebSocket-Accept: s3pPLMBiTxaQ9kYGzzhZRbK+xOo=\r\n\r\n",
+    );
+    let mut back = conn.try_clone().unwrap();
+    if raw {
+        let _ = std::io::copy(&mut conn, &mut back);
+        return;
+    }
+    // Frames: a 2-byte head, a 16-bit length when 126, the 4-byte mask, the payload.
+    loop {
+        let mut h = [0u8; 2];
+        if conn.read_exact(&mut h).is_err() {
+            return;
+        }
+        let mut len = usize::from(h[1] & 0x7f);
+        if len == 126 {
+            let mut l = [0u8; 2];
+            conn.read_exact(&mut l).unwrap();
+            len = usize::from(u16::from_be_bytes(l));
+        }
+        let mut mask = [0u8; 4];
+        if h[1] & 0x80 != 0 {
+            conn.read_exact(&mut mask).unwrap();
+        }
+        let mut payload = vec![0u8; len];
+        conn.read_exact(&mut payload).unwrap();
+        for (i, b) in payload.iter_mut().enumerate() {
+            *b ^= mask[i % 4];
+        }
+        let mut frame = vec![h[0]];
+        if len < 126 {
+            frame.push(len as u8);
+        } else {
+            frame.push(126);
+            frame.extend_from_slice(&(len as u16).to_be_bytes());
+        }
+        frame.extend_from_slice(&payload);
+        if back.write_all(&frame).is_err() || h[0] & 0x0f == 8 {
+            return;
+        }
+    }
+}
+
+/// Runs `tests/fixtures/h2_websocket.py` (hyper-h2's protocol library as the client);
+/// `None` when python3-h2 is missing.
+fn h2_websocket(port: u16, path: &str, message: &str, method: &str) -> Option<String> {
+    let python = python_h2()?;
+    let script = Path::new(env!("CARGO_MANIFEST_DIR")).join("tests/fixtures/h2_websocket.py");
+    tool(
+        python,
+        &[
+            script.to_str().unwrap(),
+            &port.to_string(),
+            path,
+            message,
+            method,
+        ],
+    )
+}
+
+/// RFC 8441: a WebSocket opened over an HTTP/2 stream (extended CONNECT) reaches an
+/// HTTP/1.1 server as RFC 6455's handshake (`GET` with `Upgrade: websocket`, a fresh
+/// `Sec-WebSocket-Key`, the forwarded headers); the server's `101` is the stream's `200`
+/// without `Sec-WebSocket-Accept`, and the stream carries the bytes both ways.
+#[test]
+fn a_websocket_over_h2_reaches_an_http11_server_as_an_upgrade() {
+    let (server, heads) = websocket_server();
+    let q = h2c_quill(server, &[]);
+    let Some(out) = h2_websocket(q.port, "/raw?room=1", "hello over a stream", "connect") else {
+        return;
+    };
+    assert!(out.contains("settings ENABLE_CONNECT_PROTOCOL=1"), "{out}");
+    assert!(out.contains("status 200"), "{out}");
+    assert!(
+        !out.to_ascii_lowercase().contains("sec-websocket-accept"),
+        "{out}"
+    );
+    assert!(
+        !out.to_ascii_lowercase().contains("header upgrade"),
+        "{out}"
+    );
+    assert!(out.contains("echo hello over a stream"), "{out}");
+    let heads = heads.lock().unwrap();
+    let head = heads.first().expect("the server got no request");
+    let lower = head.to_ascii_lowercase();
+    assert!(head.starts_with("GET /raw?room=1 HTTP/1.1\r\n"), "{head}");
+    assert!(lower.contains("\r\nupgrade: websocket\r\n"), "{head}");
+    assert!(lower.contains("\r\nconnection: upgrade\r\n"), "{head}");
+    assert!(
+        lower.contains("\r\nsec-websocket-version: 13\r\n"),
+        "{head}"
+    );
+    assert!(
+        lower.contains(&format!("\r\nhost: 127.0.0.1:{}\r\n", q.port)),
+        "{head}"
+    );
+    assert!(
+        lower.contains("\r\nx-forwarded-for: 127.0.0.1\r\n"),
+        "{head}"
+    );
+    let key = lower
+        .split("\r\n")
+        .find_map(|l| l.strip_prefix("sec-websocket-key: "))
+        .expect("no Sec-WebSocket-Key");
+    assert_eq!(key.len(), 24, "a key is 16 bytes in base64: {head}");
+}
+
+/// A server that answers the upgrade with a plain `200` opened no tunnel: the HTTP/2
+/// client gets `502`, not the `200` that would tell it the WebSocket is open. A `CONNECT`
+/// without `:protocol` (a TCP tunnel) is still not proxied over HTTP/2: `501`.
+#[test]
+fn a_websocket_over_h2_the_server_does_not_take_is_a_502_and_plain_connect_a_501() {
+    let (server, _heads) = websocket_server();
+    let q = h2c_quill(server, &[]);
+    let Some(out) = h2_websocket(q.port, "/plain", "x", "connect") else {
+        return;
+    };
+    assert!(out.contains("status 502"), "{out}");
+    let out = h2_websocket(q.port, "/", "x", "plain-connect").unwrap();
+    assert!(out.contains("status 501"), "{out}");
+}
+
+/// A browser's WebSocket through quill's TLS listener: headless Chromium loads a page over
+/// HTTP/2 and opens a WebSocket to the same origin, sends two messages and gets both back
+/// from an HTTP/1.1 WebSocket server behind quill. The access log says which way it went:
+/// Chromium's WebSocket over HTTP/2 is an extended CONNECT (RFC 8441) on the page's
+/// connection; over HTTP/1.1 it would be a GET with `Upgrade` on a connection of its own.
+#[test]
+fn chromium_opens_a_websocket_through_quill_over_h2() {
+    if let Err(why) = browser_tools() {
+        eprintln!("SKIPPED: the browser test needs node, chromium and playwright-core: {why}");
+        return;
+    }
+    let (server, heads) = websocket_server();
+    let dir = TempDir::new("h2ws");
+    let q = tls_quill(
+        &dir,
+        &["-O", "access_log {dir}/access.log"],
+        &[format!("127.0.0.1:{server}")],
+    );
+    let profile = TempDir::new("chromium-profile");
+    let out = run_script(
+        "websocket.test.mjs",
+        &[
+            ("PAGE_URL", &format!("https://127.0.0.1:{}/", q.port)),
+            ("CERT", dir.path().join("cert.pem").to_str().unwrap()),
+            ("CHROMIUM", CHROMIUM),
+            ("PROFILE_DIR", profile.path().to_str().unwrap()),
+        ],
+        Duration::from_secs(120),
+    );
+    let report: serde_json::Value = out
+        .lines()
+        .find_map(|l| l.strip_prefix("REPORT "))
+        .map(|r| serde_json::from_str(r).expect("the report is JSON"))
+        .unwrap_or_else(|| panic!("no report from the browser:\n{out}\n{}", q.stderr()));
+    assert_eq!(report["page"], "h2", "{report}");
+    assert_eq!(
+        report["echoed"],
+        serde_json::json!(["first", "second"]),
+        "{report}"
+    );
+    assert_eq!(report["errors"], serde_json::json!([]), "{report}");
+    let ws = heads
+        .lock()
+        .unwrap()
+        .iter()
+        .find(|h| h.starts_with("GET /ws "))
+        .cloned()
+        .expect("the server got no WebSocket handshake");
+    assert!(
+        ws.to_ascii_lowercase()
+            .contains("\r\nupgrade: websocket\r\n"),
+        "{ws}"
+    );
+    let log = q.dir().join("access.log");
+    let line = || {
+        std::fs::read_to_string(&log)
+            .unwrap_or_default()
+            .lines()
+            .find(|l| l.contains(" /ws "))
+            .map(str::to_string)
+    };
+    wait_until(
+        Duration::from_secs(10),
+        "the WebSocket's access log line",
+        || line().is_some(),
+    );
+    let line = line().unwrap();
+    assert!(
+        line.contains(" CONNECT ") && line.contains(" HTTP/2.0 200 "),
+        "{line}"
+    );
 }

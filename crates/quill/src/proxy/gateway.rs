@@ -25,6 +25,7 @@ use std::time::{Duration, Instant};
 use bytes::Bytes;
 use http_body_util::{Either, Full};
 use hyper::body::{Body, Frame, Incoming, SizeHint};
+use hyper::ext::Protocol;
 use hyper::header::{self, HeaderMap, HeaderName, HeaderValue};
 use hyper::{Method, Request, Response, StatusCode, Uri, Version};
 use hyper_util::rt::TokioIo;
@@ -401,7 +402,8 @@ fn record(log: std::sync::Arc<AccessLog>, peer: Peer, req: &Request<Incoming>) -
             .get(header::HOST)
             .and_then(|h| h.to_str().ok())
     });
-    let target = if req.method() == Method::CONNECT {
+    let target = if req.method() == Method::CONNECT && req.extensions().get::<Protocol>().is_none()
+    {
         authority.unwrap_or("-")
     } else {
         req.uri().path_and_query().map_or("/", |p| p.as_str())
@@ -432,13 +434,18 @@ async fn route(
     let version = req.version();
     let tunnel = if version == Version::HTTP_2 {
         state.counters.h2_requests.fetch_add(1, Relaxed);
-        if req.method() == Method::CONNECT {
+        if req.method() != Method::CONNECT {
+            None
+        } else if req.extensions().get::<Protocol>().is_some() {
+            // RFC 8441's extended CONNECT (a WebSocket over a stream): the server gets it
+            // as an HTTP/1.1 `Upgrade` (see `upstream_request`).
+            Some(hyper::upgrade::on(&mut req))
+        } else {
             return answer(
                 StatusCode::NOT_IMPLEMENTED,
                 "CONNECT is not proxied over HTTP/2\n",
             );
         }
-        None
     } else if req.method() == Method::CONNECT || req.headers().contains_key(header::UPGRADE) {
         Some(hyper::upgrade::on(&mut req))
     } else {
@@ -1044,6 +1051,14 @@ fn reply(
     let status = resp.status();
     let upgraded = status == StatusCode::SWITCHING_PROTOCOLS
         || (how.version != Version::HTTP_2 && status.is_success() && tunnel.is_some());
+    if how.version == Version::HTTP_2 && tunnel.is_some() && !upgraded && status.is_success() {
+        // To an extended CONNECT a 2xx means "the tunnel is open": a server that answered
+        // its `Upgrade` with a plain response has not opened one.
+        return answer(
+            StatusCode::BAD_GATEWAY,
+            "The server did not switch protocols\n",
+        );
+    }
     let kept = upgraded.then(|| {
         (
             resp.headers().get(header::UPGRADE).cloned(),
@@ -1087,7 +1102,11 @@ fn reply(
             .insert(header::CONNECTION, HeaderValue::from_static("keep-alive"));
     }
     if let (Some((protocol, server_side)), Some(client_side)) = (kept, tunnel) {
-        if let Some(p) = protocol {
+        if how.version == Version::HTTP_2 {
+            // RFC 8441 section 5: the server's 101 is a 200 on the stream.
+            parts.status = StatusCode::OK;
+            parts.headers.remove("sec-websocket-accept");
+        } else if let Some(p) = protocol {
             parts.headers.insert(header::UPGRADE, p);
             parts
                 .headers
@@ -1109,7 +1128,12 @@ fn reply(
             }
             drop(stream);
         };
-        activity.tunnel.set(Some(Box::pin(run)));
+        if how.version == Version::HTTP_2 {
+            // One stream of many: the connection goes on serving the others.
+            tokio::task::spawn_local(run);
+        } else {
+            activity.tunnel.set(Some(Box::pin(run)));
+        }
         return Response::from_parts(parts, Either::Right(Full::new(Bytes::new())));
     }
     let body = ResponseBody {
@@ -1238,6 +1262,12 @@ fn upstream_request(
 ) -> Option<Request<RequestBody>> {
     let (mut parts, body) = req.into_parts();
     let authority = parts.uri.authority().cloned();
+    // RFC 8441: `CONNECT` with `:protocol` is HTTP/1.1's `GET` with `Upgrade` (RFC 6455's
+    // handshake, for a WebSocket).
+    let extended = parts.extensions.remove::<Protocol>();
+    if extended.is_some() {
+        parts.method = Method::GET;
+    }
     if parts.method != Method::CONNECT {
         let target = parts
             .uri
@@ -1261,8 +1291,16 @@ fn upstream_request(
     let upgrade = if h1 {
         parts.headers.get(header::UPGRADE).cloned()
     } else {
-        None
+        match &extended {
+            Some(p) => Some(HeaderValue::from_str(p.as_str()).ok()?),
+            None => None,
+        }
     };
+    if extended.is_some_and(|p| p.as_str().eq_ignore_ascii_case("websocket")) {
+        // HTTP/2 has no key (RFC 8441 section 5); an HTTP/1.1 server needs one. The
+        // server's `Sec-WebSocket-Accept` proves nothing to an HTTP/2 client and is dropped.
+        parts.headers.insert("sec-websocket-key", websocket_key()?);
+    }
     strip_hop_by_hop(&mut parts.headers);
     if trailers_wanted {
         parts
@@ -1320,6 +1358,19 @@ fn upstream_request(
             record: stream.record.clone(),
         },
     ))
+}
+
+/// A fresh `Sec-WebSocket-Key`: 16 random bytes in base64 (RFC 6455 section 4.1). `None`
+/// when the system cannot give random bytes.
+fn websocket_key() -> Option<HeaderValue> {
+    use base64::Engine as _;
+    let mut nonce = [0u8; 16];
+    rustls::crypto::aws_lc_rs::default_provider()
+        .secure_random
+        .fill(&mut nonce)
+        .ok()?;
+    let key = base64::engine::general_purpose::STANDARD.encode(nonce);
+    HeaderValue::from_str(&key).ok()
 }
 
 fn client_text(ip: IpAddr) -> String {

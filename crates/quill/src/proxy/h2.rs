@@ -51,6 +51,8 @@ where
     builder
         .timer(TokioTimer::new())
         .max_concurrent_streams(settings.h2_max_streams)
+        // WebSockets over HTTP/2 (RFC 8441), to servers as HTTP/1.1 upgrades.
+        .enable_connect_protocol()
         .max_header_list_size(u32::try_from(settings.http_header_max).unwrap_or(u32::MAX))
         // Keep-alive PINGs find clients that vanished without a FIN.
         .keep_alive_interval(Duration::from_secs(30))
