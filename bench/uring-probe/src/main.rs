@@ -2,11 +2,12 @@
 //! measure what one kernel entry per wake-up saves against epoll relays (quill's byte pump,
 //! HAProxy) at a paced load. One thread; a backend connection per client connection; one
 //! receive outstanding per socket; each send is queued in the same `io_uring_enter` that
-//! reaps the receive that filled it. No multishot, no provided buffer rings, no registered
-//! descriptors: those are the next steps the figures in bench/RESULTS.md ask about.
+//! reaps the receive that filled it (`multishot.rs` adds what this leaves out).
 //!
-//! Usage: uring-probe LISTEN_ADDR BACKEND_ADDR [tuned|plain]
-//! (`tuned`: SINGLE_ISSUER + DEFER_TASKRUN + COOP_TASKRUN; `plain`: none of them).
+//! Usage: uring-probe LISTEN_ADDR BACKEND_ADDR [tuned|plain|multishot]
+//! (`tuned`: SINGLE_ISSUER + DEFER_TASKRUN + COOP_TASKRUN; `plain`: none of them;
+//! `multishot`: the tuned ring with multishot receives, provided buffers and registered
+//! descriptors, in `multishot.rs`).
 //!
 //! Invariant: a connection (and so each buffer an operation points into) is freed only when
 //! no operation of it is in flight.
@@ -14,6 +15,8 @@ use std::net::{SocketAddr, TcpListener, TcpStream};
 use std::os::fd::{AsRawFd, IntoRawFd, RawFd};
 
 use io_uring::{cqueue, opcode, squeue, types, IoUring};
+
+mod multishot;
 
 const BUF: usize = 16 * 1024;
 const ACCEPT: u64 = u64::MAX;
@@ -78,11 +81,14 @@ fn set_nodelay(fd: RawFd) {
 fn main() -> std::io::Result<()> {
     let args: Vec<String> = std::env::args().collect();
     if args.len() < 3 {
-        eprintln!("usage: uring-probe LISTEN_ADDR BACKEND_ADDR [tuned|plain]");
+        eprintln!("usage: uring-probe LISTEN_ADDR BACKEND_ADDR [tuned|plain|multishot]");
         std::process::exit(2);
     }
     let listen: SocketAddr = args[1].parse().map_err(std::io::Error::other)?;
     let backend: SocketAddr = args[2].parse().map_err(std::io::Error::other)?;
+    if args.get(3).map(String::as_str) == Some("multishot") {
+        return multishot::run(listen, backend);
+    }
     let tuned = args.get(3).map(String::as_str) != Some("plain");
     let mut builder = IoUring::builder();
     if tuned {
@@ -112,7 +118,11 @@ fn main() -> std::io::Result<()> {
                 }
             }
         }
-        ring.submit_and_wait(1)?;
+        match ring.submit_and_wait(1) {
+            // A signal (strace attaching, say) ends the wait; the queue is kept.
+            Err(e) if e.kind() == std::io::ErrorKind::Interrupted => continue,
+            other => other?,
+        };
         let done: Vec<(u64, i32)> = ring
             .completion()
             .map(|c: cqueue::Entry| (c.user_data(), c.result()))
