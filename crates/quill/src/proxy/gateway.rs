@@ -2,7 +2,9 @@
 //! every request is sent to a server chosen for it by Pen's rules, over a pooled HTTP/1.1
 //! connection (`proxy::pool`), or with `upstream_h2` as a stream of a shared HTTP/2
 //! connection (`proxy::pool_h2`), and its response streamed back. `proxy::h2` and `proxy::h1`
-//! serve the client connections with hyper and hand each request here.
+//! serve the client connections with hyper and hand each request here. HTTP/1.x
+//! `Upgrade` and `CONNECT`, and HTTP/2's extended `CONNECT` (RFC 8441: a WebSocket over a
+//! stream, sent to the server as an HTTP/1.1 `Upgrade`), become tunnels.
 //!
 //! Invariants: a request goes to a server with its hop-by-hop fields removed,
 //! `X-Forwarded-For` merged (the client appended) and `X-Forwarded-Proto` replaced, exactly
