@@ -737,8 +737,17 @@ fn connection_log_records_connections_accepted_at_once() {
             continue; // lost the port: another attempt
         };
         let named = backend_name(&mut s);
-        s.write_all(b"GET /early HTTP/1.0\r\n\r\n").unwrap();
-        s.shutdown(Shutdown::Write).unwrap();
+        let sent = s
+            .write_all(b"GET /early HTTP/1.0\r\n\r\n")
+            .and_then(|()| s.shutdown(Shutdown::Write));
+        // A quill that could not bind the port (a parallel test took it) exits: the client
+        // reached that other test's listener instead, so this start proves nothing.
+        if poll_until(Duration::from_millis(300), || {
+            matches!(child.try_wait(), Ok(Some(_)))
+        }) {
+            continue; // lost the port: another attempt
+        }
+        sent.unwrap();
         expect_closed(&mut s, Duration::from_secs(5));
         let logged = poll_until(Duration::from_secs(3), || {
             fs::read_to_string(&log).is_ok_and(|t| t.contains("GET /early"))
