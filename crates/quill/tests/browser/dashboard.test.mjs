@@ -6,36 +6,18 @@
 //
 // Environment: DASHBOARD_URL, CHROMIUM (executable), PROFILE_DIR (a fresh user data
 // directory), SCREENSHOT (PNG path).
-import { chromium } from "playwright-core";
+import { fail, launch } from "./launch.mjs";
 import { createInterface } from "node:readline";
 
 const url = process.env.DASHBOARD_URL;
 const deadline = 30_000;
-
-function fail(why) {
-  console.log("FAIL " + String(why).split("\n").join(" | "));
-  process.exit(1);
-}
 
 function nextLine() {
   const rl = createInterface({ input: process.stdin });
   return new Promise((resolve) => rl.once("line", (l) => { rl.close(); resolve(l); }));
 }
 
-const context = await chromium.launchPersistentContext(process.env.PROFILE_DIR, {
-  executablePath: process.env.CHROMIUM,
-  headless: true,
-  viewport: { width: 1280, height: 900 },
-  args: [
-    "--no-sandbox",
-    "--disable-gpu",
-    "--disable-background-networking",
-    "--disable-quic",
-    "--no-first-run",
-    "--disable-component-update",
-    "--disable-sync",
-  ],
-}).catch(fail);
+const context = await launch({ viewport: { width: 1280, height: 900 } });
 
 try {
   const page = context.pages()[0] ?? (await context.newPage());

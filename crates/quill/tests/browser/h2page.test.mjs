@@ -20,25 +20,12 @@
 // Environment: PAGE_URL, CERT (the server's certificate, PEM), CHROMIUM (executable),
 // PROFILE_DIR (a fresh user data directory); NETLOG (optional, for debugging): a file
 // for Chromium's net log, every socket and its bytes.
-import { chromium } from "playwright-core";
-import { X509Certificate, createHash } from "node:crypto";
-import { mkdirSync, readFileSync, writeFileSync } from "node:fs";
+import { fail, launch } from "./launch.mjs";
+import { mkdirSync, writeFileSync } from "node:fs";
 import { join } from "node:path";
 
 const url = process.env.PAGE_URL;
 const deadline = 30_000;
-
-function fail(why) {
-  console.log("FAIL " + String(why).split("\n").join(" | "));
-  process.exit(1);
-}
-
-// The test's certificate is self-signed: Chromium trusts its key, and only that
-// (the SHA-256 of its SubjectPublicKeyInfo). Ignoring certificate errors instead would
-// cost extra connections: Chromium first fails the handshake, then asks again.
-const spki = createHash("sha256")
-  .update(new X509Certificate(readFileSync(process.env.CERT)).publicKey.export({ type: "spki", format: "der" }))
-  .digest("base64");
 
 // No speculative connections: by default Chromium preconnects to the origin it navigates
 // to (one socket, then two more), beside the connection its requests then use, so
@@ -48,21 +35,7 @@ mkdirSync(join(process.env.PROFILE_DIR, "Default"), { recursive: true });
 writeFileSync(join(process.env.PROFILE_DIR, "Default", "Preferences"),
   JSON.stringify({ net: { network_prediction_options: 2 } }));
 
-const context = await chromium.launchPersistentContext(process.env.PROFILE_DIR, {
-  executablePath: process.env.CHROMIUM,
-  headless: true,
-  args: [
-    "--ignore-certificate-errors-spki-list=" + spki,
-    "--no-sandbox",
-    "--disable-gpu",
-    "--disable-background-networking",
-    "--disable-quic",
-    "--no-first-run",
-    "--disable-component-update",
-    "--disable-sync",
-    ...(process.env.NETLOG ? ["--log-net-log=" + process.env.NETLOG, "--net-log-capture-mode=Everything"] : []),
-  ],
-}).catch(fail);
+const context = await launch();
 
 try {
   const page = context.pages()[0] ?? (await context.newPage());

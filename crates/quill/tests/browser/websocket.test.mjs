@@ -12,37 +12,12 @@
 //
 // Environment: PAGE_URL, CERT (the server's certificate, PEM), CHROMIUM (executable),
 // PROFILE_DIR (a fresh user data directory).
-import { chromium } from "playwright-core";
-import { X509Certificate, createHash } from "node:crypto";
-import { readFileSync } from "node:fs";
+import { fail, launch } from "./launch.mjs";
 
 const url = process.env.PAGE_URL;
 const deadline = 30_000;
 
-function fail(why) {
-  console.log("FAIL " + String(why).split("\n").join(" | "));
-  process.exit(1);
-}
-
-// Trust the test's self-signed certificate by its key, as h2page.test.mjs does.
-const spki = createHash("sha256")
-  .update(new X509Certificate(readFileSync(process.env.CERT)).publicKey.export({ type: "spki", format: "der" }))
-  .digest("base64");
-
-const context = await chromium.launchPersistentContext(process.env.PROFILE_DIR, {
-  executablePath: process.env.CHROMIUM,
-  headless: true,
-  args: [
-    "--ignore-certificate-errors-spki-list=" + spki,
-    "--no-sandbox",
-    "--disable-gpu",
-    "--disable-background-networking",
-    "--disable-quic",
-    "--no-first-run",
-    "--disable-component-update",
-    "--disable-sync",
-  ],
-}).catch(fail);
+const context = await launch();
 
 try {
   const page = context.pages()[0] ?? (await context.newPage());
