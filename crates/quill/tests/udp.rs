@@ -564,8 +564,9 @@ fn ipv4_and_ipv6_in_every_combination() {
             assert_eq!(
                 c.ask(WAIT),
                 Some(backend.ip()),
-                "listen {listen}, server {}, client {src}",
-                backend.spec()
+                "listen {listen}, server {}, client {src}; quill's log:\n{}",
+                backend.spec(),
+                q.stderr()
             );
             let big = vec![0x5a; 60_000];
             assert_eq!(c.exchange(&big, WAIT).map(|b| b.len()), Some(60_000));
