@@ -70,7 +70,8 @@ pub enum Command {
     IdleTimeout(u64),
     /// `idle_park N` (extension): after N seconds of silence, an idle raw TCP connection
     /// is parked: it keeps only its session, out of the event loop's tasks and reactor,
-    /// until a byte or a close arrives (0 = never park).
+    /// until a byte or a close arrives (0 = never park); an HTTP/1.x client served request
+    /// by request drops hyper and its buffers between requests.
     IdlePark(u64),
     /// `pending_max N`: upstream connects allowed in progress at once.
     PendingMax(usize),

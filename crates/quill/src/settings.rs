@@ -162,7 +162,8 @@ pub struct Settings {
     pub keepalive: bool,
     /// Seconds of silence after which a connection is closed (0 = never).
     pub idle_timeout: u64,
-    /// Seconds of silence after which a raw TCP connection is parked (0 = never).
+    /// Seconds of silence after which a raw TCP connection is parked, or an HTTP/1.x client
+    /// served request by request leaves hyper (0 = never).
     pub idle_park: u64,
     pub source: Option<IpAddr>,
     pub dummy: bool,

@@ -11,6 +11,7 @@ use std::net::{Shutdown, TcpListener, TcpStream};
 use std::time::Duration;
 
 use support::ctl::*;
+use support::http_echo::{read_response, EchoServer, Response};
 use support::*;
 
 const PATIENCE: Duration = Duration::from_secs(15);
@@ -210,4 +211,118 @@ fn idle_park_is_a_setting_like_any_other() {
     assert_eq!(ctl_ok(&ctl, "idle_park 0"), "");
     assert!(written_config(&ctl, dir.path(), "off").contains("\nidle_park 0\n"));
     assert_one_line_error(&ctl_err(&ctl, "idle_park soon"), "a non-number");
+}
+
+// ---------------------------------------------------------------------------
+// HTTP/1.x clients served request by request (`-H` with `upstream_keepalive`)
+// ---------------------------------------------------------------------------
+
+/// quill in `http` mode (request by request, the default pool) in front of the echo
+/// server, parking idle clients after 1 s, with `extra` arguments and a control socket.
+fn start_http_parking(extra: &[&str]) -> (EchoServer, Quill, String) {
+    let backend = EchoServer::start();
+    let spec = backend.spec();
+    let mut args = vec!["-H", "-O", "idle_park 1"];
+    args.extend_from_slice(extra);
+    args.extend(["127.0.0.1:{port}", spec.as_str()]);
+    let (q, ctl) = start_with_tcp_control(&args);
+    (backend, q, ctl)
+}
+
+fn get(client: &mut TcpStream, path: &str) -> Response {
+    client
+        .write_all(format!("GET {path} HTTP/1.1\r\nHost: x\r\n\r\n").as_bytes())
+        .unwrap();
+    let resp = read_response(client).unwrap_or_else(|| panic!("no answer to {path}"));
+    assert_eq!(resp.status, 200, "{}", resp.head);
+    assert_eq!(resp.seen().request_line(), format!("GET {path} HTTP/1.1"));
+    resp
+}
+
+/// Between two requests an idle keep-alive client is taken off hyper (its buffers freed)
+/// and waits on its socket alone; its next request, whole or in pieces, is served on the
+/// same connection as if nothing happened.
+#[test]
+fn keep_alive_http_clients_park_between_requests_and_are_served_on() {
+    if skip_on_pen("idle_park is a quill extension") {
+        return;
+    }
+    let (_backend, q, ctl) = start_http_parking(&[]);
+    let mut client = q.connect();
+    client.set_read_timeout(Some(PATIENCE)).unwrap();
+    for path in ["/one", "/two", "/three"] {
+        get(&mut client, path);
+        wait_parked(&ctl, 1);
+    }
+    // The first piece of a head wakes the connection; a partial head is never parked
+    // (hyper holds its bytes), so the rest completes it however long it takes.
+    client.write_all(b"GET /in-pieces HT").unwrap();
+    wait_until(PATIENCE, "the connection woke", || {
+        connections(&ctl)["parked"] == 0
+    });
+    std::thread::sleep(Duration::from_millis(2500)); // a slow client, longer than idle_park
+    assert_eq!(connections(&ctl)["parked"], 0, "parked with half a head");
+    client.write_all(b"TP/1.1\r\nHost: x\r\n\r\n").unwrap();
+    let resp = read_response(&mut client).expect("an answer to the head sent in pieces");
+    assert_eq!(resp.seen().request_line(), "GET /in-pieces HTTP/1.1");
+    // Two requests in one write after parking: both answered, in order.
+    wait_parked(&ctl, 1);
+    client
+        .write_all(b"GET /a HTTP/1.1\r\nHost: x\r\n\r\nGET /b HTTP/1.1\r\nHost: x\r\n\r\n")
+        .unwrap();
+    for path in ["/a", "/b"] {
+        let resp = read_response(&mut client).unwrap_or_else(|| panic!("no answer to {path}"));
+        assert_eq!(resp.seen().request_line(), format!("GET {path} HTTP/1.1"));
+    }
+    let status = status_json(&ctl);
+    assert_eq!(status["connections"]["open"], 1);
+    assert_eq!(status["connections"]["accepted"], 1);
+}
+
+/// Parked, a client still owes its next head within `http_request_timeout` of the last
+/// answer: then it is closed (counted as a request timeout), as under hyper; and a client
+/// that closes while parked is gone at once.
+#[test]
+fn a_parked_http_client_is_closed_when_its_next_head_is_overdue() {
+    if skip_on_pen("idle_park is a quill extension") {
+        return;
+    }
+    let (_backend, q, ctl) = start_http_parking(&["-O", "http_request_timeout 3"]);
+    let mut lingering = q.connect();
+    lingering.set_read_timeout(Some(PATIENCE)).unwrap();
+    let mut leaving = q.connect();
+    leaving.set_read_timeout(Some(PATIENCE)).unwrap();
+    get(&mut lingering, "/lingering");
+    get(&mut leaving, "/leaving");
+    wait_parked(&ctl, 2);
+    drop(leaving);
+    wait_until(PATIENCE, "the client that left is gone", || {
+        let c = connections(&ctl);
+        c["open"] == 1 && c["parked"] == 1
+    });
+    expect_closed(&mut lingering, PATIENCE);
+    wait_until(PATIENCE, "no connection left", || {
+        let c = connections(&ctl);
+        c["open"] == 0 && c["parked"] == 0
+    });
+    assert_eq!(connections(&ctl)["http_request_timeouts"], 1);
+}
+
+/// `close N` ends a parked HTTP client too, and the count of parked connections follows.
+#[test]
+fn close_n_closes_a_parked_http_client() {
+    if skip_on_pen("idle_park is a quill extension") {
+        return;
+    }
+    let (_backend, q, ctl) = start_http_parking(&[]);
+    let mut client = q.connect();
+    client.set_read_timeout(Some(PATIENCE)).unwrap();
+    get(&mut client, "/");
+    wait_parked(&ctl, 1);
+    assert_eq!(ctl_ok(&ctl, "close 1"), "");
+    expect_closed(&mut client, PATIENCE);
+    wait_until(PATIENCE, "nothing open or parked", || {
+        let c = connections(&ctl);
+        c["open"] == 0 && c["parked"] == 0
+    });
 }

@@ -903,6 +903,43 @@ fn http_after_tls_gets_forwarded_proto_https_and_hsts() {
     );
 }
 
+/// With `http` (-H) after TLS, an idle keep-alive client parks between requests (hyper
+/// let go, rustls kept) and its next requests are served on the same TLS session.
+#[test]
+fn http_after_tls_parks_idle_clients_between_requests() {
+    use support::http_echo::{read_final_response, EchoServer};
+    if skip_on_pen("idle_park is a quill extension") {
+        return;
+    }
+    let (_dir, ca, leaf) = tls_fixture();
+    let echo = EchoServer::start();
+    let (q, ctl) = start_with_tcp_control(&[
+        "-H",
+        "-E",
+        s(&leaf.cert),
+        "-K",
+        s(&leaf.key),
+        "-O",
+        "idle_park 1",
+        "127.0.0.1:{port}",
+        &echo.spec(),
+    ]);
+    let mut tls = tls_connect(q.addr(), "localhost", &client_config(&ca.cert, None)).unwrap();
+    tls.sock
+        .set_read_timeout(Some(Duration::from_secs(15)))
+        .unwrap();
+    for i in 0..3 {
+        tls.write_all(format!("GET /{i} HTTP/1.1\r\nHost: x\r\n\r\n").as_bytes())
+            .unwrap();
+        let resp = read_final_response(&mut tls).unwrap_or_else(|| panic!("no response {i}"));
+        assert_eq!(resp.seen().request_line(), format!("GET /{i} HTTP/1.1"));
+        wait_until(Duration::from_secs(15), "the client parked", || {
+            status_json(&ctl)["connections"]["parked"] == 1
+        });
+    }
+    assert_eq!(status_json(&ctl)["connections"]["accepted"], 1);
+}
+
 /// With `http` (-H) after TLS, the server is connected only once the handshake is done
 /// and a whole request head has come; a head that trickles gets 408 through TLS.
 #[test]

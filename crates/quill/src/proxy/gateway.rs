@@ -172,6 +172,11 @@ impl Activity {
     fn progress(&self) {
         self.last.set(Some(Instant::now()));
     }
+
+    /// When a request last started, moved body bytes or ended.
+    pub(super) fn last(&self) -> Option<Instant> {
+        self.last.get()
+    }
 }
 
 /// One request in flight (dropped when its response has ended), with its access log
@@ -251,6 +256,19 @@ pub(super) struct Timers {
     pub between_is_head: bool,
     /// A request in flight whose bytes do not move (`idle_timeout`).
     pub stalled: Option<Duration>,
+    /// An idle connection (no request in flight) is handed back to be parked after this
+    /// long (`idle_park`; HTTP/1.x only).
+    pub park: Option<Duration>,
+}
+
+/// How [`supervise`] let go of a connection.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(super) enum Ended {
+    /// The connection ended; with how a head did not come in time, if one did not.
+    Closed(Option<HeadTimeout>),
+    /// Idle for `timers.park` with nothing of a next request read and nothing left to
+    /// write: the caller may take the connection apart and wait on its socket alone.
+    Idle,
 }
 
 /// Drives `conn` until it ends, and ends it: asked to (GOAWAY, or a close after the
@@ -260,14 +278,17 @@ pub(super) struct Timers {
 /// than `CLOSE_GRACE` after being asked to go. When `timers.between` passes, `late_head`
 /// is asked first whether the client had started a head since `last` (it then answers the
 /// client 408 itself). Then runs the tunnel a request upgraded to, if any. Returns how a
-/// head did not come in time, if one did not.
+/// head did not come in time, if one did not; or [`Ended::Idle`] once the connection has
+/// been idle for `timers.park` and `parkable` (asked with the time of the last answer)
+/// agrees.
 pub(super) async fn supervise<G: Graceful>(
     state: &State,
     mut conn: Pin<&mut G>,
     activity: &Activity,
     timers: Timers,
     late_head: &dyn Fn(Instant) -> bool,
-) -> Option<HeadTimeout> {
+    parkable: &dyn Fn(Instant) -> bool,
+) -> Ended {
     let started = Instant::now();
     let mut stopping = state.stopping.subscribe();
     let mut recycled = state.recycled.subscribe();
@@ -297,13 +318,13 @@ pub(super) async fn supervise<G: Graceful>(
                 let quiet = last.unwrap_or(started).elapsed();
                 if activity.in_flight.get() > 0 {
                     if timers.stalled.is_some_and(|l| quiet >= l) {
-                        return timed_out;
+                        return Ended::Closed(timed_out);
                     }
                     continue;
                 }
                 if let Some(at) = shut {
                     if last.map_or(at, |l| l.max(at)).elapsed() >= CLOSE_GRACE {
-                        return timed_out;
+                        return Ended::Closed(timed_out);
                     }
                     continue;
                 }
@@ -321,6 +342,10 @@ pub(super) async fn supervise<G: Graceful>(
                         conn.as_mut().shut();
                     }
                     shut = Some(Instant::now());
+                } else if let Some(answered) = last {
+                    if timers.park.is_some_and(|p| quiet >= p) && parkable(answered) {
+                        return Ended::Idle;
+                    }
                 }
             }
         }
@@ -329,7 +354,7 @@ pub(super) async fn supervise<G: Graceful>(
     if let Some(tunnel) = tunnel {
         tunnel.await;
     }
-    timed_out
+    Ended::Closed(timed_out)
 }
 
 /// How a client connection ended for want of a request head.
@@ -1366,11 +1391,12 @@ fn upstream_request(
 /// when the system cannot give random bytes.
 fn websocket_key() -> Option<HeaderValue> {
     use base64::Engine as _;
+    // The provider is built once, only for its (static) random generator.
+    static RANDOM: std::sync::OnceLock<&'static dyn rustls::crypto::SecureRandom> =
+        std::sync::OnceLock::new();
+    let random = RANDOM.get_or_init(|| rustls::crypto::aws_lc_rs::default_provider().secure_random);
     let mut nonce = [0u8; 16];
-    rustls::crypto::aws_lc_rs::default_provider()
-        .secure_random
-        .fill(&mut nonce)
-        .ok()?;
+    random.fill(&mut nonce).ok()?;
     let key = base64::engine::general_purpose::STANDARD.encode(nonce);
     HeaderValue::from_str(&key).ok()
 }

@@ -2,19 +2,36 @@
 //! after the byte pump's checks of the first head (`pump::first_head`: 400, 431, 408, no
 //! server before a whole head), hyper serves the connection and every request goes to
 //! `proxy::gateway`, which may send each to another server over pooled connections.
+//! A connection idle for `idle_park` is taken off hyper (its buffers freed) and waits on
+//! its socket alone until the client sends again: keep-alive clients cost little memory
+//! between their requests.
 
+use std::cell::Cell;
+use std::future::poll_fn;
 use std::pin::Pin;
 use std::rc::Rc;
-use std::sync::atomic::{AtomicBool, Ordering::Relaxed};
+use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering::Relaxed};
 use std::sync::{Arc, Mutex};
 use std::task::{Context, Poll, Waker};
-use std::time::Instant;
+use std::time::{Duration, Instant};
 
 use hyper_util::rt::{TokioIo, TokioTimer};
-use tokio::io::{AsyncRead, AsyncWrite, ReadBuf};
+use tokio::io::{AsyncRead, AsyncWrite, AsyncWriteExt, ReadBuf};
 
-use super::gateway::{self, Activity, Graceful, Peer, Timers};
+use super::gateway::{self, Activity, Ended, Graceful, HeadTimeout, Peer, Timers};
 use crate::state::State;
+
+/// A client connection that can be served without hyper for a while: its socket waited on
+/// alone, and bytes hyper had read but not used given back.
+pub(super) trait Parkable: AsyncRead + AsyncWrite + Unpin + Send + 'static {
+    /// Ready when the client's socket has something to read: bytes, EOF or an error.
+    fn poll_read_ready(&self, cx: &mut Context<'_>) -> Poll<std::io::Result<()>>;
+    /// Puts bytes read but not used back in front of the stream.
+    fn unread(&mut self, bytes: &[u8]);
+    /// Whether bytes wait to be read without the socket (given back, or decrypted), or
+    /// to be written (TLS records): then the connection is not idle.
+    fn busy(&self) -> bool;
+}
 
 impl<I, S> Graceful for hyper::server::conn::http1::UpgradeableConnection<I, S>
 where
@@ -38,10 +55,7 @@ where
 /// request head, already checked). Later heads must come whole within
 /// `http_request_timeout` of the previous answer; a body or tunnel that moves no byte for
 /// `idle_timeout` ends the connection.
-pub(super) async fn serve<IO>(state: &'static State, io: IO, peer: Peer)
-where
-    IO: AsyncRead + AsyncWrite + Unpin + Send + 'static,
-{
+pub(super) async fn serve<IO: Parkable>(state: &'static State, io: IO, peer: Peer) {
     let settings = state.settings();
     let mut builder = hyper::server::conn::http1::Builder::new();
     builder
@@ -54,16 +68,12 @@ where
         // quill's own watchdog bounds later heads: it answers a partial one 408.
         .header_read_timeout(None);
     let activity = Rc::new(Activity::default());
-    let service = gateway::service(state, peer, &activity);
+    let mut service = gateway::service(state, peer, &activity);
     let read = Arc::new(Reads::default());
-    let io = Watched {
+    let mut io = Watched {
         inner: io,
         reads: Arc::clone(&read),
     };
-    let conn = builder
-        .serve_connection(TokioIo::new(io), service)
-        .with_upgrades();
-    tokio::pin!(conn);
     // Between requests, the next head is due within `http_request_timeout`, and an idle
     // keep-alive connection ends at `idle_timeout`, whichever comes first.
     let head = gateway::secs(settings.http_request_timeout);
@@ -77,11 +87,114 @@ where
         between,
         between_is_head: true,
         stalled: gateway::secs(settings.idle_timeout),
+        park: gateway::secs(settings.idle_park),
     };
     let late_head = |answered: Instant| read.late_head(answered);
-    if let Some(t) = gateway::supervise(state, conn, &activity, timers, &late_head).await {
-        t.count(state);
+    let parkable = |answered: Instant| read.idle_since(answered);
+    loop {
+        let mut conn = builder
+            .serve_connection(TokioIo::new(io), service)
+            .with_upgrades();
+        let ended = gateway::supervise(
+            state,
+            Pin::new(&mut conn),
+            &activity,
+            timers,
+            &late_head,
+            &parkable,
+        )
+        .await;
+        if let Ended::Closed(timed_out) = ended {
+            if let Some(t) = timed_out {
+                t.count(state);
+            }
+            return;
+        }
+        // Idle: hyper is dropped with its buffers; what it had read goes back in front.
+        let Some(parts) = conn.into_parts() else {
+            return; // upgraded: never idle
+        };
+        io = parts.io.into_inner();
+        service = parts.service;
+        io.inner.unread(&parts.read_buf);
+        drop(parts.read_buf); // hyper's read buffer: not to be held while parked
+        if io.inner.busy() {
+            continue;
+        }
+        if let Some(end) = park(state, &io.inner, &activity, timers).await {
+            if let Some(t) = end {
+                t.count(state);
+            }
+            // As hyper ends an idle connection: the write side closed (TLS: close_notify).
+            let _ = tokio::time::timeout(Duration::from_secs(1), io.inner.shutdown()).await;
+            return;
+        }
     }
+}
+
+/// Waits, without hyper, until an idle client sends again (or its socket ends or fails):
+/// then `None`, to be served on. Ends the connection (`Some`, with how it timed out, if it
+/// did) when the next head is overdue (`timers.between` after the last answer) or quill
+/// stops. A reload or drain meanwhile makes the next response say `Connection: close`, as
+/// for a connection under hyper. Counted in `State::parked` meanwhile.
+async fn park<IO: Parkable>(
+    state: &State,
+    io: &IO,
+    activity: &Activity,
+    timers: Timers,
+) -> Option<Option<HeadTimeout>> {
+    let mut stopping = state.stopping.subscribe();
+    let mut recycled = state.recycled.subscribe();
+    recycled.mark_unchanged();
+    if *stopping.borrow_and_update() {
+        return Some(None);
+    }
+    state.parked.fetch_add(1, Relaxed);
+    // Also when the task is aborted meanwhile (`close N`).
+    let _parked = Parked(&state.parked);
+    release_freed_soon();
+    let overdue = async {
+        match (timers.between, activity.last()) {
+            (Some(limit), Some(last)) => tokio::time::sleep_until((last + limit).into()).await,
+            _ => std::future::pending().await,
+        }
+    };
+    tokio::pin!(overdue);
+    loop {
+        tokio::select! {
+            _ = poll_fn(|cx| io.poll_read_ready(cx)) => return None,
+            () = &mut overdue => return Some(Some(HeadTimeout::Silent)),
+            _ = stopping.changed() => return Some(None),
+            _ = recycled.changed() => activity.close_next.set(true),
+        }
+    }
+}
+
+/// One connection counted in `State::parked` while it lives.
+struct Parked<'a>(&'a AtomicUsize);
+
+impl Drop for Parked<'_> {
+    fn drop(&mut self) {
+        self.0.fetch_sub(1, Relaxed);
+    }
+}
+
+thread_local! {
+    /// A release of freed memory is scheduled on this event loop.
+    static RELEASING: Cell<bool> = const { Cell::new(false) };
+}
+
+/// Hands the memory that parked connections freed back to the operating system a moment
+/// from now, once for a wave of them (see `crate::memory`).
+fn release_freed_soon() {
+    if RELEASING.with(|r| r.replace(true)) {
+        return;
+    }
+    tokio::task::spawn_local(async {
+        tokio::time::sleep(super::park::RELEASE_AFTER).await;
+        RELEASING.with(|r| r.set(false));
+        crate::memory::release_freed();
+    });
 }
 
 /// What the watchdog knows of the client's reads, and how it ends a late head. (Shared
@@ -94,6 +207,9 @@ struct Reads {
     read: Mutex<(Option<Instant>, Option<Waker>)>,
     /// Set by the watchdog: answer 408 and end the read side.
     timed_out: AtomicBool,
+    /// hyper has written (or tried to) since its last successful flush: bytes may still
+    /// be in its buffer.
+    unflushed: AtomicBool,
 }
 
 /// The `408` quill answers to a head that did not come whole in time, as the byte pump
@@ -115,6 +231,13 @@ impl Reads {
             w.wake();
         }
         true
+    }
+
+    /// Whether hyper holds nothing of the client's since the answer that ended at
+    /// `answered`: no byte read since (part of a next head), everything written flushed.
+    fn idle_since(&self, answered: Instant) -> bool {
+        let read = self.read.lock().unwrap_or_else(|p| p.into_inner());
+        !read.0.is_some_and(|at| at > answered) && !self.unflushed.load(Relaxed)
     }
 }
 
@@ -156,11 +279,17 @@ impl<IO: AsyncWrite + Unpin> AsyncWrite for Watched<IO> {
         cx: &mut Context<'_>,
         buf: &[u8],
     ) -> Poll<std::io::Result<usize>> {
+        // Whatever this returns, hyper holds or has sent bytes that only a flush settles.
+        self.reads.unflushed.store(true, Relaxed);
         Pin::new(&mut self.inner).poll_write(cx, buf)
     }
 
     fn poll_flush(mut self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<std::io::Result<()>> {
-        Pin::new(&mut self.inner).poll_flush(cx)
+        let flushed = Pin::new(&mut self.inner).poll_flush(cx);
+        if matches!(flushed, Poll::Ready(Ok(()))) {
+            self.reads.unflushed.store(false, Relaxed);
+        }
+        flushed
     }
 
     fn poll_shutdown(mut self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<std::io::Result<()>> {

@@ -10,7 +10,7 @@ use std::time::Duration;
 use hyper_util::rt::{TokioIo, TokioTimer};
 use tokio::io::{AsyncRead, AsyncWrite};
 
-use super::gateway::{self, Activity, Graceful, LocalExec, Peer, Timers};
+use super::gateway::{self, Activity, Ended, Graceful, LocalExec, Peer, Timers};
 use crate::state::State;
 
 /// Default `h2_max_streams`: concurrent streams per client connection (what NGINX and
@@ -66,8 +66,13 @@ where
         between: gateway::secs(settings.idle_timeout),
         between_is_head: false,
         stalled: gateway::secs(settings.idle_timeout),
+        // An HTTP/2 connection is more than a socket and a buffer: never parked.
+        park: None,
     };
-    if let Some(t) = gateway::supervise(state, conn, &activity, timers, &|_| false).await {
+    let never = |_| false;
+    if let Ended::Closed(Some(t)) =
+        gateway::supervise(state, conn, &activity, timers, &never, &never).await
+    {
         t.count(state);
     }
 }

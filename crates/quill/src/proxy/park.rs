@@ -38,7 +38,7 @@ const EVENTS: usize = 256;
 /// How long after a session parked the lot hands the memory freed meanwhile back to the
 /// operating system: a wave of parking connections frees one task each, and the loop, now
 /// idle, would otherwise keep those pages (see [`crate::memory`]).
-const RELEASE_AFTER: Duration = Duration::from_millis(100);
+pub(super) const RELEASE_AFTER: Duration = Duration::from_millis(100);
 
 /// A session that can wait in a lot. Implemented by the TCP data plane's parked session.
 pub(crate) trait Parked {

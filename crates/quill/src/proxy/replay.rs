@@ -23,6 +23,26 @@ impl<IO> Prefixed<IO> {
             inner,
         }
     }
+
+    /// Puts bytes a reader took but did not use back in front of the rest.
+    pub fn unread(&mut self, bytes: &[u8]) {
+        if bytes.is_empty() {
+            return;
+        }
+        let mut prefix = bytes.to_vec();
+        prefix.extend_from_slice(&self.prefix[self.at..]);
+        self.prefix = prefix;
+        self.at = 0;
+    }
+
+    /// Whether bytes are waiting in front of the stream's own.
+    pub fn has_prefix(&self) -> bool {
+        self.at < self.prefix.len()
+    }
+
+    pub fn get_ref(&self) -> &IO {
+        &self.inner
+    }
 }
 
 impl<IO: AsyncRead + Unpin> AsyncRead for Prefixed<IO> {

@@ -18,6 +18,7 @@ use std::sync::atomic::{
     Ordering::{Relaxed, SeqCst},
 };
 use std::sync::Arc;
+use std::task::{Context, Poll};
 use std::time::Duration;
 
 use tokio::net::{TcpListener, TcpStream, UnixListener};
@@ -240,6 +241,33 @@ impl ClientStream for tokio::net::UnixStream {
     }
     fn from_std(socket: Self::Std) -> io::Result<Self> {
         tokio::net::UnixStream::from_std(socket)
+    }
+}
+
+/// A plain HTTP/1.x client served request by request.
+impl<C: ClientStream> super::h1::Parkable for Prefixed<C> {
+    fn poll_read_ready(&self, cx: &mut Context<'_>) -> Poll<io::Result<()>> {
+        Stream::poll_read_ready(self.get_ref(), cx)
+    }
+    fn unread(&mut self, bytes: &[u8]) {
+        Prefixed::unread(self, bytes);
+    }
+    fn busy(&self) -> bool {
+        self.has_prefix()
+    }
+}
+
+/// An HTTP/1.x client over TLS served request by request: idle when rustls has no record
+/// left to write either.
+impl<C: ClientStream> super::h1::Parkable for Prefixed<Box<ServerTlsStream<C>>> {
+    fn poll_read_ready(&self, cx: &mut Context<'_>) -> Poll<io::Result<()>> {
+        Stream::poll_read_ready(self.get_ref().get_ref().0, cx)
+    }
+    fn unread(&mut self, bytes: &[u8]) {
+        Prefixed::unread(self, bytes);
+    }
+    fn busy(&self) -> bool {
+        self.has_prefix() || self.get_ref().get_ref().1.wants_write()
     }
 }
 
