@@ -16,6 +16,7 @@
 use std::fs;
 use std::io;
 use std::net::{IpAddr, Ipv4Addr, SocketAddr, UdpSocket};
+use std::os::unix::net::UnixDatagram;
 use std::path::Path;
 use std::process::{Child, Command, Stdio};
 use std::sync::atomic::{AtomicBool, AtomicU16, AtomicUsize, Ordering};
@@ -23,7 +24,7 @@ use std::sync::{Arc, Mutex};
 use std::thread::{self, JoinHandle};
 use std::time::{Duration, Instant};
 
-use super::{bin, poll_until, TempDir, START_DEADLINE};
+use super::{bin, is_pen, poll_until, TempDir, START_DEADLINE};
 
 // ---------------------------------------------------------------------------
 // DNS, just enough
@@ -356,6 +357,8 @@ pub struct UdpQuill {
     target: SocketAddr,
     args: Vec<String>,
     dir: TempDir,
+    /// Where quill says it is ready (`NOTIFY_SOCKET`), kept open for its later messages.
+    _notify: Option<UnixDatagram>,
 }
 
 fn socket_inodes(pid: u32) -> Vec<String> {
@@ -400,8 +403,10 @@ fn read_lossy(p: &Path) -> String {
 
 impl UdpQuill {
     /// Starts `BIN -f -U ARGS...`, `{port}` standing for a free UDP port and `{cport}` for a
-    /// free TCP port; waits until the UDP port is bound. Panics with the daemon's stderr if
-    /// it does not come up.
+    /// free TCP port; waits until the UDP port is bound and, for quill, until it says it is
+    /// ready (sd_notify `READY=1`: a socket of quill's on the port could still be the probe
+    /// bind that start-up closes before binding the real ones). Panics with the daemon's
+    /// stderr if it does not come up.
     pub fn start(args: &[&str]) -> UdpQuill {
         UdpQuill::try_start(args).unwrap_or_else(|e| panic!("{e}"))
     }
@@ -444,23 +449,40 @@ impl UdpQuill {
             };
             let out = fs::File::create(dir.path().join("stdout")).expect("stdout file");
             let err = fs::File::create(dir.path().join("stderr")).expect("stderr file");
-            let mut child = Command::new(bin())
+            let mut command = Command::new(bin());
+            command
                 .args(["-f", "-U"])
                 .args(&real)
                 .stdin(Stdio::null())
                 .stdout(Stdio::from(out))
                 .stderr(Stdio::from(err))
-                .env_remove("RUST_LOG")
+                .env_remove("RUST_LOG");
+            let notify = (!is_pen()).then(|| {
+                let path = dir.path().join("notify.sock");
+                let sock = UnixDatagram::bind(&path).expect("bind the notify socket");
+                sock.set_nonblocking(true)
+                    .expect("nonblocking notify socket");
+                command.env("NOTIFY_SOCKET", &path);
+                sock
+            });
+            let mut child = command
                 .spawn()
                 .unwrap_or_else(|e| panic!("cannot run {}: {e}", bin().display()));
             let pid = child.id();
             let mut exited = None;
+            let mut ready = notify.is_none();
             let up = poll_until(START_DEADLINE, || {
                 if let Ok(Some(st)) = child.try_wait() {
                     exited = Some(st);
                     return true;
                 }
-                udp_bound(pid, port)
+                if let Some(sock) = &notify {
+                    let mut msg = [0u8; 512];
+                    while let Ok(n) = sock.recv(&mut msg) {
+                        ready |= msg[..n].split(|&b| b == b'\n').any(|l| l == b"READY=1");
+                    }
+                }
+                ready && udp_bound(pid, port)
             });
             let stderr = read_lossy(&dir.path().join("stderr"));
             match (up, exited) {
@@ -471,6 +493,7 @@ impl UdpQuill {
                         target: SocketAddr::new(ip, port),
                         args: real,
                         dir,
+                        _notify: notify,
                     })
                 }
                 (_, Some(st)) => {
