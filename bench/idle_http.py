@@ -1,8 +1,10 @@
 #!/usr/bin/env python3
 """RSS per idle HTTP/1.x keep-alive client of quill in `http` mode (-H), served request by
 request (the default `upstream_keepalive`): N clients each send one request, read the
-answer and stay connected; quill's RSS is read before and 2.5 s after (long enough for
-`idle_park`, 1 s by default, to take idle clients off hyper).
+answer and stay connected; quill's RSS is read before and 3.5 s after (long enough for
+`idle_park`, 1 s by default, to take idle clients off hyper — 1 to 2 s after their answer,
+the watchdog looks once a second — and for the event loops, quiet then, to hand the
+memory back 0.1 s after their last park).
 
     bench/idle_http.py [--connections N] [--tls] [--quill-bin PATH] [-- QUILL ARGS...]
 
@@ -82,7 +84,7 @@ async def run(args: argparse.Namespace) -> None:
             w.write(b"GET / HTTP/1.1\r\nHost: x\r\n\r\n")
             await r.readuntil(b"ok")
             held.append((r, w))
-        await asyncio.sleep(2.5)
+        await asyncio.sleep(3.5)
         after = rss(q.pid)
         if q.poll() is not None:
             raise SystemExit(f"quill exited ({q.returncode}) while holding connections")

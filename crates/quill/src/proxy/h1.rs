@@ -6,7 +6,6 @@
 //! its socket alone until the client sends again: keep-alive clients cost little memory
 //! between their requests.
 
-use std::cell::Cell;
 use std::future::poll_fn;
 use std::pin::Pin;
 use std::rc::Rc;
@@ -152,7 +151,7 @@ async fn park<IO: Parkable>(
     state.parked.fetch_add(1, Relaxed);
     // Also when the task is aborted meanwhile (`close N`).
     let _parked = Parked(&state.parked);
-    release_freed_soon();
+    crate::memory::release_when_quiet();
     let overdue = async {
         match (timers.between, activity.last()) {
             (Some(limit), Some(last)) => tokio::time::sleep_until((last + limit).into()).await,
@@ -177,24 +176,6 @@ impl Drop for Parked<'_> {
     fn drop(&mut self) {
         self.0.fetch_sub(1, Relaxed);
     }
-}
-
-thread_local! {
-    /// A release of freed memory is scheduled on this event loop.
-    static RELEASING: Cell<bool> = const { Cell::new(false) };
-}
-
-/// Hands the memory that parked connections freed back to the operating system a moment
-/// from now, once for a wave of them (see `crate::memory`).
-fn release_freed_soon() {
-    if RELEASING.with(|r| r.replace(true)) {
-        return;
-    }
-    tokio::task::spawn_local(async {
-        tokio::time::sleep(super::park::RELEASE_AFTER).await;
-        RELEASING.with(|r| r.set(false));
-        crate::memory::release_freed();
-    });
 }
 
 /// What the watchdog knows of the client's reads, and how it ends a late head. (Shared

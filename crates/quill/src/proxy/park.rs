@@ -35,11 +35,6 @@ use super::registry::ConnInfo;
 /// Events taken from the epoll set per system call.
 const EVENTS: usize = 256;
 
-/// How long after a session parked the lot hands the memory freed meanwhile back to the
-/// operating system: a wave of parking connections frees one task each, and the loop, now
-/// idle, would otherwise keep those pages (see [`crate::memory`]).
-pub(super) const RELEASE_AFTER: Duration = Duration::from_millis(100);
-
 /// A session that can wait in a lot. Implemented by the TCP data plane's parked session.
 pub(crate) trait Parked {
     /// The client's and the server's socket, watched for any event.
@@ -95,8 +90,6 @@ struct Lot {
     /// `idle_timeout` deadlines: (when, slab key, ticket), earliest first.
     deadlines: RefCell<BinaryHeap<Reverse<(Instant, usize, u64)>>>,
     next_ticket: Cell<u64>,
-    /// When to release freed memory, once sessions have parked.
-    release_at: Cell<Option<Instant>>,
     /// Wakes `serve` to look at the deadlines again after a park.
     parked: Notify,
     remote: Arc<Remote>,
@@ -136,7 +129,6 @@ pub(crate) fn install(set: EpollSet, gauge: &'static AtomicUsize) -> io::Result<
         slots: RefCell::new(Slab::new()),
         deadlines: RefCell::new(BinaryHeap::new()),
         next_ticket: Cell::new(0),
-        release_at: Cell::new(None),
         parked: Notify::new(),
         remote: Arc::new(Remote::default()),
         gauge,
@@ -194,9 +186,9 @@ impl Lot {
         self.slots.borrow_mut().insert(Slot { session, ticket });
         self.drop_stale_deadlines();
         self.gauge.fetch_add(1, Relaxed);
-        if self.release_at.get().is_none() {
-            self.release_at.set(Some(Instant::now() + RELEASE_AFTER));
-        }
+        // A wave of parking sessions frees one task each; the loop, idle once the wave has
+        // passed, would keep those pages.
+        crate::memory::release_when_quiet();
         self.parked.notify_one();
     }
 
@@ -244,15 +236,11 @@ impl Lot {
     async fn serve(self: Rc<Self>) {
         let mut events = EventVec::with_capacity(EVENTS);
         loop {
-            let first = self
+            let next = self
                 .deadlines
                 .borrow()
                 .peek()
                 .map(|Reverse((when, ..))| *when);
-            let next = match (first, self.release_at.get()) {
-                (Some(a), Some(b)) => Some(a.min(b)),
-                (a, b) => a.or(b),
-            };
             let timer = async {
                 match next {
                     Some(when) => tokio::time::sleep_until(when).await,
@@ -288,14 +276,8 @@ impl Lot {
                     }
                 },
                 () = self.remote.wake.notified() => self.close_requested(),
-                () = self.parked.notified() => {} // a new deadline, or memory to release
-                () = timer => {
-                    self.expire_due();
-                    if self.release_at.get().is_some_and(|at| at <= Instant::now()) {
-                        self.release_at.set(None);
-                        crate::memory::release_freed();
-                    }
-                }
+                () = self.parked.notified() => {} // a new deadline
+                () = timer => self.expire_due(),
             }
         }
     }
