@@ -9,7 +9,7 @@
 use std::future::poll_fn;
 use std::pin::Pin;
 use std::rc::Rc;
-use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering::Relaxed};
+use std::sync::atomic::{AtomicBool, Ordering::Relaxed};
 use std::sync::{Arc, Mutex};
 use std::task::{Context, Poll, Waker};
 use std::time::{Duration, Instant};
@@ -150,7 +150,7 @@ async fn park<IO: Parkable>(
     }
     state.parked.fetch_add(1, Relaxed);
     // Also when the task is aborted meanwhile (`close N`).
-    let _parked = Parked(&state.parked);
+    let _parked = super::tcp::Held(&state.parked);
     crate::memory::release_when_quiet();
     let overdue = async {
         match (timers.between, activity.last()) {
@@ -166,15 +166,6 @@ async fn park<IO: Parkable>(
             _ = stopping.changed() => return Some(None),
             _ = recycled.changed() => activity.close_next.set(true),
         }
-    }
-}
-
-/// One connection counted in `State::parked` while it lives.
-struct Parked<'a>(&'a AtomicUsize);
-
-impl Drop for Parked<'_> {
-    fn drop(&mut self) {
-        self.0.fetch_sub(1, Relaxed);
     }
 }
 

@@ -271,8 +271,9 @@ impl<C: ClientStream> super::h1::Parkable for Prefixed<Box<ServerTlsStream<C>>> 
     }
 }
 
-/// Decrements a counter when dropped: every exit path releases what it took.
-struct Held<'a>(&'a AtomicUsize);
+/// Decrements a counter when dropped: every exit path (an aborted task's too) releases
+/// what it took.
+pub(super) struct Held<'a>(pub(super) &'a AtomicUsize);
 
 impl Drop for Held<'_> {
     fn drop(&mut self) {
