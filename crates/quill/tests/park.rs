@@ -279,6 +279,47 @@ fn keep_alive_http_clients_park_between_requests_and_are_served_on() {
     assert_eq!(status["connections"]["accepted"], 1);
 }
 
+/// A client nobody here wrote: curl fetching two URLs 3 s apart (`--rate 20/m`) on one
+/// keep-alive connection. Between them the connection parks, and the second request goes
+/// over the same connection (curl makes no second connect) and is answered.
+#[test]
+fn curl_reuses_a_connection_that_parked_between_its_requests() {
+    if skip_on_pen("idle_park is a quill extension") {
+        return;
+    }
+    let (_backend, q, ctl) = start_http_parking(&[]);
+    let url = format!("http://127.0.0.1:{}/paced", q.port);
+    let curl = std::thread::spawn(move || {
+        let args = [
+            "-sS",
+            "--rate",
+            "20/m",
+            "-o",
+            "/dev/null",
+            "-o",
+            "/dev/null",
+            "-w",
+            "%{http_code} %{num_connects}\\n",
+            &url,
+            &url,
+        ];
+        tool("curl", &args)
+    });
+    let parked = poll_until(PATIENCE, || connections(&ctl)["parked"] == 1);
+    let Some(out) = curl.join().unwrap() else {
+        return;
+    };
+    assert!(
+        parked,
+        "the connection never parked between curl's requests"
+    );
+    assert_eq!(
+        out, "200 1\n200 0\n",
+        "each answer, and the connects curl made for it"
+    );
+    assert_eq!(connections(&ctl)["accepted"], 1);
+}
+
 /// Parked, a client still owes its next head within `http_request_timeout` of the last
 /// answer: then it is closed (counted as a request timeout), as under hyper; and a client
 /// that closes while parked is gone at once.
