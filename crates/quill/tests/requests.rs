@@ -1492,6 +1492,114 @@ fn a_websocket_over_h2_the_server_does_not_take_is_a_502_and_plain_connect_a_501
     assert!(out.contains("status 501"), "{out}");
 }
 
+/// A WebSocket over HTTP/2 outlives a `drain`: the client gets GOAWAY (no new stream is
+/// taken on the connection) while its tunnel stream goes on carrying bytes both ways; once
+/// the client ends the tunnel, the connection closes. (Client: the `h2` crate, which keeps
+/// the streams a GOAWAY spared.)
+#[test]
+fn a_websocket_over_h2_outlives_a_drain_and_the_connection_closes_after_it() {
+    use bytes::Bytes;
+    use hyper::http::Request;
+
+    let (server, heads) = websocket_server();
+    let (q, ctl) = support::ctl::start_with_tcp_control(&[
+        "-H",
+        "-O",
+        "h2c",
+        "{port}",
+        &format!("127.0.0.1:{server}"),
+    ]);
+    let port = q.port;
+    let rt = tokio::runtime::Builder::new_current_thread()
+        .enable_all()
+        .build()
+        .unwrap();
+    let ctl_in = ctl.clone();
+    rt.block_on(async move {
+        let ctl = ctl_in;
+        let limit = Duration::from_secs(10);
+        let tcp = tokio::net::TcpStream::connect(("127.0.0.1", port))
+            .await
+            .unwrap();
+        let (client, conn) = h2::client::handshake(tcp).await.unwrap();
+        let mut conn = tokio::spawn(conn);
+        let mut client = client.ready().await.unwrap();
+        // Extended CONNECT may be sent once quill's SETTINGS said it takes it.
+        tokio::time::timeout(limit, async {
+            while !client.is_extended_connect_protocol_enabled() {
+                tokio::time::sleep(Duration::from_millis(10)).await;
+            }
+        })
+        .await
+        .expect("timed out waiting for ENABLE_CONNECT_PROTOCOL");
+        let req = Request::builder()
+            .method("CONNECT")
+            .uri(format!("http://127.0.0.1:{port}/raw"))
+            .extension(h2::ext::Protocol::from("websocket"))
+            .header("sec-websocket-version", "13")
+            .body(())
+            .unwrap();
+        let (resp, mut up) = client.send_request(req, false).unwrap();
+        let resp = tokio::time::timeout(limit, resp)
+            .await
+            .expect("timed out waiting for the tunnel's answer")
+            .unwrap();
+        assert_eq!(resp.status(), 200);
+        let mut down = resp.into_body();
+        let mut echo = async |msg: &'static str| {
+            up.send_data(Bytes::from_static(msg.as_bytes()), false)
+                .unwrap();
+            let mut got = Vec::new();
+            while got.len() < msg.len() {
+                let data = tokio::time::timeout(limit, down.data())
+                    .await
+                    .expect("timed out waiting for the echo")
+                    .expect("the tunnel ended")
+                    .unwrap();
+                down.flow_control().release_capacity(data.len()).unwrap();
+                got.extend_from_slice(&data);
+            }
+            assert_eq!(got, msg.as_bytes());
+        };
+        echo("before the drain").await;
+        support::ctl::ctl_ok(&ctl, "drain");
+        // GOAWAY: the connection takes no new stream.
+        tokio::time::timeout(limit, async {
+            loop {
+                let req = Request::builder()
+                    .uri(format!("http://127.0.0.1:{port}/plain"))
+                    .body(())
+                    .unwrap();
+                match client.send_request(req, true) {
+                    Err(e) if e.is_go_away() => return,
+                    Err(e) => panic!("a new stream failed, not for GOAWAY: {e}"),
+                    // Sent before the GOAWAY came: answered, or refused.
+                    Ok((resp, _)) => match resp.await {
+                        Ok(_) => tokio::time::sleep(Duration::from_millis(20)).await,
+                        Err(e) if e.is_go_away() || e.is_reset() => return,
+                        Err(e) => panic!("a new stream failed, not for GOAWAY: {e}"),
+                    },
+                }
+            }
+        })
+        .await
+        .expect("timed out waiting for GOAWAY");
+        echo("after the drain").await;
+        up.send_data(Bytes::new(), true).unwrap();
+        // After GOAWAY the connection ends with its last stream (the client keeps its
+        // handle: nothing else ends it).
+        tokio::time::timeout(limit, &mut conn)
+            .await
+            .expect("timed out waiting for the connection to close after the tunnel")
+            .unwrap()
+            .ok();
+        drop(client);
+    });
+    support::ctl::ctl_ok(&ctl, "drain 0");
+    let heads = heads.lock().unwrap();
+    assert!(heads[0].starts_with("GET /raw HTTP/1.1\r\n"), "{heads:?}");
+}
+
 /// A browser's WebSocket through quill's TLS listener: headless Chromium loads a page over
 /// HTTP/2 and opens a WebSocket to the same origin, sends two messages and gets both back
 /// from an HTTP/1.1 WebSocket server behind quill. The access log says which way it went:
