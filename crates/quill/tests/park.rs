@@ -72,6 +72,34 @@ fn wait_parked(ctl: &str, n: u64) {
     });
 }
 
+/// A connection that wakes right after parking (a client that thinks a little longer than
+/// `idle_park`) waits twice as long before it parks again: parking and waking cost more
+/// CPU than the memory saved for so short a sleep is worth.
+#[test]
+fn a_connection_that_wakes_soon_after_parking_waits_longer_to_park_again() {
+    if skip_on_pen("idle_park is a quill extension") {
+        return;
+    }
+    let (backend, q, ctl) = start_parking(&[]);
+    let (mut client, mut server) = pair(&q, &backend);
+    send_and_expect(&mut client, &mut server, b"hello");
+    wait_parked(&ctl, 1);
+    send_and_expect(&mut client, &mut server, b"awake at once");
+    let woke = std::time::Instant::now();
+    wait_until(PATIENCE, "the connection woke", || {
+        connections(&ctl)["parked"] == 0
+    });
+    wait_parked(&ctl, 1);
+    let silent = woke.elapsed();
+    // Silence is counted in whole periods of the park delay, from the period the wake-up's
+    // bytes were in: 2 s after waking with 1 s, 4 s with twice that.
+    assert!(
+        silent >= Duration::from_secs(3),
+        "parked again after {silent:?} of silence, as if it had not woken at once"
+    );
+    send_and_expect(&mut server, &mut client, b"and still relayed");
+}
+
 #[test]
 fn parked_connections_wake_for_bytes_from_either_side() {
     if skip_on_pen("idle_park is a quill extension") {

@@ -35,6 +35,33 @@ use super::registry::ConnInfo;
 /// Events taken from the epoll set per system call.
 const EVENTS: usize = 256;
 
+/// At most how many times `idle_park` a connection that keeps waking soon after parking
+/// waits before parking again.
+const BACKOFF_MAX: u32 = 32;
+
+/// The silence after which a connection that woke after `parked_for` parks again, when it
+/// last parked after `last` (`idle_park`: `base`). Parking and waking cost a connection
+/// about 10–15 µs (its sockets out of one epoll set and into another, twice, and a new
+/// task: bench/RESULTS.md), paid by every request of a client that thinks a little longer
+/// than `idle_park`; so a connection that was parked for less time than it took to park
+/// waits twice as long next time (up to `BACKOFF_MAX` × `base`), and one that slept four
+/// times that long is back to `base`. `None`: parking is off.
+pub(super) fn next_park_after(
+    base: Option<Duration>,
+    last: Option<Duration>,
+    parked_for: Duration,
+) -> Option<Duration> {
+    let base = base?;
+    let last = last.unwrap_or(base).max(base);
+    Some(if parked_for < last {
+        (last * 2).min(base * BACKOFF_MAX)
+    } else if parked_for >= last * 4 {
+        base
+    } else {
+        last
+    })
+}
+
 /// A session that can wait in a lot. Implemented by the TCP data plane's parked session.
 pub(crate) trait Parked {
     /// The client's and the server's socket, watched for any event.
@@ -331,6 +358,23 @@ impl Lot {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn a_connection_that_wakes_soon_after_parking_parks_later_next_time() {
+        let s = Duration::from_secs;
+        // Parked for less than it took to park: twice as long next time, up to 32 times.
+        assert_eq!(next_park_after(Some(s(1)), Some(s(1)), s(0)), Some(s(2)));
+        assert_eq!(next_park_after(Some(s(1)), Some(s(2)), s(1)), Some(s(4)));
+        assert_eq!(next_park_after(Some(s(1)), Some(s(32)), s(3)), Some(s(32)));
+        // Parked for about as long: as before.
+        assert_eq!(next_park_after(Some(s(1)), Some(s(1)), s(2)), Some(s(1)));
+        assert_eq!(next_park_after(Some(s(1)), Some(s(4)), s(15)), Some(s(4)));
+        // Asleep for four times as long: back to `idle_park`.
+        assert_eq!(next_park_after(Some(s(1)), Some(s(4)), s(16)), Some(s(1)));
+        // A reload changed `idle_park`: never below it; off is off.
+        assert_eq!(next_park_after(Some(s(5)), Some(s(2)), s(6)), Some(s(5)));
+        assert_eq!(next_park_after(None, Some(s(2)), s(0)), None);
+    }
     use std::os::fd::AsFd;
     use std::os::unix::net::UnixStream;
 

@@ -19,7 +19,7 @@ use std::sync::atomic::{
 };
 use std::sync::Arc;
 use std::task::{Context, Poll};
-use std::time::Duration;
+use std::time::{Duration, Instant};
 
 use tokio::net::{TcpListener, TcpStream, UnixListener};
 use tokio::sync::{mpsc, watch};
@@ -345,9 +345,17 @@ async fn handle<C: ClientStream>(
 async fn wake<C: ClientStream>(asleep: Asleep<C>) {
     let Asleep {
         state,
-        session,
+        mut session,
         totals,
+        parked_at,
     } = asleep;
+    let opts = &mut session.books.opts;
+    let idle_park = state.settings().idle_park;
+    opts.park_after = park::next_park_after(
+        (idle_park > 0).then(|| Duration::from_secs(idle_park).min(FOREVER)),
+        opts.park_after,
+        parked_at.elapsed(),
+    );
     let mut session = match session.map_ends(Resting::into_live) {
         Ok(session) => session,
         Err((session, e)) => {
@@ -431,6 +439,9 @@ struct Asleep<C: ClientStream> {
     session: Session<'static, Resting<C>>,
     /// Where its relay stopped.
     totals: Totals,
+    /// When it parked (how soon it woke decides when it parks next: see
+    /// [`park::next_park_after`]).
+    parked_at: Instant,
 }
 
 impl<C: ClientStream> Parked for Asleep<C> {
@@ -465,6 +476,7 @@ impl<C: ClientStream> Parked for Asleep<C> {
             state,
             session,
             totals,
+            ..
         } = *self;
         session.finish(state, totals.ended(relay::End::Idle));
     }
@@ -868,6 +880,7 @@ impl<C: ClientStream> Session<'static, Live<C>> {
                 state,
                 session,
                 totals,
+                parked_at: Instant::now(),
             })),
             Err((session, e)) => {
                 tracing::debug!(peer = %session.books.peer, "closed: could not park an idle connection: {e}");
