@@ -1,7 +1,8 @@
 //! HTTP response framing (`http`): never panics, and without HSTS the bytes sent to the
 //! client are exactly the server's bytes, however they are split, whatever requests came
-//! before (HEAD, CONNECT, Upgrade, pipelined) and whatever the server sends. With HSTS the
-//! output is the same split or not.
+//! before (HEAD, CONNECT, Upgrade, pipelined) and whatever the server sends. With HSTS, and
+//! with the connection asked to close after its last answer (a reload, a drain, a stop:
+//! `Connection: close` written into that answer), the output is the same split or not.
 #![no_main]
 
 use libfuzzer_sys::fuzz_target;
@@ -16,7 +17,7 @@ const REQUESTS: [&[u8]; 5] = [
     b"POST / HTTP/1.1\r\nContent-Length: 2\r\n\r\nok",
 ];
 
-fn run(data: &[u8], split: bool, hsts: bool) -> Vec<u8> {
+fn run(data: &[u8], split: bool, hsts: bool, closing: bool) -> Vec<u8> {
     let mut ex = Exchange::new(HttpParams {
         client: "192.0.2.1".parse().unwrap(),
         scheme: Scheme::Https,
@@ -31,6 +32,9 @@ fn run(data: &[u8], split: bool, hsts: bool) -> Vec<u8> {
     let mut sink = Vec::new();
     for r in reqs {
         let _ = ex.client_bytes(REQUESTS[usize::from(*r) % REQUESTS.len()], &mut sink);
+    }
+    if closing {
+        ex.close_after_answer();
     }
     let mut out = Vec::new();
     let step = if split {
@@ -55,7 +59,9 @@ fn run(data: &[u8], split: bool, hsts: bool) -> Vec<u8> {
 
 fuzz_target!(|data: &[u8]| {
     let server = &data[data.len().min(4)..];
-    assert_eq!(run(data, false, false), server);
-    assert_eq!(run(data, true, false), server);
-    assert_eq!(run(data, false, true), run(data, true, true));
+    assert_eq!(run(data, false, false, false), server);
+    assert_eq!(run(data, true, false, false), server);
+    assert_eq!(run(data, false, true, false), run(data, true, true, false));
+    assert_eq!(run(data, false, false, true), run(data, true, false, true));
+    assert_eq!(run(data, false, true, true), run(data, true, true, true));
 });

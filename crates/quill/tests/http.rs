@@ -450,3 +450,92 @@ fn slow_or_silent_clients_never_reach_a_backend_and_time_out() {
     let written = support::ctl::written_config(&ctl, q.dir(), "default");
     assert!(!written.contains("http_request_timeout"), "{written}");
 }
+
+/// quill `-H` with the byte pump (`upstream_keepalive 0`: one server connection per client
+/// connection, as Pen) and a control socket.
+fn start_pump(extra: &[&str], backend: &EchoServer) -> (Quill, String) {
+    let spec = backend.spec();
+    let mut args: Vec<&str> = vec!["-H", "-O", "upstream_keepalive 0"];
+    args.extend_from_slice(extra);
+    args.extend_from_slice(&["127.0.0.1:{port}", &spec]);
+    support::ctl::start_with_tcp_control(&args)
+}
+
+/// A drain (or a reload) moves the byte pump's keep-alive clients on, as it does those
+/// served request by request: the next answer says `Connection: close` (instead of the
+/// server's keep-alive), and quill closes the connection after it.
+#[test]
+fn byte_pump_clients_are_moved_on_by_a_drain() {
+    if skip_on_pen("drain is a quill extension") {
+        return;
+    }
+    let backend = EchoServer::start();
+    let (q, ctl) = start_pump(&[], &backend);
+    let mut s = q.connect();
+    s.set_read_timeout(Some(Duration::from_secs(10))).unwrap();
+    s.write_all(b"GET /before HTTP/1.1\r\nHost: x\r\n\r\n")
+        .unwrap();
+    let before = read_response(&mut s).expect("an answer before the drain");
+    assert_eq!(before.field("connection"), None, "{}", before.head);
+    support::ctl::ctl_ok(&ctl, "drain");
+    s.write_all(b"GET /after HTTP/1.1\r\nHost: x\r\nConnection: keep-alive\r\n\r\n")
+        .unwrap();
+    let after = read_response(&mut s).expect("an answer after the drain");
+    assert_eq!(after.status, 200);
+    assert_eq!(after.seen().request_line(), "GET /after HTTP/1.1");
+    assert_eq!(
+        after.field("connection").as_deref(),
+        Some("close"),
+        "{}",
+        after.head
+    );
+    expect_closed(&mut s, Duration::from_secs(10));
+    support::ctl::ctl_ok(&ctl, "drain 0");
+}
+
+/// Stopping, the byte pump closes a keep-alive client that is between requests at once,
+/// and lets a request in flight finish with `Connection: close`: quill is gone long before
+/// `shutdown_grace`.
+#[test]
+fn stopping_closes_idle_byte_pump_clients_and_finishes_answers_in_flight() {
+    if skip_on_pen("shutdown_grace is a quill extension") {
+        return;
+    }
+    let backend = EchoServer::start();
+    let (mut q, _ctl) = start_pump(&["-O", "shutdown_grace 60"], &backend);
+    let mut idle = q.connect();
+    idle.set_read_timeout(Some(Duration::from_secs(10)))
+        .unwrap();
+    idle.write_all(b"GET /idle HTTP/1.1\r\nHost: x\r\n\r\n")
+        .unwrap();
+    read_response(&mut idle).expect("an answer");
+    // A request whose body is half sent when quill is told to stop.
+    let mut busy = q.connect();
+    busy.set_read_timeout(Some(Duration::from_secs(10)))
+        .unwrap();
+    busy.write_all(b"POST /busy HTTP/1.1\r\nHost: x\r\nContent-Length: 10\r\n\r\nhalf-")
+        .unwrap();
+    wait_until(
+        Duration::from_secs(10),
+        "the request reaches the backend",
+        || backend.connections() == 2,
+    );
+    q.signal("TERM");
+    expect_closed(&mut idle, Duration::from_secs(10));
+    busy.write_all(b"done!").unwrap();
+    let resp = read_response(&mut busy).expect("the answer in flight");
+    assert_eq!(resp.status, 200);
+    assert_eq!(resp.seen().body_len, 10);
+    assert_eq!(
+        resp.field("connection").as_deref(),
+        Some("close"),
+        "{}",
+        resp.head
+    );
+    expect_closed(&mut busy, Duration::from_secs(10));
+    drop((idle, busy));
+    assert!(
+        q.wait_exit(Duration::from_secs(10)).is_some(),
+        "quill still runs, waiting out shutdown_grace"
+    );
+}

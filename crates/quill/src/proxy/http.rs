@@ -187,6 +187,12 @@ pub struct Exchange {
     resp_started: bool,
     /// The refusal has been handed out for sending.
     refusal_sent: bool,
+    /// The connection is to end after an answer that leaves no request pending (a reload,
+    /// a drain, quill stopping): that answer says `Connection: close`.
+    closing: bool,
+    /// No more requests are read: the answer that says `Connection: close` has been
+    /// forwarded, or the connection ends between requests ([`Exchange::close_now`]).
+    last: bool,
 }
 
 /// The result of looking for the end of a message head.
@@ -214,6 +220,8 @@ impl Exchange {
             resp_scanned: 0,
             resp_started: false,
             refusal_sent: false,
+            closing: false,
+            last: false,
         }
     }
 
@@ -221,6 +229,9 @@ impl Exchange {
     /// should not read from the client (an `Upgrade` waits for its answer, too many
     /// unanswered requests, or a refusal).
     pub fn accepts_client_bytes(&self) -> bool {
+        if self.last {
+            return false;
+        }
         match self.req {
             Req::AwaitDecision | Req::Failed(_) => false,
             Req::Head => self.pending.len() < MAX_PIPELINE || self.resp == Resp::Raw,
@@ -246,6 +257,40 @@ impl Exchange {
     /// Whether part of a request head has arrived (and waits for the rest).
     pub fn head_started(&self) -> bool {
         self.req == Req::Head && !self.req_head.is_empty()
+    }
+
+    /// Whether the connection is between requests: nothing pending, nothing of a next
+    /// request head read, and HTTP still followed both ways (no tunnel, no raw responses).
+    pub fn between(&self) -> bool {
+        self.req == Req::Head
+            && self.req_head.is_empty()
+            && self.pending.is_empty()
+            && self.resp == Resp::Head
+            && self.resp_head.is_empty()
+    }
+
+    /// Asks the client to end the connection: the next final response that leaves no
+    /// request pending, with no other request begun, gets `Connection: close` (the
+    /// server's own `Connection` and `Keep-Alive` fields dropped), and the client is read
+    /// no more after it. Between requests the client's next request is still taken, and
+    /// its answer is that response.
+    pub fn close_after_answer(&mut self) {
+        self.closing = true;
+    }
+
+    /// Reads no more requests: only [`Exchange::between`] requests, so that the connection
+    /// can end at once ([`Exchange::finished`]).
+    pub fn close_now(&mut self) {
+        if self.between() {
+            self.last = true;
+        }
+    }
+
+    /// Whether the connection is done: the answer that said `Connection: close` has been
+    /// forwarded whole (or [`Exchange::close_now`] ended it between requests), so the
+    /// client's side can be shut once it is written.
+    pub fn finished(&self) -> bool {
+        self.last && self.between()
     }
 
     /// The request head being waited for took longer than `http_request_timeout`: the
@@ -632,16 +677,30 @@ impl Exchange {
             Some(h) if self.params.scheme == Scheme::Https && code >= 200 && !has_hsts => Some(h),
             _ => None,
         };
-        match hsts {
-            Some(h) => {
-                // Insert the field before the empty line, keeping the server's line ends.
-                let end = if head.ends_with(b"\r\n") { 2 } else { 1 };
-                let split = head.len().saturating_sub(end);
-                out.extend_from_slice(&head[..split]);
-                let _ = write!(out, "Strict-Transport-Security: {}\r\n", h.header_value());
-                out.extend_from_slice(&head[split..]);
+        let request = self.pending.front().copied();
+        // The answer that ends a closing connection: final, not a switch to a tunnel, the
+        // only one due, and no other request begun.
+        let closes = self.closing
+            && code >= 200
+            && self.pending.len() == 1
+            && self.req == Req::Head
+            && self.req_head.is_empty()
+            && !(request.is_some_and(|r| r.connect) && (200..300).contains(&code));
+        if closes {
+            self.last = true;
+            write_closing_head(head, hsts, out);
+        } else {
+            match hsts {
+                Some(h) => {
+                    // Insert the field before the empty line, keeping the server's line ends.
+                    let end = if head.ends_with(b"\r\n") { 2 } else { 1 };
+                    let split = head.len().saturating_sub(end);
+                    out.extend_from_slice(&head[..split]);
+                    let _ = write!(out, "Strict-Transport-Security: {}\r\n", h.header_value());
+                    out.extend_from_slice(&head[split..]);
+                }
+                None => out.extend_from_slice(head),
             }
-            None => out.extend_from_slice(head),
         }
         if code == 101 {
             // Switching protocols: a tunnel from here on, both ways.
@@ -654,7 +713,7 @@ impl Exchange {
             self.resp_started = true;
             return Some(HeadEnd::Complete(n));
         }
-        let request = self.pending.front().copied().unwrap_or(Pending {
+        let request = request.unwrap_or(Pending {
             head: false,
             connect: false,
             switch: false,
@@ -750,6 +809,51 @@ impl Exchange {
         self.refusal_sent = true;
         Some(refusal.response())
     }
+}
+
+/// Writes a response head as the last one of its connection: the server's status line and
+/// fields, without its `Connection` and `Keep-Alive` fields (and the lines that continue
+/// them), then `Connection: close` and, when due, HSTS; the server's line ends are kept.
+fn write_closing_head(head: &[u8], hsts: Option<Hsts>, out: &mut Vec<u8>) {
+    let mut lines = head.split_inclusive(|&b| b == b'\n');
+    let Some(status) = lines.next() else {
+        return;
+    };
+    out.extend_from_slice(status);
+    let crlf = status.ends_with(b"\r\n");
+    let mut dropping = false;
+    for line in lines {
+        let content = line.strip_suffix(b"\n").unwrap_or(line);
+        let content = content.strip_suffix(b"\r").unwrap_or(content);
+        if content.is_empty() {
+            break; // the empty line that ends the head
+        }
+        if matches!(content[0], b' ' | b'\t') {
+            // An obsolete continuation of the field before.
+            if !dropping {
+                out.extend_from_slice(line);
+            }
+            continue;
+        }
+        let name = content
+            .split(|&b| b == b':')
+            .next()
+            .unwrap_or_default()
+            .trim_ascii();
+        dropping =
+            name.eq_ignore_ascii_case(b"connection") || name.eq_ignore_ascii_case(b"keep-alive");
+        if !dropping {
+            out.extend_from_slice(line);
+        }
+    }
+    let eol: &[u8] = if crlf { b"\r\n" } else { b"\n" };
+    out.extend_from_slice(b"Connection: close");
+    out.extend_from_slice(eol);
+    if let Some(h) = hsts {
+        let _ = write!(out, "Strict-Transport-Security: {}", h.header_value());
+        out.extend_from_slice(eol);
+    }
+    out.extend_from_slice(eol);
 }
 
 /// Whether parsing the head buffered in `buf` (of which the first `before` bytes were
@@ -1265,6 +1369,93 @@ mod tests {
         let mut plain = Exchange::new(params(Scheme::Http, Some(hsts)));
         client(&mut plain, b"GET / HTTP/1.1\r\n\r\n", 1000);
         assert_eq!(server(&mut plain, resp), resp);
+    }
+
+    #[test]
+    fn a_closing_connection_ends_after_the_answer_that_leaves_none_pending() {
+        let mut ex = exchange();
+        // Asked between requests: the next request is still taken.
+        assert!(ex.between());
+        ex.close_after_answer();
+        assert!(ex.accepts_client_bytes());
+        client(&mut ex, b"GET /a HTTP/1.1\r\n\r\n", 1000);
+        let out = server(
+            &mut ex,
+            b"HTTP/1.1 200 OK\r\nConnection: keep-alive\r\nKeep-Alive: timeout=5,\r\n max=9\r\nContent-Length: 2\r\n\r\n",
+        );
+        assert_eq!(
+            String::from_utf8_lossy(&out),
+            "HTTP/1.1 200 OK\r\nContent-Length: 2\r\nConnection: close\r\n\r\n"
+        );
+        // No more requests are read; the body goes on, then the connection is done.
+        assert!(!ex.accepts_client_bytes());
+        assert!(!ex.finished());
+        assert_eq!(server(&mut ex, b"ok"), b"ok");
+        assert!(ex.finished());
+    }
+
+    #[test]
+    fn a_closing_connection_answers_pipelined_requests_first() {
+        let mut ex = Exchange::new(params(
+            Scheme::Https,
+            Some(Hsts {
+                max_age: 1,
+                include_subdomains: false,
+                preload: false,
+            }),
+        ));
+        client(
+            &mut ex,
+            b"GET /1 HTTP/1.1\r\n\r\nHEAD /2 HTTP/1.1\r\n\r\n",
+            1000,
+        );
+        ex.close_after_answer();
+        let first = b"HTTP/1.1 200 OK\nContent-Length: 1\n\nx";
+        assert_eq!(
+            String::from_utf8_lossy(&server(&mut ex, first)),
+            "HTTP/1.1 200 OK\nContent-Length: 1\nStrict-Transport-Security: max-age=1\r\n\nx"
+        );
+        assert!(ex.accepts_client_bytes() && !ex.finished());
+        // The last one due: LF line ends kept, HSTS after `Connection: close`.
+        assert_eq!(
+            String::from_utf8_lossy(&server(
+                &mut ex,
+                b"HTTP/1.1 204 No Content\nConnection: Keep-Alive\n\n"
+            )),
+            "HTTP/1.1 204 No Content\nConnection: close\nStrict-Transport-Security: max-age=1\n\n"
+        );
+        assert!(ex.finished());
+    }
+
+    #[test]
+    fn close_now_ends_a_connection_only_between_requests() {
+        let mut ex = exchange();
+        client(&mut ex, b"GET / HTTP/1.1\r\n\r\n", 1000);
+        ex.close_now();
+        assert!(!ex.finished() && ex.accepts_client_bytes());
+        server(&mut ex, b"HTTP/1.1 200 OK\r\nContent-Length: 0\r\n\r\n");
+        // Part of a next head is not between requests either.
+        client(&mut ex, b"GET /ne", 1000);
+        ex.close_now();
+        assert!(!ex.finished());
+        client(&mut ex, b"xt HTTP/1.1\r\n\r\n", 1000);
+        server(&mut ex, b"HTTP/1.1 200 OK\r\nContent-Length: 0\r\n\r\n");
+        ex.close_now();
+        assert!(ex.finished() && !ex.accepts_client_bytes());
+    }
+
+    #[test]
+    fn a_closing_connection_switches_to_a_tunnel_unchanged() {
+        let mut ex = exchange();
+        client(
+            &mut ex,
+            b"GET /ws HTTP/1.1\r\nConnection: Upgrade\r\nUpgrade: websocket\r\n\r\n",
+            1000,
+        );
+        ex.close_after_answer();
+        let switch = b"HTTP/1.1 101 Switching Protocols\r\nConnection: Upgrade\r\nUpgrade: websocket\r\n\r\n";
+        assert_eq!(server(&mut ex, switch), switch);
+        assert!(!ex.finished() && ex.accepts_client_bytes());
     }
 
     #[test]

@@ -14,7 +14,7 @@
 //! connection exists (a slowloris client never reaches a server). The relay then bounds
 //! every later head the same way ([`HeadTimer`]).
 
-use std::cell::RefCell;
+use std::cell::{Cell, RefCell};
 use std::future::{poll_fn, Future};
 use std::io::{self, ErrorKind};
 use std::pin::Pin;
@@ -254,6 +254,20 @@ impl Flow {
     }
 }
 
+/// What quill asks of an `http` connection while it relays (its caller sets it; the relay
+/// looks at every turn).
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub enum Ask {
+    #[default]
+    Nothing,
+    /// A reload or a drain: the client should move on to a new connection without losing
+    /// a request. The next answer that leaves none pending says `Connection: close`, and
+    /// the connection ends after it.
+    MoveOn,
+    /// quill stops: as `MoveOn`, and a connection between requests ends at once.
+    Stop,
+}
+
 /// An `http` connection before its relay: its exchange, what [`first_head`] read, and the
 /// bound on request heads.
 pub struct Http {
@@ -442,12 +456,15 @@ impl HeadTimer {
 
 /// Relays between `client` and `server` until the connection ends, through the exchange
 /// of `http` when given (HTTP rewriting; the bytes [`first_head`] read go first),
-/// verbatim otherwise.
+/// verbatim otherwise. With `http`, what `ask` says ends the connection gracefully: after
+/// an answer that says `Connection: close`, or at once between requests when quill stops;
+/// the client's side is shut and what it still sends drained for a while (`End::Closed`).
 pub async fn relay<C, S>(
     client: &mut C,
     server: &mut S,
     http: Option<Http>,
     opts: RelayOptions,
+    ask: &Cell<Ask>,
 ) -> Outcome
 where
     C: AsyncRead + AsyncWrite + Unpin + ?Sized,
@@ -474,6 +491,8 @@ where
     let mut down = Flow::default();
     let mut active = false;
     let mut refusing = false;
+    // The connection ends as asked: the client's side is being shut, then drained.
+    let mut ending = false;
     let mut idle = IdleTimer::new(opts.idle_timeout, None);
     let mut linger: Option<(Pin<Box<Sleep>>, usize)> = None;
     let end = poll_fn(|cx| {
@@ -531,6 +550,35 @@ where
                 }
             }
         }
+        if let Some(ex) = exchange.as_mut().filter(|_| !refusing && !ending) {
+            match ask.get() {
+                Ask::Nothing => {}
+                Ask::MoveOn => ex.close_after_answer(),
+                Ask::Stop => {
+                    ex.close_after_answer();
+                    if up.held.is_empty() {
+                        ex.close_now();
+                    }
+                }
+            }
+            if ex.finished() && up.out.is_empty() && up.held.is_empty() {
+                // The last answer is out (or none was due): the down direction writes what
+                // it still holds, then shuts the client's side.
+                ending = true;
+                down.eof = true;
+                cx.waker().wake_by_ref();
+                return Poll::Pending;
+            }
+        }
+        if ending && down.done {
+            // The client has everything: drain what it still sends (so that closing does
+            // not reset what it has not read yet), then close.
+            let mut timer = Box::pin(tokio::time::sleep(LINGER));
+            let mut drained = 0;
+            let r = poll_linger(cx, client, timer.as_mut(), &mut drained);
+            linger = Some((timer, drained));
+            return r;
+        }
         if refused && down.done {
             if refusing {
                 // The refusal is out and the client's write side shut: drain, then close.
@@ -543,12 +591,14 @@ where
             // The server went away with answers due: the refusal can never be sent.
             return Poll::Ready(End::Refused);
         }
-        // A refusal being delivered is not cut short by fastclose.
-        let fast = fast_close(opts.fastclose, up.eof, down.eof) && !refusing;
+        // A refusal being delivered, or an end asked for, is not cut short by fastclose.
+        let fast = fast_close(opts.fastclose, up.eof, down.eof) && !refusing && !ending;
         turn_end(fast, up.done && down.done, &mut idle, cx, &mut active)
     })
     .await;
     let end = match end {
+        // The linger after an asked-for end reports as a refusal's does.
+        End::Refused if ending => End::Closed,
         End::Refused if exchange.and_then(|ex| ex.refusal()) == Some(Refusal::Timeout) => {
             End::RequestTimeout { answered: true }
         }

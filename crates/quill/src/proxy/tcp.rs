@@ -10,6 +10,7 @@
 //! the relay starts. A raw connection silent for `idle_park` seconds leaves its task: its
 //! session is parked ([`super::park`]) until a socket wakes, and a new task relays on.
 
+use std::cell::Cell;
 use std::io;
 use std::net::{IpAddr, Ipv4Addr, SocketAddr};
 use std::os::fd::{AsFd, BorrowedFd};
@@ -906,9 +907,36 @@ where
     match http {
         None => Box::pin(stream::relay(client, server, opts)).await,
         Some(http) => {
-            let outcome = Box::pin(pump::relay(client, server, Some(*http), opts)).await;
+            let ask = Cell::new(pump::Ask::Nothing);
+            let relay = pump::relay(client, server, Some(*http), opts, &ask);
+            let outcome = Box::pin(telling(state, relay, &ask)).await;
             count_http_end(state, &outcome.end);
             outcome
+        }
+    }
+}
+
+/// Runs an `http` relay, telling it through `ask` when quill stops, or when a reload or a
+/// drain wants clients to move on to new connections.
+async fn telling<F: std::future::Future>(
+    state: &State,
+    relay: F,
+    ask: &Cell<pump::Ask>,
+) -> F::Output {
+    let mut stopping = state.stopping.subscribe();
+    let mut recycled = state.recycled.subscribe();
+    recycled.mark_unchanged();
+    if *stopping.borrow_and_update() {
+        ask.set(pump::Ask::Stop);
+    }
+    tokio::pin!(relay);
+    loop {
+        tokio::select! {
+            out = &mut relay => return out,
+            _ = stopping.changed(), if ask.get() != pump::Ask::Stop => ask.set(pump::Ask::Stop),
+            _ = recycled.changed(), if ask.get() == pump::Ask::Nothing => {
+                ask.set(pump::Ask::MoveOn);
+            }
         }
     }
 }
