@@ -6,9 +6,9 @@
 //! tasks' pages for good. The nudge waits for the quiet: while connections keep parking
 //! (clients that think for seconds between requests), the loop keeps allocating and mimalloc
 //! reuses and purges on its own, and a forced collection would only hand back pages that
-//! the next wake-up faults in again (measured: 5–10 % of quill's CPU per request for
-//! 1,000 clients with 2 s between requests). This is the module's only `unsafe`: one FFI
-//! call.
+//! the next wake-up faults in again (clients with 2 s between requests paid 27–38 % more
+//! of quill's CPU per request for it: bench/RESULTS.md). This is the module's only
+//! `unsafe`: one FFI call.
 #![allow(unsafe_code)]
 
 use std::cell::Cell;
