@@ -1514,9 +1514,8 @@ fn a_websocket_over_h2_outlives_a_drain_and_the_connection_closes_after_it() {
         .enable_all()
         .build()
         .unwrap();
-    let ctl_in = ctl.clone();
+    let ctl = ctl.as_str();
     rt.block_on(async move {
-        let ctl = ctl_in;
         let limit = Duration::from_secs(10);
         let tcp = tokio::net::TcpStream::connect(("127.0.0.1", port))
             .await
@@ -1562,7 +1561,7 @@ fn a_websocket_over_h2_outlives_a_drain_and_the_connection_closes_after_it() {
             assert_eq!(got, msg.as_bytes());
         };
         echo("before the drain").await;
-        support::ctl::ctl_ok(&ctl, "drain");
+        support::ctl::ctl_ok(ctl, "drain");
         // GOAWAY: the connection takes no new stream.
         tokio::time::timeout(limit, async {
             loop {
@@ -1595,7 +1594,7 @@ fn a_websocket_over_h2_outlives_a_drain_and_the_connection_closes_after_it() {
             .ok();
         drop(client);
     });
-    support::ctl::ctl_ok(&ctl, "drain 0");
+    support::ctl::ctl_ok(ctl, "drain 0");
     let heads = heads.lock().unwrap();
     assert!(heads[0].starts_with("GET /raw HTTP/1.1\r\n"), "{heads:?}");
 }

@@ -359,6 +359,9 @@ impl Lot {
 mod tests {
     use super::*;
 
+    use std::os::fd::AsFd;
+    use std::os::unix::net::UnixStream;
+
     #[test]
     fn a_connection_that_wakes_soon_after_parking_parks_later_next_time() {
         let s = Duration::from_secs;
@@ -375,8 +378,6 @@ mod tests {
         assert_eq!(next_park_after(Some(s(5)), Some(s(2)), s(6)), Some(s(5)));
         assert_eq!(next_park_after(None, Some(s(2)), s(0)), None);
     }
-    use std::os::fd::AsFd;
-    use std::os::unix::net::UnixStream;
 
     /// A parked session of two socket pairs, with a long `idle_timeout`.
     struct Fake {

@@ -570,9 +570,10 @@ where
                 return Poll::Pending;
             }
         }
-        if ending && down.done {
-            // The client has everything: drain what it still sends (so that closing does
-            // not reset what it has not read yet), then close.
+        if down.done && (ending || (refused && refusing)) {
+            // The last answer (or the refusal) is out and the client's write side shut:
+            // drain what it still sends, so that closing does not reset what it has not
+            // read yet, then close.
             let mut timer = Box::pin(tokio::time::sleep(LINGER));
             let mut drained = 0;
             let r = poll_linger(cx, client, timer.as_mut(), &mut drained);
@@ -580,14 +581,6 @@ where
             return r;
         }
         if refused && down.done {
-            if refusing {
-                // The refusal is out and the client's write side shut: drain, then close.
-                let mut timer = Box::pin(tokio::time::sleep(LINGER));
-                let mut drained = 0;
-                let r = poll_linger(cx, client, timer.as_mut(), &mut drained);
-                linger = Some((timer, drained));
-                return r;
-            }
             // The server went away with answers due: the refusal can never be sent.
             return Poll::Ready(End::Refused);
         }
