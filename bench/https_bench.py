@@ -47,7 +47,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 import tcp_bench as tb  # noqa: E402
 import tls_bench as tls  # noqa: E402
 
-BALANCERS = ("quill", "nginx", "haproxy", "backend")
+# `quill-base`: another quill binary (`--base-bin`), for an A/B of two builds in one run.
+BALANCERS = ("quill", "quill-base", "nginx", "haproxy", "backend")
 SCENARIOS = ("h1", "h2", "reconnect10")
 H1_CONNECTIONS = 50
 H2_CLIENTS, H2_STREAMS = 10, 10
@@ -130,7 +131,7 @@ def balancer_argv(name: str, port: int, backend: tls.Backend, tmp: Path, quill: 
                   cert: tuple[Path, Path, Path], keepalive: int) -> list[str]:
     pin = ["taskset", "-c", tb.BALANCER_CORE]
     crt, key, both = cert
-    if name == "quill":
+    if name in ("quill", "quill-base"):
         return pin + [str(quill), "-f", "-H", "-x", "10000", "-E", str(crt), "-K", str(key),
                       "-O", "upstream_tls", "-O", f"upstream_ca {backend.ca}",
                       "-O", f"upstream_sni {tls.BACKEND_NAME}",
@@ -183,7 +184,8 @@ def measure(procs: tb.Procs, tmp: Path, args: argparse.Namespace, backend: tls.B
     else:
         port = tb.free_port()
         logf = tmp / f"{bal}-https.log"
-        p = procs.start(bal, balancer_argv(bal, port, backend, tmp, args.quill_bin, cert, args.keepalive), logf)
+        binary = args.base_bin if bal == "quill-base" else args.quill_bin
+        p = procs.start(bal, balancer_argv(bal, port, backend, tmp, binary, cert, args.keepalive), logf)
     try:
         tb.wait_accepting(port, p, time.monotonic() + tb.READY_TIMEOUT_S)
         check = tb.last_json(tb.run_load(procs, load_argv("h1", port, 0.3, False), 30))
@@ -251,8 +253,10 @@ def summarize(runs: list[dict[str, Any]]) -> list[dict[str, Any]]:
 
 
 def fmt(rows: list[dict[str, Any]]) -> str:
-    out = ["| scenario | load | quill | NGINX | HAProxy | backend | quill / best anchor |",
-           "|---|---|---|---|---|---|---|"]
+    base = any("quill-base" in r for r in rows)
+    out = ["| scenario | load | quill |" + (" quill (base) |" if base else "")
+           + " NGINX | HAProxy | backend | quill / best anchor |",
+           "|---|---|---|" + ("---|" if base else "") + "---|---|---|---|"]
     for r in rows:
         field, better = ("overhead_us", min) if r["paced"] else ("rps", max)
         unit = "machine µs/req over backend" if r["paced"] else "req/s"
@@ -266,7 +270,8 @@ def fmt(rows: list[dict[str, Any]]) -> str:
         q = r.get("quill", {}).get(field)
         ratio = f"{q / better(anchors):.2f}" if q is not None and anchors and better(anchors) else "–"
         out.append(f"| {r['scenario']} | {'paced' if r['paced'] else 'saturated'} ({unit}) | {v('quill')} "
-                   f"| {v('nginx')} | {v('haproxy')} | {v('backend')} | {ratio} |")
+                   + (f"| {v('quill-base')} " if base else "")
+                   + f"| {v('nginx')} | {v('haproxy')} | {v('backend')} | {ratio} |")
     return "\n".join(out)
 
 
@@ -285,11 +290,13 @@ def main(argv: list[str]) -> int:
                     help="paced h1 and reconnect10: each connection waits this long after an answer")
     ap.add_argument("--h2-rps", type=int, default=H2_RPS, help="paced h2: requests/s per h2load client")
     ap.add_argument("--quill-bin", type=Path, default=tb.REPO_ROOT / "target" / "release" / "quill")
+    ap.add_argument("--base-bin", type=Path, default=None,
+                    help="also measure this quill binary, as `quill-base` (an A/B of two builds)")
     ap.add_argument("--no-build", action="store_true")
     args = ap.parse_args(argv)
     if args.quick:
         args.rounds, args.duration = 1, 3.0
-    selected = [b for b in BALANCERS if b in args.only.split(",")]
+    selected = [b for b in BALANCERS if b in args.only.split(",") or (b == "quill-base" and args.base_bin)]
     scenarios = [s for s in SCENARIOS if s in args.scenarios.split(",")]
     loads = [p for p, name in ((False, "saturated"), (True, "paced")) if name in args.loads.split(",")]
     tb.check_cores()

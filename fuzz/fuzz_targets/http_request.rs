@@ -1,7 +1,8 @@
 //! HTTP request framing and rewriting (`http`): never panics; the output does not depend on
 //! how the input is split into reads; the consumed count never exceeds the input; and body
 //! bytes (Content-Length and chunked, built from the fuzz input) come out verbatim, in order,
-//! between the rewritten heads.
+//! between the rewritten heads. Taken request by request (each answered before the next
+//! is read, as `proxy::h1_pump` drives it), the same bytes reach the servers.
 #![no_main]
 
 use libfuzzer_sys::fuzz_target;
@@ -51,6 +52,61 @@ fn feed(input: &[u8], steps: &[u8]) -> (Vec<u8>, bool) {
     (out, ex.refusal().is_some())
 }
 
+/// The answer the driver feeds whenever the exchange stops taking the client's bytes.
+const ANSWER: &[u8] = b"HTTP/1.1 404 Not Found\r\nContent-Length: 0\r\n\r\n";
+
+/// Like [`feed`], but answers the requests whenever the exchange stops taking bytes
+/// (every request when `by_request`; else a full pipeline or an `Upgrade` waiting for its
+/// answer) and goes on, resuming at each boundary. Returns what went to the servers.
+fn feed_answered(input: &[u8], steps: &[u8], by_request: bool) -> Vec<u8> {
+    let mut ex = exchange();
+    if by_request {
+        ex.request_by_request();
+    }
+    let mut out = Vec::new();
+    let mut held = Vec::new();
+    let mut pos = 0;
+    let mut i = 0;
+    while pos < input.len() || !held.is_empty() {
+        if pos < input.len() {
+            let step = steps
+                .get(i % steps.len().max(1))
+                .map_or(input.len(), |s| usize::from(*s) + 1);
+            i += 1;
+            let end = (pos + step).min(input.len());
+            held.extend_from_slice(&input[pos..end]);
+            pos = end;
+        }
+        let mut o = Vec::new();
+        match ex.client_bytes(&held, &mut o) {
+            Fed::Verbatim => {
+                out.extend_from_slice(&held);
+                held.clear();
+            }
+            Fed::Consumed(n) => {
+                out.extend_from_slice(&o);
+                held.drain(..n);
+            }
+        }
+        if ex.refusal().is_some() {
+            break;
+        }
+        let mut answers = 0;
+        while !ex.accepts_client_bytes() && answers < 200 {
+            answers += 1;
+            let _ = ex.server_bytes(ANSWER, &mut Vec::new());
+            if by_request {
+                assert!(ex.at_boundary(), "an answered request is a boundary");
+                ex.resume();
+            }
+        }
+        if !ex.accepts_client_bytes() || (pos == input.len() && !held.is_empty() && answers == 0) {
+            break;
+        }
+    }
+    out
+}
+
 fn head(extra: &str) -> String {
     format!("POST /p HTTP/1.1\r\nHost: h\r\n{extra}\r\n")
 }
@@ -69,6 +125,10 @@ fuzz_target!(|data: &[u8]| {
     let (split, split_refused) = feed(input, steps);
     assert_eq!(whole, split);
     assert!(whole_refused || !split_refused);
+    assert_eq!(
+        feed_answered(input, steps, true),
+        feed_answered(input, steps, false)
+    );
 
     // 2. A Content-Length body, then a chunked one, then a last request: bodies verbatim.
     let body = input;

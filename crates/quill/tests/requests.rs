@@ -20,6 +20,7 @@ use std::time::Duration;
 
 use support::browser::{browser_tools, run_script, CHROMIUM};
 use support::daemon::{nginx, Daemon};
+use support::http_echo::read_response;
 use support::*;
 
 /// h2load measures: one load at a time on the two cores.
@@ -1670,4 +1671,165 @@ fn chromium_opens_a_websocket_through_quill_over_h2() {
         line.contains(" CONNECT ") && line.contains(" HTTP/2.0 200 "),
         "{line}"
     );
+}
+
+// ---------------------------------------------------------------------------
+// HTTP/1.x clients relayed by the byte pump, request by request
+// ---------------------------------------------------------------------------
+
+/// A server that answers the first request of each connection (keep-alive, the body
+/// names the connection) and then closes the connection as the next request arrives,
+/// unanswered: what a kept-alive connection looks like when the server's idle timeout
+/// crosses a request. Counts the request heads it received.
+fn forgetful_server() -> (u16, Arc<AtomicUsize>) {
+    let listener = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
+    let port = listener.local_addr().unwrap().port();
+    let received = Arc::new(AtomicUsize::new(0));
+    let count = Arc::clone(&received);
+    std::thread::spawn(move || {
+        for (n, conn) in listener.incoming().enumerate() {
+            let Ok(mut conn) = conn else { continue };
+            let count = Arc::clone(&count);
+            std::thread::spawn(move || {
+                let mut got = Vec::new();
+                let mut buf = [0u8; 4096];
+                let mut heads = 0;
+                loop {
+                    if got.windows(4).any(|w| w == b"\r\n\r\n") {
+                        heads += 1;
+                        count.fetch_add(1, SeqCst);
+                        if heads == 2 {
+                            return; // the second request: closed unanswered
+                        }
+                        got.clear();
+                        let body = format!("conn {n}\n");
+                        let answer = format!(
+                            "HTTP/1.1 200 OK\r\nContent-Length: {}\r\n\r\n{body}",
+                            body.len()
+                        );
+                        if conn.write_all(answer.as_bytes()).is_err() {
+                            return;
+                        }
+                    }
+                    match conn.read(&mut buf) {
+                        Ok(0) | Err(_) => return,
+                        Ok(n) => got.extend_from_slice(&buf[..n]),
+                    }
+                }
+            });
+        }
+    });
+    (port, received)
+}
+
+/// A kept-alive server connection that the server closes as a request arrives costs the
+/// client nothing when the request can be sent again (no body, idempotent method): it
+/// goes once more over a new connection, and the server is not blacklisted. A request
+/// with a body is not sent twice: the client gets 502 and its connection closes.
+#[test]
+fn a_reused_connection_the_server_closed_is_replaced_without_failing_a_request() {
+    let (port, received) = forgetful_server();
+    let q = Quill::start(&["-H", "{port}", &format!("127.0.0.1:{port}")]);
+    let url = format!("http://127.0.0.1:{}/again", q.port);
+    let mut args = vec!["--http1.1", "-w", "%{http_code} %{num_connects}\n"];
+    args.extend(vec![url.as_str(); 4]);
+    let Some(out) = curl(&args) else { return };
+    let codes: Vec<&str> = out.lines().filter(|l| !l.starts_with("conn")).collect();
+    assert_eq!(codes, ["200 1", "200 0", "200 0", "200 0"], "{out}");
+    let conns: BTreeSet<&str> = out.lines().filter(|l| l.starts_with("conn")).collect();
+    assert_eq!(
+        conns.len(),
+        4,
+        "each request after the first on a new connection: {out}"
+    );
+    // The second, third and fourth requests each went first to the connection the
+    // request before had used, which the server closed.
+    assert_eq!(received.load(SeqCst), 4 + 3, "{out}");
+
+    let mut client = q.connect();
+    client.set_read_timeout(Some(IO_TIMEOUT)).unwrap();
+    client
+        .write_all(b"GET /first HTTP/1.1\r\nHost: x\r\n\r\n")
+        .unwrap();
+    let first = read_response(&mut client).expect("an answer");
+    assert_eq!(first.status, 200);
+    client
+        .write_all(b"POST /twice HTTP/1.1\r\nHost: x\r\nContent-Length: 4\r\n\r\nbody")
+        .unwrap();
+    let refused = read_response(&mut client).expect("an answer");
+    assert_eq!(refused.status, 502, "{}", refused.head);
+    let mut rest = Vec::new();
+    assert_eq!(
+        client.read_to_end(&mut rest).unwrap_or(0),
+        0,
+        "closed after the 502"
+    );
+    // Not the server's failure: it still serves.
+    assert!(curl(&["--http1.1", &url]).unwrap().starts_with("conn"));
+}
+
+/// Requests a client pipelines in one write are taken one at a time, each sent to the
+/// server chosen for it (round robin), and answered in order.
+#[test]
+fn pipelined_requests_go_one_by_one_each_to_its_server() {
+    let Some((_a, a)) = named_backend() else {
+        return;
+    };
+    let Some((_b, b)) = named_backend() else {
+        return;
+    };
+    let q = Quill::start(&[
+        "-H",
+        "-r",
+        "{port}",
+        &format!("127.0.0.1:{a}"),
+        &format!("127.0.0.1:{b}"),
+    ]);
+    let mut client = q.connect();
+    client.set_read_timeout(Some(IO_TIMEOUT)).unwrap();
+    let one = "GET /port HTTP/1.1\r\nHost: x\r\n\r\n";
+    client.write_all(one.repeat(6).as_bytes()).unwrap();
+    let ports: Vec<String> = (0..6)
+        .map(|_| {
+            let resp = read_response(&mut client).expect("an answer");
+            assert_eq!(resp.status, 200, "{}", resp.head);
+            String::from_utf8_lossy(&resp.body).trim().to_string()
+        })
+        .collect();
+    for pair in ports.chunks(2) {
+        assert_ne!(pair[0], pair[1], "round robin per request: {ports:?}");
+    }
+    let seen: BTreeSet<String> = ports.iter().cloned().collect();
+    assert_eq!(seen, BTreeSet::from([a.to_string(), b.to_string()]));
+}
+
+/// A server that says `Connection: close` (NGINX's `keepalive_requests 1`) gets a new
+/// connection for every request, and no request fails; a client that half-closes after
+/// its request still gets the answer.
+#[test]
+fn servers_that_close_get_new_connections_and_half_closed_clients_their_answers() {
+    let Some((_nginx, port)) = nginx(
+        "",
+        " keepalive_requests 1;",
+        "  location /who { default_type text/plain; return 200 \"$connection\\n\"; }",
+        &[],
+    ) else {
+        return;
+    };
+    let q = Quill::start(&["-H", "{port}", &format!("127.0.0.1:{port}")]);
+    let url = format!("http://127.0.0.1:{}/who", q.port);
+    let mut args = vec!["--http1.1", "-w", "HTTP %{http_code}\n"];
+    args.extend(vec![url.as_str(); 5]);
+    let Some(out) = curl(&args) else { return };
+    assert_eq!(out.lines().filter(|l| *l == "HTTP 200").count(), 5, "{out}");
+    assert_eq!(connections(&out).len(), 5, "{out}");
+
+    let mut client = q.connect();
+    client.set_read_timeout(Some(IO_TIMEOUT)).unwrap();
+    client
+        .write_all(b"GET /who HTTP/1.1\r\nHost: x\r\n\r\n")
+        .unwrap();
+    client.shutdown(std::net::Shutdown::Write).unwrap();
+    let resp = read_response(&mut client).expect("the answer");
+    assert_eq!(resp.status, 200, "{}", resp.head);
 }

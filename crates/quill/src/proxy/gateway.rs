@@ -138,10 +138,10 @@ impl Body for ResponseBody {
 pub(super) type Reply = Response<Either<ResponseBody, Full<Bytes>>>;
 
 /// One request in flight on a server: counts in its `conns` until dropped.
-struct Lease(&'static ServerState);
+pub(super) struct Lease(&'static ServerState);
 
 impl Lease {
-    fn take(server: &'static ServerState) -> Lease {
+    pub(super) fn take(server: &'static ServerState) -> Lease {
         server.conns.fetch_add(1, Relaxed);
         Lease(server)
     }

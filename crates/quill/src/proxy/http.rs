@@ -193,6 +193,20 @@ pub struct Exchange {
     /// No more requests are read: the answer that says `Connection: close` has been
     /// forwarded, or the connection ends between requests ([`Exchange::close_now`]).
     last: bool,
+    /// Request by request ([`Exchange::request_by_request`]): no byte of a next request is
+    /// taken before [`Exchange::resume`].
+    one_at_a_time: bool,
+    /// A request was received whole: the client's bytes wait for `resume`.
+    paused: bool,
+    /// Neither the request nor its answer said the connection ends after the answer
+    /// (`Connection: close`, HTTP/1.0 without keep-alive): both the client and the server
+    /// expect it to.
+    keep_alive: bool,
+    /// The server closed its connection between requests.
+    server_left: bool,
+    /// The last request received has no body, and its method is idempotent: it can be sent
+    /// again, to another connection, if the first went away without a byte of answer.
+    replayable: bool,
 }
 
 /// The result of looking for the end of a message head.
@@ -222,7 +236,65 @@ impl Exchange {
             refusal_sent: false,
             closing: false,
             last: false,
+            one_at_a_time: false,
+            paused: false,
+            keep_alive: true,
+            server_left: false,
+            replayable: false,
         }
+    }
+
+    /// Takes one request at a time (request-level relaying, `proxy::h1_pump`): once a
+    /// request has been received whole, no byte of the next is taken until its answer is
+    /// complete ([`Exchange::at_boundary`]) and the driver calls [`Exchange::resume`], so
+    /// that each request can go to a server of its own.
+    pub fn request_by_request(&mut self) {
+        self.one_at_a_time = true;
+    }
+
+    /// Whether [`Exchange::request_by_request`] was asked for.
+    pub fn is_request_by_request(&self) -> bool {
+        self.one_at_a_time
+    }
+
+    /// Takes the client's bytes again after a boundary.
+    pub fn resume(&mut self) {
+        self.paused = false;
+    }
+
+    /// A new server connection carries the next request.
+    pub fn new_server(&mut self) {
+        self.server_left = false;
+    }
+
+    /// Request by request: the request taken has been answered whole and nothing of the
+    /// next one has been taken; the server connection is free.
+    pub fn at_boundary(&self) -> bool {
+        self.paused && !self.last && self.between()
+    }
+
+    /// Whether the server connection can carry another request after this answer (not
+    /// ended by a header, by the server, by a body delimited by the close, a tunnel or
+    /// answers quill cannot frame).
+    pub fn server_keeps(&self) -> bool {
+        self.keep_alive && !self.server_left && self.resp == Resp::Head
+    }
+
+    /// Whether the client's connection goes on after this answer: neither the request nor
+    /// the answer (which the client sees) said it ends.
+    pub fn client_keeps(&self) -> bool {
+        self.keep_alive
+    }
+
+    /// The server closed its connection after a complete answer (request by request),
+    /// or the client half-closed (its EOF went to the server).
+    pub fn server_left(&mut self) {
+        self.server_left = true;
+    }
+
+    /// Whether the last request received may be sent again (no body, idempotent method).
+    pub fn replayable(&self) -> bool {
+        self.replayable
     }
 
     /// Whether the client's bytes can be accepted now. While this is false the driver
@@ -234,6 +306,7 @@ impl Exchange {
         }
         match self.req {
             Req::AwaitDecision | Req::Failed(_) => false,
+            Req::Head if self.paused => false,
             Req::Head => self.pending.len() < MAX_PIPELINE || self.resp == Resp::Raw,
             _ => true,
         }
@@ -352,6 +425,7 @@ impl Exchange {
     /// The end of a request message.
     fn request_done(&mut self) {
         self.req_forwarded = false;
+        self.paused = self.one_at_a_time;
         if self.resp == Resp::Raw {
             // Responses cannot be followed: assume the server switched.
             self.req = if self.req_switch {
@@ -443,9 +517,13 @@ impl Exchange {
         let mut length: Option<u64> = None;
         let mut chunked: Option<bool> = None;
         let mut upgrade = false;
+        // HTTP/1.0 closes unless asked to keep alive; HTTP/1.1 keeps alive unless asked.
+        let mut keeps = version != 0;
         for h in req.headers.iter() {
             let name = h.name.as_bytes();
-            if name.eq_ignore_ascii_case(b"content-length") {
+            if name.eq_ignore_ascii_case(b"connection") {
+                keeps = connection_keeps(h.value, keeps);
+            } else if name.eq_ignore_ascii_case(b"content-length") {
                 let n = content_length(h.value).ok_or(Refusal::BadRequest)?;
                 if length.is_some_and(|l| l != n) {
                     return Err(Refusal::BadRequest);
@@ -476,6 +554,13 @@ impl Exchange {
         };
         self.write_request_head(method, path, version, req.headers, out);
         self.req_switch = connect || upgrade;
+        self.keep_alive &= keeps;
+        self.replayable = body == Req::Head
+            && !self.req_switch
+            && matches!(
+                method,
+                "GET" | "HEAD" | "OPTIONS" | "TRACE" | "PUT" | "DELETE"
+            );
         if self.resp != Resp::Raw {
             // Raw answers are never paired with requests: nothing to remember.
             self.pending.push_back(Pending {
@@ -659,9 +744,12 @@ impl Exchange {
         let mut length: Option<Option<u64>> = None;
         let mut chunked: Option<bool> = None;
         let mut has_hsts = false;
+        let mut keeps = resp.version != Some(0);
         for h in resp.headers.iter() {
             let name = h.name.as_bytes();
-            if name.eq_ignore_ascii_case(b"content-length") {
+            if name.eq_ignore_ascii_case(b"connection") {
+                keeps = connection_keeps(h.value, keeps);
+            } else if name.eq_ignore_ascii_case(b"content-length") {
                 length = Some(content_length(h.value));
             } else if name.eq_ignore_ascii_case(b"transfer-encoding") {
                 if let Some(last) = list(h.value).last() {
@@ -671,6 +759,9 @@ impl Exchange {
             } else if name.eq_ignore_ascii_case(b"strict-transport-security") {
                 has_hsts = true;
             }
+        }
+        if code >= 200 {
+            self.keep_alive &= keeps;
         }
         let head = &buf[..n];
         let hsts = match self.params.hsts {
@@ -809,6 +900,20 @@ impl Exchange {
         self.refusal_sent = true;
         Some(refusal.response())
     }
+}
+
+/// What a `Connection` field says of keeping the connection: `close` ends it, `keep-alive`
+/// keeps it (HTTP/1.0), else `keeps` (the version's default) stands.
+fn connection_keeps(value: &[u8], mut keeps: bool) -> bool {
+    for token in list(value) {
+        if token.eq_ignore_ascii_case(b"close") {
+            return false;
+        }
+        if token.eq_ignore_ascii_case(b"keep-alive") {
+            keeps = true;
+        }
+    }
+    keeps
 }
 
 /// Writes a response head as the last one of its connection: the server's status line and
@@ -1369,6 +1474,94 @@ mod tests {
         let mut plain = Exchange::new(params(Scheme::Http, Some(hsts)));
         client(&mut plain, b"GET / HTTP/1.1\r\n\r\n", 1000);
         assert_eq!(server(&mut plain, resp), resp);
+    }
+
+    #[test]
+    fn request_by_request_takes_one_request_and_pauses_until_its_answer() {
+        let mut ex = exchange();
+        ex.request_by_request();
+        let two = b"GET /a HTTP/1.1\r\n\r\nGET /b HTTP/1.1\r\n\r\n";
+        let mut out = Vec::new();
+        // Only the first request is taken; the second waits, unread by the exchange.
+        let Fed::Consumed(n) = ex.client_bytes(two, &mut out) else {
+            panic!("a head is consumed, not passed verbatim");
+        };
+        assert_eq!(n, 19);
+        assert!(!ex.accepts_client_bytes());
+        assert!(!ex.at_boundary());
+        assert!(ex.replayable());
+        // A body in pieces and the end of the answer make the boundary.
+        server(&mut ex, b"HTTP/1.1 200 OK\r\nContent-Length: 2\r\n\r\no");
+        assert!(!ex.at_boundary());
+        server(&mut ex, b"k");
+        assert!(ex.at_boundary() && ex.server_keeps());
+        ex.resume();
+        assert!(!ex.at_boundary());
+        let rest = client(&mut ex, &two[n..], 1000);
+        assert!(String::from_utf8_lossy(&rest).starts_with("GET /b HTTP/1.1\r\n"));
+    }
+
+    #[test]
+    fn request_by_request_knows_when_the_connections_end() {
+        // Whether the connections go on after `resp` answered `req` on a new exchange.
+        let answer = |req: &[u8], resp: &[u8]| {
+            let mut ex = exchange();
+            ex.request_by_request();
+            client(&mut ex, req, 1000);
+            server(&mut ex, resp);
+            assert!(
+                ex.at_boundary(),
+                "answered: {}",
+                String::from_utf8_lossy(resp)
+            );
+            assert_eq!(ex.server_keeps(), ex.client_keeps());
+            ex.client_keeps()
+        };
+        let get = b"GET / HTTP/1.1\r\n\r\n";
+        let ok = b"HTTP/1.1 204 No Content\r\n\r\n";
+        assert!(answer(get, ok));
+        assert!(!answer(
+            get,
+            b"HTTP/1.1 204 No Content\r\nConnection: close\r\n\r\n"
+        ));
+        assert!(!answer(b"GET / HTTP/1.1\r\nConnection: Close\r\n\r\n", ok));
+        assert!(!answer(
+            get,
+            b"HTTP/1.0 200 OK\r\nContent-Length: 0\r\n\r\n"
+        ));
+        assert!(answer(
+            get,
+            b"HTTP/1.0 200 OK\r\nConnection: keep-alive\r\nContent-Length: 0\r\n\r\n"
+        ));
+        assert!(!answer(
+            b"GET / HTTP/1.0\r\n\r\n",
+            b"HTTP/1.1 200 OK\r\nContent-Length: 0\r\n\r\n"
+        ));
+        // A server that closed between requests ends its connection, not the client's.
+        let mut ex = exchange();
+        ex.request_by_request();
+        client(&mut ex, get, 1000);
+        server(&mut ex, ok);
+        ex.server_left();
+        assert!(!ex.server_keeps() && ex.client_keeps());
+        ex.new_server();
+        assert!(ex.server_keeps());
+        // Only bodiless requests of idempotent methods may be sent twice.
+        ex.resume();
+        client(
+            &mut ex,
+            b"POST / HTTP/1.1\r\nContent-Length: 0\r\n\r\n",
+            1000,
+        );
+        assert!(!ex.replayable());
+        server(&mut ex, ok);
+        ex.resume();
+        client(
+            &mut ex,
+            b"PUT / HTTP/1.1\r\nContent-Length: 1\r\n\r\nx",
+            1000,
+        );
+        assert!(!ex.replayable());
     }
 
     #[test]

@@ -4,6 +4,7 @@
 pub mod dummy;
 pub mod gateway;
 pub mod h1;
+pub mod h1_pump;
 pub mod h2;
 pub mod http;
 pub mod park;

@@ -1,7 +1,9 @@
-//! The upstream pool of request-level proxying (`proxy::h2`): kept-alive HTTP/1.1
-//! connections to servers, reused across client connections and streams.
+//! The upstream pools of request-level proxying: kept-alive HTTP/1.1 connections to
+//! servers, reused across client connections and streams. Two kinds, each in its own pool:
+//! hyper's (`Conn`, for `proxy::gateway`) and raw streams (`proxy::h1_pump::Link`, for
+//! HTTP/1.x clients relayed by the byte pump); the rules below are the same for both.
 //!
-//! One pool per event loop (a thread-local: a loop's tasks never leave its thread), so
+//! One pool per event loop and kind (a thread-local: a loop's tasks never leave its thread), so
 //! taking and returning a connection costs no lock. Invariants: an idle entry's sender was
 //! ready when it was put back (its last response was read to the end); a loop keeps at
 //! most its share of `upstream_keepalive` idle entries per server for longer than
@@ -17,6 +19,7 @@ use std::collections::HashMap;
 use std::future::poll_fn;
 use std::net::SocketAddr;
 use std::sync::atomic::{AtomicUsize, Ordering::Relaxed};
+use std::thread::LocalKey;
 use std::time::{Duration, Instant};
 
 use hyper::client::conn::http1::SendRequest;
@@ -63,6 +66,35 @@ pub struct Conn {
     pub poolable: bool,
 }
 
+/// A kind of pooled connection.
+pub trait Pooled: Sized + 'static {
+    /// This loop's pool of the kind.
+    fn pool() -> &'static LocalKey<RefCell<Pool<Self>>>;
+    /// The server's address when the connection was made: a server moved by
+    /// `server N address` must not get requests meant for its new address over the old
+    /// connection.
+    fn addr(&self) -> SocketAddr;
+    /// Requests sent over it so far.
+    fn uses(&self) -> u64;
+    /// Whether it can take a request now: open, and nothing unasked-for arrived on it.
+    fn usable(&mut self) -> bool;
+}
+
+impl Pooled for Conn {
+    fn pool() -> &'static LocalKey<RefCell<Pool<Self>>> {
+        &POOL
+    }
+    fn addr(&self) -> SocketAddr {
+        self.addr
+    }
+    fn uses(&self) -> u64 {
+        self.uses
+    }
+    fn usable(&mut self) -> bool {
+        !self.sender.is_closed() && self.sender.is_ready()
+    }
+}
+
 /// The rules a connection is put back under (from the settings of the request that used it).
 #[derive(Debug, Clone, Copy)]
 pub struct Limits {
@@ -73,8 +105,8 @@ pub struct Limits {
     pub max_requests: u64,
 }
 
-struct Idle {
-    conn: Conn,
+struct Idle<C> {
+    conn: C,
     since: Instant,
     idle_timeout: Duration,
     /// This loop's share of `upstream_keepalive` for the server.
@@ -82,35 +114,48 @@ struct Idle {
     gauge: &'static ServerState,
 }
 
-#[derive(Default)]
-struct Pool {
-    idle: HashMap<Target, Vec<Idle>>,
+/// One event loop's idle connections of one kind, by server.
+pub struct Pool<C> {
+    idle: HashMap<Target, Vec<Idle<C>>>,
     /// A sweeper task is running on this loop.
     sweeping: bool,
 }
 
+impl<C> Default for Pool<C> {
+    fn default() -> Self {
+        Pool {
+            idle: HashMap::new(),
+            sweeping: false,
+        }
+    }
+}
+
 thread_local! {
-    static POOL: RefCell<Pool> = RefCell::default();
+    static POOL: RefCell<Pool<Conn>> = RefCell::default();
 }
 
 /// The most recently used idle connection to `target` at `addr`, if one is still good.
-pub fn take(target: Target, addr: SocketAddr) -> Option<Conn> {
+pub fn take<C: Pooled>(target: Target, addr: SocketAddr) -> Option<C> {
     let now = Instant::now();
-    POOL.with(|pool| {
+    C::pool().with(|pool| {
         let mut pool = pool.borrow_mut();
         let list = pool.idle.get_mut(&target)?;
-        while let Some(idle) = list.pop() {
+        while let Some(mut idle) = list.pop() {
             idle.gauge.pool_idle.fetch_sub(1, Relaxed);
-            if idle.conn.addr == addr
+            if idle.conn.addr() == addr
                 && now.duration_since(idle.since) < idle.idle_timeout
-                && !idle.conn.sender.is_closed()
-                && idle.conn.sender.is_ready()
+                && idle.conn.usable()
             {
                 return Some(idle.conn);
             }
         }
         None
     })
+}
+
+/// Whether a connection that served its last request may go back to the pool.
+pub fn wanted<C: Pooled>(conn: &C, limits: Limits) -> bool {
+    limits.keepalive > 0 && (limits.max_requests == 0 || conn.uses() < limits.max_requests)
 }
 
 /// Puts `conn` back once its response has been read to the end, if the server keeps it
@@ -122,7 +167,7 @@ pub fn give_back(
     server: &'static ServerState,
     limits: Limits,
 ) {
-    if limits.keepalive == 0 || (limits.max_requests > 0 && conn.uses >= limits.max_requests) {
+    if !wanted(&conn, limits) {
         return;
     }
     tokio::task::spawn_local(async move {
@@ -131,24 +176,36 @@ pub fn give_back(
         if poll_fn(|cx| conn.sender.poll_ready(cx)).await.is_err() {
             return;
         }
-        let share = limits.keepalive.div_ceil(LOOPS.load(Relaxed).max(1) as u32) as usize;
-        let start_sweeper = POOL.with(|pool| {
-            let mut pool = pool.borrow_mut();
-            let list = pool.idle.entry(target).or_default();
-            server.pool_idle.fetch_add(1, Relaxed);
-            list.push(Idle {
-                conn,
-                since: Instant::now(),
-                idle_timeout: limits.idle_timeout,
-                share: share.max(1),
-                gauge: server,
-            });
-            !std::mem::replace(&mut pool.sweeping, true)
-        });
-        if start_sweeper {
-            tokio::task::spawn_local(sweep(state));
-        }
+        put(state, conn, target, server, limits);
     });
+}
+
+/// Puts `conn`, which can take a request now, among the idle ones (the caller checked
+/// [`wanted`]).
+pub fn put<C: Pooled>(
+    state: &'static State,
+    conn: C,
+    target: Target,
+    server: &'static ServerState,
+    limits: Limits,
+) {
+    let share = limits.keepalive.div_ceil(LOOPS.load(Relaxed).max(1) as u32) as usize;
+    let start_sweeper = C::pool().with(|pool| {
+        let mut pool = pool.borrow_mut();
+        let list = pool.idle.entry(target).or_default();
+        server.pool_idle.fetch_add(1, Relaxed);
+        list.push(Idle {
+            conn,
+            since: Instant::now(),
+            idle_timeout: limits.idle_timeout,
+            share: share.max(1),
+            gauge: server,
+        });
+        !std::mem::replace(&mut pool.sweeping, true)
+    });
+    if start_sweeper {
+        tokio::task::spawn_local(sweep::<C>(state));
+    }
 }
 
 /// Whether idle connections to `target` at `addr` may still serve: the server is still
@@ -175,19 +232,19 @@ fn still_wanted(
 /// Closes idle connections past their timeout (or closed by their server, or to a server
 /// no longer wanted), and the least recently used ones beyond the share idle for
 /// `TRIM_AFTER`, every second, until the pool of this loop is empty.
-async fn sweep(state: &'static State) {
+async fn sweep<C: Pooled>(state: &'static State) {
     loop {
         tokio::time::sleep(Duration::from_secs(1)).await;
         let now = Instant::now();
         let settings = state.settings();
-        let empty = POOL.with(|pool| {
+        let empty = C::pool().with(|pool| {
             let mut pool = pool.borrow_mut();
             pool.idle.retain(|&target, list| {
                 // Oldest first: beyond the share, those idle for TRIM_AFTER go.
                 let mut excess = list
                     .len()
                     .saturating_sub(list.first().map_or(0, |i| i.share));
-                list.retain(|idle| {
+                list.retain_mut(|idle| {
                     let idle_for = now.duration_since(idle.since);
                     let trimmed = excess > 0 && idle_for >= TRIM_AFTER;
                     if trimmed {
@@ -195,8 +252,8 @@ async fn sweep(state: &'static State) {
                     }
                     let keep = !trimmed
                         && idle_for < idle.idle_timeout
-                        && !idle.conn.sender.is_closed()
-                        && still_wanted(state, &settings, target, idle.conn.addr);
+                        && idle.conn.usable()
+                        && still_wanted(state, &settings, target, idle.conn.addr());
                     if !keep {
                         idle.gauge.pool_idle.fetch_sub(1, Relaxed);
                     }

@@ -76,6 +76,13 @@ struct Shared<'a> {
     active: bool,
     /// The refusal has been queued for the client; the server is not read any more.
     refusing: bool,
+    /// Request by request (`Exchange::request_by_request`): the server connection carries
+    /// one request, and its end is not the client's.
+    one_request: bool,
+    /// The error being returned came from the server's stream.
+    server_failed: bool,
+    /// Request by request: the server closed its connection between requests.
+    server_left: bool,
 }
 
 impl Shared<'_> {
@@ -105,7 +112,8 @@ impl Flow {
         let mut budget = BUDGET;
         loop {
             while self.written < self.out.len() {
-                let n = ready!(Pin::new(&mut *dst).poll_write(cx, &self.out[self.written..]))?;
+                let n = ready!(Pin::new(&mut *dst).poll_write(cx, &self.out[self.written..]))
+                    .inspect_err(|_| shared.server_failed = dir == Dir::Up)?;
                 if n == 0 {
                     return Poll::Ready(Err(ErrorKind::WriteZero.into()));
                 }
@@ -119,7 +127,8 @@ impl Flow {
                 self.written = 0;
             }
             if self.unflushed {
-                ready!(Pin::new(&mut *dst).poll_flush(cx))?;
+                ready!(Pin::new(&mut *dst).poll_flush(cx))
+                    .inspect_err(|_| shared.server_failed = dir == Dir::Up)?;
                 self.unflushed = false;
             }
             if dir == Dir::Down && !shared.refusing {
@@ -168,10 +177,29 @@ impl Flow {
                     let mut buf = ReadBuf::new(&mut scratch[..]);
                     match Pin::new(&mut *src).poll_read(cx, &mut buf) {
                         Poll::Pending => return Poll::Pending,
-                        Poll::Ready(Err(e)) => return Poll::Ready(Err(e)),
+                        Poll::Ready(Err(e)) => {
+                            shared.server_failed = dir == Dir::Down;
+                            return Poll::Ready(Err(e));
+                        }
                         Poll::Ready(Ok(())) => {}
                     }
                     let input = buf.filled();
+                    if input.is_empty() && dir == Dir::Down && shared.one_request {
+                        if shared.exchange.as_ref().is_some_and(|ex| ex.between()) {
+                            // Between requests: the connection is of no further use, but
+                            // the client's goes on.
+                            shared.server_left = true;
+                            return Poll::Pending;
+                        }
+                        if self.bytes == 0 {
+                            // Gone before answering: the request may go elsewhere.
+                            shared.server_failed = true;
+                            return Poll::Ready(Err(io::Error::new(
+                                ErrorKind::UnexpectedEof,
+                                "the server closed the connection before answering",
+                            )));
+                        }
+                    }
                     if input.is_empty() {
                         self.eof = true;
                         if dir == Dir::Down {
@@ -243,7 +271,10 @@ impl Flow {
                     written += n;
                     self.unflushed = true;
                 }
-                Poll::Ready(Err(e)) => return Err(e),
+                Poll::Ready(Err(e)) => {
+                    shared.server_failed = dir == Dir::Up;
+                    return Err(e);
+                }
                 Poll::Pending => break,
             }
         }
@@ -284,6 +315,27 @@ impl Http {
             preread: Preread::default(),
             head_limit,
         }
+    }
+
+    /// Whether bytes of the client's were read and not taken by the exchange yet.
+    pub fn has_held(&self) -> bool {
+        !self.preread.held.is_empty()
+    }
+
+    /// What goes to the server first: the request head (rewritten), with what followed it.
+    pub fn request_bytes(&self) -> Vec<u8> {
+        self.preread.out.clone()
+    }
+
+    /// Puts a request's bytes back to be sent again (they went to a server connection that
+    /// turned out closed).
+    pub fn unsend(&mut self, bytes: Vec<u8>) {
+        self.preread.out = bytes;
+    }
+
+    /// The start of the client's first read, when `first_head` was asked to keep it.
+    pub fn first_bytes(&mut self) -> Vec<u8> {
+        self.preread.first.take().unwrap_or_default()
     }
 }
 
@@ -371,7 +423,8 @@ where
 }
 
 /// Reads until the exchange has a complete first head (`Ok`), or refuses it, or the
-/// client is gone.
+/// client is gone. Bytes read earlier and held (request by request: what came after the
+/// previous request) go first.
 fn poll_first_head<C>(
     cx: &mut Context<'_>,
     client: &mut C,
@@ -380,6 +433,12 @@ fn poll_first_head<C>(
 where
     C: AsyncRead + Unpin + ?Sized,
 {
+    if !http.preread.held.is_empty() {
+        let held = std::mem::take(&mut http.preread.held);
+        if let Some(done) = take_head_bytes(http, &held) {
+            return Poll::Ready(done);
+        }
+    }
     SCRATCH.with(|scratch| {
         let mut scratch = scratch.borrow_mut();
         loop {
@@ -398,25 +457,35 @@ where
             if let Some(first) = pre.first.as_mut().filter(|f| f.is_empty()) {
                 first.extend_from_slice(&input[..input.len().min(crate::connlog::REQUEST_BYTES)]);
             }
-            match http.exchange.client_bytes(input, &mut pre.out) {
-                Fed::Verbatim => pre.out.extend_from_slice(input),
-                // What follows a refused request is never forwarded.
-                Fed::Consumed(n) if n < input.len() && http.exchange.refusal().is_none() => {
-                    pre.held.extend_from_slice(&input[n..]);
-                }
-                Fed::Consumed(_) => {}
-            }
-            // A complete head is the first thing the exchange ever writes out. A refusal
-            // after it (a bad second request in the same read) is the relay's to send,
-            // after the answer to the first.
-            if !pre.out.is_empty() {
-                return Poll::Ready(Ok(()));
-            }
-            if http.exchange.refusal().is_some() {
-                return Poll::Ready(Err(Unfinished::Refused));
+            if let Some(done) = take_head_bytes(http, input) {
+                return Poll::Ready(done);
             }
         }
     })
+}
+
+/// Feeds the client's bytes to the exchange while it waits for a head: `Some` once the
+/// head is complete (`Ok`) or refused.
+fn take_head_bytes(http: &mut Http, input: &[u8]) -> Option<Result<(), Unfinished>> {
+    let pre = &mut http.preread;
+    match http.exchange.client_bytes(input, &mut pre.out) {
+        Fed::Verbatim => pre.out.extend_from_slice(input),
+        // What follows a refused request is never forwarded.
+        Fed::Consumed(n) if n < input.len() && http.exchange.refusal().is_none() => {
+            pre.held.extend_from_slice(&input[n..]);
+        }
+        Fed::Consumed(_) => {}
+    }
+    // A complete head is the first thing the exchange writes out. A refusal after it (a
+    // bad second request in the same read) is the relay's to send, after the answer to
+    // the first.
+    if !pre.out.is_empty() {
+        return Some(Ok(()));
+    }
+    if http.exchange.refusal().is_some() {
+        return Some(Err(Unfinished::Refused));
+    }
+    None
 }
 
 /// `http_request_timeout` for the heads that follow the first on a keep-alive
@@ -459,10 +528,15 @@ impl HeadTimer {
 /// verbatim otherwise. With `http`, what `ask` says ends the connection gracefully: after
 /// an answer that says `Connection: close`, or at once between requests when quill stops;
 /// the client's side is shut and what it still sends drained for a while (`End::Closed`).
+///
+/// Request by request (`Exchange::request_by_request`), the relay carries one request
+/// and ends at `End::Boundary` once it is answered (the client's bytes read beyond it go
+/// back into `http.preread`); an error of the server's stream is `End::ServerError`, and
+/// a server that closes before a byte of answer is one.
 pub async fn relay<C, S>(
     client: &mut C,
     server: &mut S,
-    http: Option<Http>,
+    mut http: Option<&mut Http>,
     opts: RelayOptions,
     ask: &Cell<Ask>,
 ) -> Outcome
@@ -470,17 +544,25 @@ where
     C: AsyncRead + AsyncWrite + Unpin + ?Sized,
     S: AsyncRead + AsyncWrite + Unpin + ?Sized,
 {
-    let (mut exchange, preread, mut head) = match http {
+    let (preread, mut head) = match http.as_deref_mut() {
         Some(h) => {
             let timer = h.head_limit.map(|limit| HeadTimer {
                 limit,
                 since: None,
                 sleep: None,
             });
-            (Some(h.exchange), h.preread, timer)
+            (std::mem::take(&mut h.preread), timer)
         }
-        None => (None, Preread::default(), None),
+        None => (Preread::default(), None),
     };
+    let mut no_held = Vec::new();
+    let (mut exchange, preread_held) = match http {
+        Some(h) => (Some(&mut h.exchange), &mut h.preread.held),
+        None => (None, &mut no_held),
+    };
+    let one_request = exchange
+        .as_ref()
+        .is_some_and(|ex| ex.is_request_by_request());
     let mut up = Flow {
         out: preread.out,
         held: preread.held,
@@ -500,25 +582,36 @@ where
             return poll_linger(cx, client, timer.as_mut(), drained);
         }
         let mut shared = Shared {
-            exchange: exchange.as_mut(),
+            exchange: exchange.as_deref_mut(),
             active,
             refusing,
+            one_request,
+            server_failed: false,
+            server_left: false,
         };
         let blocked_before = !shared.accepts(Dir::Up);
+        let failed = |e, shared: &Shared<'_>| {
+            if shared.one_request && shared.server_failed {
+                End::ServerError(e)
+            } else {
+                End::Error(e)
+            }
+        };
         if !up.done {
             if let Poll::Ready(Err(e)) =
                 up.poll(Dir::Up, cx, client, server, down.done, &mut shared)
             {
-                return Poll::Ready(End::Error(e));
+                return Poll::Ready(failed(e, &shared));
             }
         }
         if !down.done {
             if let Poll::Ready(Err(e)) =
                 down.poll(Dir::Down, cx, server, client, up.done, &mut shared)
             {
-                return Poll::Ready(End::Error(e));
+                return Poll::Ready(failed(e, &shared));
             }
         }
+        let server_left = shared.server_left;
         if blocked_before && shared.accepts(Dir::Up) && !up.done {
             // The server's answer released the client (an `Upgrade` was declined or
             // accepted): let the client direction run again.
@@ -530,16 +623,16 @@ where
             .exchange
             .as_ref()
             .is_some_and(|ex| ex.refusal().is_some());
-        if let Some(timer) = head.as_mut() {
+        if let Some(timer) = head.as_mut().filter(|_| !one_request) {
             // Waiting on the client alone: nothing of its own is still being written.
             let waiting = !refusing
                 && !up.eof
                 && up.out.is_empty()
                 && up.held.is_empty()
                 && down.out.is_empty()
-                && exchange.as_ref().is_some_and(Exchange::awaiting_head);
+                && exchange.as_deref().is_some_and(Exchange::awaiting_head);
             if timer.expired(cx, waiting) {
-                match exchange.as_mut() {
+                match exchange.as_deref_mut() {
                     Some(ex) if ex.head_started() => {
                         // 408 once the earlier answers are out: the next turn queues it.
                         ex.head_timed_out();
@@ -550,7 +643,7 @@ where
                 }
             }
         }
-        if let Some(ex) = exchange.as_mut().filter(|_| !refusing && !ending) {
+        if let Some(ex) = exchange.as_deref_mut().filter(|_| !refusing && !ending) {
             match ask.get() {
                 Ask::Nothing => {}
                 Ask::MoveOn => ex.close_after_answer(),
@@ -561,13 +654,25 @@ where
                     }
                 }
             }
-            if ex.finished() && up.out.is_empty() && up.held.is_empty() {
+            // Request by request, bytes held are the client's next requests: it sends them
+            // again on a new connection, as `Connection: close` tells it to.
+            if ex.finished() && up.out.is_empty() && (up.held.is_empty() || one_request) {
                 // The last answer is out (or none was due): the down direction writes what
                 // it still holds, then shuts the client's side.
                 ending = true;
                 down.eof = true;
                 cx.waker().wake_by_ref();
                 return Poll::Pending;
+            }
+            let written = up.out.is_empty() && !up.unflushed && down.out.is_empty();
+            let boundary = (server_left && ex.between()) || (ex.at_boundary() && !down.unflushed);
+            if boundary && written {
+                if server_left || up.eof {
+                    // Closed by the server, or half-closed by the client (its EOF went on
+                    // to the server): of no use for another request.
+                    ex.server_left();
+                }
+                return Poll::Ready(End::Boundary);
             }
         }
         if down.done && (ending || (refused && refusing)) {
@@ -597,6 +702,8 @@ where
         }
         end => end,
     };
+    // What the client sent beyond the request is the next request's.
+    *preread_held = up.held;
     Outcome {
         up: up.bytes,
         down: down.bytes,

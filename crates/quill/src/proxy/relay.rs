@@ -170,6 +170,9 @@ pub enum End {
     ServerError(io::Error),
     /// An HTTP request was refused (400, 408 or 431) and the connection closed (`http`).
     Refused,
+    /// `http` request by request: the request was answered whole; the client's connection
+    /// goes on, and the server's is free for another request.
+    Boundary,
     /// `http`: a request head did not come whole within `http_request_timeout`. After
     /// part of one the client was `answered` 408; a client that sent nothing (since it
     /// connected, or since the answer to its previous request) was closed without a word.

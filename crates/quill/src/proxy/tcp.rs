@@ -259,7 +259,7 @@ impl<C: ClientStream> super::h1::Parkable for Prefixed<C> {
 }
 
 /// An HTTP/1.x client over TLS served request by request: idle when rustls has no record
-/// left to write either.
+/// left to write and no decrypted byte left to read either.
 impl<C: ClientStream> super::h1::Parkable for Prefixed<Box<ServerTlsStream<C>>> {
     fn poll_read_ready(&self, cx: &mut Context<'_>) -> Poll<io::Result<()>> {
         Stream::poll_read_ready(self.get_ref().get_ref().0, cx)
@@ -268,7 +268,9 @@ impl<C: ClientStream> super::h1::Parkable for Prefixed<Box<ServerTlsStream<C>>> 
         Prefixed::unread(self, bytes);
     }
     fn busy(&self) -> bool {
-        self.has_prefix() || self.get_ref().get_ref().1.wants_write()
+        // Decrypted bytes not read yet count too (rustls then wants no more records).
+        let tls = self.get_ref().get_ref().1;
+        self.has_prefix() || tls.wants_write() || !tls.wants_read()
     }
 }
 
@@ -725,8 +727,16 @@ async fn open<C: ClientStream>(
         });
         let mut http = Box::new(Http::new(exchange, seconds(settings.http_request_timeout)));
         let capture = log.is_some();
-        // Request by request, hyper reads the head again: what was read is kept for it.
+        // Request by request (`upstream_keepalive`), the byte pump relays each request
+        // over a pooled server connection; hyper serves the clients whose requests it must
+        // see as messages (an HTTP/2 server, the access log), and reads the head again:
+        // what was read is kept for it.
         let per_request = settings.upstream_keepalive > 0;
+        let pumped = per_request && !settings.upstream_h2 && settings.access_log.is_none();
+        if pumped {
+            http.exchange.request_by_request();
+        }
+        let per_request = per_request && !pumped;
         let seen;
         let ended = match &mut client {
             Client::Plain(c) => {
@@ -748,6 +758,22 @@ async fn open<C: ClientStream>(
             tracing::debug!(%peer, "closed before a whole request head: {:?}", outcome.end);
             if let Some(log) = &log {
                 log.record(ip, started_unix, None, &outcome.first);
+            }
+            return None;
+        }
+        if pumped {
+            if let Some(log) = &log {
+                log.record(ip, started_unix, None, &http.first_bytes());
+            }
+            match client {
+                Client::Plain(c) => {
+                    let io = Prefixed::new(Vec::new(), c);
+                    Box::pin(super::h1_pump::serve(state, io, http, peer_info(false))).await;
+                }
+                Client::Tls(c) => {
+                    let io = Prefixed::new(Vec::new(), c);
+                    Box::pin(super::h1_pump::serve(state, io, http, peer_info(true))).await;
+                }
             }
             return None;
         }
@@ -906,9 +932,9 @@ where
 {
     match http {
         None => Box::pin(stream::relay(client, server, opts)).await,
-        Some(http) => {
+        Some(mut http) => {
             let ask = Cell::new(pump::Ask::Nothing);
-            let relay = pump::relay(client, server, Some(*http), opts, &ask);
+            let relay = pump::relay(client, server, Some(&mut *http), opts, &ask);
             let outcome = Box::pin(telling(state, relay, &ask)).await;
             count_http_end(state, &outcome.end);
             outcome
@@ -918,7 +944,7 @@ where
 
 /// Runs an `http` relay, telling it through `ask` when quill stops, or when a reload or a
 /// drain wants clients to move on to new connections.
-async fn telling<F: std::future::Future>(
+pub(super) async fn telling<F: std::future::Future>(
     state: &State,
     relay: F,
     ask: &Cell<pump::Ask>,
@@ -942,7 +968,7 @@ async fn telling<F: std::future::Future>(
 }
 
 /// Counts how an `http` connection ended, when quill answered or cut it.
-fn count_http_end(state: &State, end: &relay::End) {
+pub(super) fn count_http_end(state: &State, end: &relay::End) {
     match end {
         relay::End::Refused => {
             state.counters.http_refused.fetch_add(1, Relaxed);

@@ -1,0 +1,478 @@
+//! HTTP/1.x clients with `upstream_keepalive`, relayed by the byte pump request by request:
+//! each request goes to a server chosen for it by Pen's rules (failover, emergency, abuse)
+//! over a kept-alive connection from this loop's pool of server streams; the byte pump's
+//! `Exchange` rewrites its head and frames its answer, body and answer pass as bytes, and
+//! at the end of the answer the server connection goes back to the pool and the client's
+//! next head is awaited. No HTTP library stands between the sockets: a request costs what
+//! the byte pump costs, plus the choice of its server. (`proxy::h1`, hyper's server in
+//! front of `proxy::gateway`, serves the clients of `upstream_h2` and `access_log`.)
+//!
+//! Invariants: a server connection carries one request at a time, and goes back to the
+//! pool only at a boundary (the answer complete, nothing of the next request sent, neither
+//! side said the connection ends, the client did not half-close); a request is sent again
+//! (once, over a new connection) only when a reused connection ended without a byte of
+//! answer and the request has no body and an idempotent method; a server's `conns` counts
+//! the requests in flight to it.
+
+use std::cell::{Cell, RefCell};
+use std::future::poll_fn;
+use std::io;
+use std::net::SocketAddr;
+use std::pin::Pin;
+use std::sync::atomic::Ordering::Relaxed;
+use std::sync::Arc;
+use std::task::{Context, Waker};
+use std::thread::LocalKey;
+use std::time::{Duration, Instant};
+
+use tokio::io::{AsyncRead, AsyncWriteExt, ReadBuf};
+
+use super::gateway::{secs, Lease, Peer};
+use super::h1::Parkable;
+use super::pool::{self, Limits, Pool, Pooled, Target};
+use super::pump::{self, Ask, Http};
+use super::relay::{End, RelayOptions};
+use super::tcp::{count_http_end, open_upstream, proxy_version, telling, Held, Server};
+use crate::balance::select::{Choice, Selector};
+use crate::balance::{clock, ServerState};
+use crate::net::connect::is_local_failure;
+use crate::settings::Settings;
+use crate::state::State;
+
+/// The answers quill gives itself, after which the connection closes (the request's body,
+/// if any, was not read to its end).
+const BAD_GATEWAY: &[u8] =
+    b"HTTP/1.1 502 Bad Gateway\r\nConnection: close\r\nContent-Length: 0\r\n\r\n";
+const UNAVAILABLE: &[u8] =
+    b"HTTP/1.1 503 Service Unavailable\r\nConnection: close\r\nContent-Length: 0\r\n\r\n";
+
+/// A kept-alive connection to a server, as a stream the byte pump relays over; counted in
+/// the server's `pool_open` while it exists.
+pub(super) struct Link {
+    stream: Server,
+    addr: SocketAddr,
+    uses: u64,
+    server: &'static ServerState,
+}
+
+impl Drop for Link {
+    fn drop(&mut self) {
+        self.server.pool_open.fetch_sub(1, Relaxed);
+    }
+}
+
+/// A waker that does nothing: the pool's look at an idle connection wakes no task.
+struct Noop;
+
+impl std::task::Wake for Noop {
+    fn wake(self: Arc<Self>) {}
+}
+
+thread_local! {
+    static LINKS: RefCell<Pool<Link>> = RefCell::default();
+    static NOOP: Waker = Waker::from(Arc::new(Noop));
+}
+
+impl Pooled for Link {
+    fn pool() -> &'static LocalKey<RefCell<Pool<Self>>> {
+        &LINKS
+    }
+    fn addr(&self) -> SocketAddr {
+        self.addr
+    }
+    fn uses(&self) -> u64 {
+        self.uses
+    }
+    /// Open, and silent: a read that would wait. (It reads only what the kernel already
+    /// said is there: no system call while nothing arrived.)
+    fn usable(&mut self) -> bool {
+        NOOP.with(|noop| {
+            let mut cx = Context::from_waker(noop);
+            let mut byte = [0u8; 1];
+            let mut buf = ReadBuf::new(&mut byte);
+            match &mut self.stream {
+                Server::Plain(s) => Pin::new(s).poll_read(&mut cx, &mut buf),
+                Server::Tls(s) => Pin::new(&mut **s).poll_read(&mut cx, &mut buf),
+            }
+            .is_pending()
+        })
+    }
+}
+
+/// How a request went.
+enum Served {
+    /// Answered; the client may send the next.
+    Next,
+    /// The client's connection is over (closed, answered by quill, or failed).
+    Over,
+}
+
+/// How sending a request to one server went.
+enum Tried {
+    Served(Served),
+    /// No connection could be made: the request may go to another server.
+    Unreachable(io::Error),
+}
+
+/// Serves an HTTP/1.x client whose first request head `http` holds (read by
+/// `pump::first_head`, with `Exchange::request_by_request` asked for before it), request
+/// by request, until the connection ends.
+pub(super) async fn serve<C: Parkable>(
+    state: &'static State,
+    mut client: C,
+    mut http: Box<Http>,
+    peer: Peer,
+) {
+    let settings = state.settings();
+    let head_limit = http.head_limit;
+    // Between requests the next head is due within `http_request_timeout`, and an idle
+    // keep-alive connection ends at `idle_timeout`, whichever comes first.
+    let between = match (head_limit, secs(settings.idle_timeout)) {
+        (Some(h), Some(i)) => Some(h.min(i)),
+        (h, i) => h.or(i),
+    };
+    let park_after = secs(settings.idle_park);
+    drop(settings);
+    let ask = Cell::new(Ask::Nothing);
+    loop {
+        if let Served::Over = one_request(state, &mut client, &mut http, peer, &ask).await {
+            return;
+        }
+        let deadline = between.map(|b| Instant::now() + b);
+        http.exchange.resume();
+        match wait_for_head(state, &client, &http, deadline, park_after, &ask).await {
+            Waited::Ready => {}
+            Waited::Overdue => {
+                count_http_end(state, &End::RequestTimeout { answered: false });
+                return close(&mut client).await;
+            }
+            Waited::Stop => return close(&mut client).await,
+        }
+        http.head_limit = deadline.map(|d| d.saturating_duration_since(Instant::now()));
+        if let Some(outcome) = pump::first_head(&mut client, &mut http, false).await {
+            count_http_end(state, &outcome.end);
+            return;
+        }
+        http.head_limit = head_limit;
+    }
+}
+
+/// How waiting for a next request ended.
+enum Waited {
+    /// The client sent something (or closed).
+    Ready,
+    /// Nothing came before the deadline.
+    Overdue,
+    /// quill stops.
+    Stop,
+}
+
+/// Waits until the client sends again, counted in `State::parked` once it has been idle
+/// for `idle_park` (it holds no buffer meanwhile). A reload or drain meanwhile makes the
+/// next answer say `Connection: close`.
+async fn wait_for_head<C: Parkable>(
+    state: &State,
+    client: &C,
+    http: &Http,
+    deadline: Option<Instant>,
+    park_after: Option<Duration>,
+    ask: &Cell<Ask>,
+) -> Waited {
+    if http.has_held() || client.busy() {
+        return Waited::Ready;
+    }
+    let mut stopping = state.stopping.subscribe();
+    let mut recycled = state.recycled.subscribe();
+    recycled.mark_unchanged();
+    if *stopping.borrow_and_update() || ask.get() == Ask::Stop {
+        return Waited::Stop;
+    }
+    let overdue = async {
+        match deadline {
+            Some(d) => tokio::time::sleep_until(d.into()).await,
+            None => std::future::pending().await,
+        }
+    };
+    let park = async {
+        match park_after {
+            Some(p) => tokio::time::sleep(p).await,
+            None => std::future::pending().await,
+        }
+    };
+    tokio::pin!(overdue, park);
+    let mut parked = None;
+    loop {
+        tokio::select! {
+            _ = poll_fn(|cx| client.poll_read_ready(cx)) => return Waited::Ready,
+            () = &mut overdue => return Waited::Overdue,
+            () = &mut park, if parked.is_none() => {
+                state.parked.fetch_add(1, Relaxed);
+                parked = Some(Held(&state.parked));
+                crate::memory::release_when_quiet();
+            }
+            _ = stopping.changed() => return Waited::Stop,
+            _ = recycled.changed() => {
+                if ask.get() == Ask::Nothing {
+                    ask.set(Ask::MoveOn);
+                }
+            }
+        }
+    }
+}
+
+/// Ends a client connection between requests, as an idle one is (TLS: close_notify).
+async fn close<C: Parkable>(client: &mut C) {
+    let _ = tokio::time::timeout(Duration::from_secs(1), client.shutdown()).await;
+}
+
+/// Gives the client one of quill's own answers, then closes.
+async fn answer<C: Parkable>(client: &mut C, answer: &[u8]) -> Served {
+    let _ = tokio::time::timeout(Duration::from_secs(1), async {
+        client.write_all(answer).await?;
+        client.shutdown().await
+    })
+    .await;
+    Served::Over
+}
+
+/// Sends the request whose head `http` holds to a server chosen for it (failover as for a
+/// connection: a server that cannot be reached is blacklisted and the next one tried, then
+/// the emergency server; a denied client's requests go to the abuse server), and relays
+/// its answer.
+async fn one_request<C: Parkable>(
+    state: &'static State,
+    client: &mut C,
+    http: &mut Http,
+    peer: Peer,
+    ask: &Cell<Ask>,
+) -> Served {
+    let settings = state.settings();
+    let mut selector = None;
+    let mut choice = None;
+    if peer.permitted {
+        let s = selector.insert(Selector::new(
+            &settings,
+            &state.servers,
+            &state.clients,
+            &state.cursor,
+            peer.addr,
+            clock::now_ms(),
+        ));
+        choice = Some(s.initial());
+    }
+    while let Some(Choice::Server(index)) = choice {
+        let (Some(addr), Some(server)) = (
+            settings.servers.get(index).and_then(|s| s.addr()),
+            state.servers.get(index),
+        ) else {
+            choice = selector.as_mut().map(|s| s.failover(index));
+            continue;
+        };
+        let to = To {
+            target: Target::Server(index),
+            index: Some(index),
+            addr,
+            server,
+        };
+        match send(state, &settings, client, http, peer, to, ask).await {
+            Tried::Served(served) => {
+                if selector.as_ref().is_some_and(|s| s.tracks()) {
+                    state
+                        .clients
+                        .record(peer.addr.ip().to_canonical(), index, clock::now_ms());
+                }
+                return served;
+            }
+            Tried::Unreachable(e) if is_local_failure(&e) => {
+                tracing::warn!(peer = %peer.addr, "cannot connect to server {index} ({addr}): {e}");
+                state.counters.no_server.fetch_add(1, Relaxed);
+                return answer(client, UNAVAILABLE).await;
+            }
+            Tried::Unreachable(e) => {
+                tracing::info!(
+                    "server {index} ({addr}) failed: {e}; blacklisted for {} s",
+                    settings.blacklist
+                );
+                state.server_failed(index, settings.blacklist);
+                choice = selector.as_mut().map(|s| s.failover(index));
+            }
+        }
+    }
+    // The last resort of permitted clients, and the only server of denied ones.
+    let (last, target, server) = if peer.permitted {
+        (&settings.emergency, Target::Emergency, &state.emergency)
+    } else {
+        (&settings.abuse, Target::Abuse, &state.abuse)
+    };
+    if let Some(extra) = last {
+        let to = To {
+            target,
+            index: None,
+            addr: extra.addr,
+            server,
+        };
+        match send(state, &settings, client, http, peer, to, ask).await {
+            Tried::Served(served) => return served,
+            Tried::Unreachable(e) => {
+                tracing::warn!(peer = %peer.addr, "{target:?} server {} failed: {e}", extra.name);
+            }
+        }
+    }
+    state.counters.no_server.fetch_add(1, Relaxed);
+    answer(client, UNAVAILABLE).await
+}
+
+/// Where a request goes.
+#[derive(Clone, Copy)]
+struct To {
+    target: Target,
+    /// The server's index in the table (none for the emergency and abuse servers).
+    index: Option<usize>,
+    addr: SocketAddr,
+    server: &'static ServerState,
+}
+
+/// Relays the request over a pooled connection to `to`, or a new one; a reused connection
+/// that ends without a byte of answer is replaced by a new one for a request that can be
+/// sent again (that is not the server's failure).
+async fn send<C: Parkable>(
+    state: &'static State,
+    settings: &Settings,
+    client: &mut C,
+    http: &mut Http,
+    peer: Peer,
+    to: To,
+    ask: &Cell<Ask>,
+) -> Tried {
+    let limits = Limits {
+        keepalive: settings.upstream_keepalive,
+        idle_timeout: Duration::from_secs(settings.upstream_idle_timeout.max(1)),
+        max_requests: settings.upstream_max_requests,
+    };
+    // A PROXY protocol header describes one client: such connections are never pooled.
+    let poolable = proxy_version(settings, to.index).is_none();
+    let opts = RelayOptions {
+        fastclose: settings.fastclose,
+        idle_timeout: secs(settings.idle_timeout),
+        park_after: None,
+        capture: false,
+    };
+    let mut reuse = poolable;
+    loop {
+        let pooled = if reuse {
+            pool::take::<Link>(to.target, to.addr)
+        } else {
+            None
+        };
+        let reused = pooled.is_some();
+        let mut link = match pooled {
+            Some(link) => link,
+            None => match connect(state, settings, peer, to).await {
+                Ok(link) => link,
+                Err(e) => return Tried::Unreachable(e),
+            },
+        };
+        let again = (reused && http.exchange.replayable()).then(|| http.request_bytes());
+        link.uses += 1;
+        to.server.requests.fetch_add(1, Relaxed);
+        if reused {
+            to.server.reused.fetch_add(1, Relaxed);
+        }
+        http.exchange.new_server();
+        let lease = Lease::take(to.server);
+        let outcome = match &mut link.stream {
+            Server::Plain(s) => {
+                let relay = pump::relay(client, s, Some(&mut *http), opts, ask);
+                telling(state, relay, ask).await
+            }
+            Server::Tls(s) => {
+                let relay = pump::relay(client, &mut **s, Some(&mut *http), opts, ask);
+                telling(state, relay, ask).await
+            }
+        };
+        drop(lease);
+        to.server.bytes_to.fetch_add(outcome.up, Relaxed);
+        to.server.bytes_from.fetch_add(outcome.down, Relaxed);
+        return Tried::Served(match outcome.end {
+            End::Boundary => {
+                if poolable && http.exchange.server_keeps() && pool::wanted(&link, limits) {
+                    pool::put(state, link, to.target, to.server, limits);
+                }
+                if http.exchange.client_keeps() {
+                    Served::Next
+                } else {
+                    // The request or its answer said `Connection: close`: the client
+                    // waits for the end of the connection.
+                    close(client).await;
+                    Served::Over
+                }
+            }
+            End::ServerError(e) if outcome.down == 0 => {
+                if let Some(bytes) = again {
+                    // The server had closed the idle connection: the request was not seen.
+                    http.unsend(bytes);
+                    reuse = false;
+                    continue;
+                }
+                server_failed(state, settings, to, reused, &e);
+                answer(client, BAD_GATEWAY).await
+            }
+            End::ServerError(e) => {
+                // Part of the answer went out: the client sees its connection end.
+                server_failed(state, settings, to, reused, &e);
+                Served::Over
+            }
+            end => {
+                count_http_end(state, &end);
+                if let End::Error(e) = &end {
+                    tracing::debug!(peer = %peer.addr, "connection ended: {e}");
+                }
+                Served::Over
+            }
+        });
+    }
+}
+
+/// A server that failed during a request: blacklisted like one that refuses, unless the
+/// connection was a reused one (a kept-alive connection may end for reasons of its own).
+fn server_failed(state: &State, settings: &Settings, to: To, reused: bool, e: &io::Error) {
+    match to.index {
+        Some(index) if !reused => {
+            tracing::info!(
+                "server {index} ({}) failed during a request: {e}; blacklisted for {} s",
+                to.addr,
+                settings.blacklist
+            );
+            state.server_failed(index, settings.blacklist);
+        }
+        _ => tracing::debug!("{:?} ({}) failed during a request: {e}", to.target, to.addr),
+    }
+}
+
+/// A new connection to the server (TLS with `upstream_tls`, the PROXY header when
+/// configured).
+async fn connect(state: &State, settings: &Settings, peer: Peer, to: To) -> io::Result<Link> {
+    let host = to
+        .index
+        .and_then(|i| settings.servers.get(i))
+        .and_then(|s| s.host.as_ref());
+    let stream = Box::pin(open_upstream(
+        state,
+        settings,
+        to.addr,
+        to.index,
+        host,
+        peer.preamble,
+        peer.opts,
+        false,
+    ))
+    .await?;
+    to.server.total.fetch_add(1, Relaxed);
+    to.server.pool_open.fetch_add(1, Relaxed);
+    Ok(Link {
+        stream,
+        addr: to.addr,
+        uses: 0,
+        server: to.server,
+    })
+}
