@@ -1833,3 +1833,40 @@ fn servers_that_close_get_new_connections_and_half_closed_clients_their_answers(
     let resp = read_response(&mut client).expect("the answer");
     assert_eq!(resp.status, 200, "{}", resp.head);
 }
+
+/// An HTTP/1.1 `Upgrade` relayed by the byte pump after a plain request: its head gets the
+/// forwarding fields, the `101` passes, and the connection is a tunnel both ways from then
+/// on (bytes that look like HTTP included).
+#[test]
+fn an_http11_upgrade_after_a_plain_request_becomes_a_tunnel() {
+    let (port, heads) = websocket_server();
+    let q = Quill::start(&["-H", "{port}", &format!("127.0.0.1:{port}")]);
+    let mut client = q.connect();
+    client.set_read_timeout(Some(IO_TIMEOUT)).unwrap();
+    client
+        .write_all(b"GET /plain HTTP/1.1\r\nHost: x\r\n\r\n")
+        .unwrap();
+    let plain = read_response(&mut client).expect("an answer");
+    assert_eq!((plain.status, plain.body.as_slice()), (200, &b"ok"[..]));
+    client
+        .write_all(
+            b"GET /raw HTTP/1.1\r\nHost: x\r\nConnection: Upgrade\r\nUpgrade: websocket\r\n\
+              Sec-WebSocket-Key: dGhlIHNhbXBsZSBub25jZQ==\r\nSec-WebSocket-Version: 13\r\n\r\n",
+        )
+        .unwrap();
+    let switched = read_response(&mut client).expect("the 101");
+    assert_eq!(switched.status, 101, "{}", switched.head);
+    for message in [&b"not HTTP at all\r\n\r\n"[..], b"GET / HTTP/1.1\r\n\r\n"] {
+        client.write_all(message).unwrap();
+        let mut back = vec![0u8; message.len()];
+        client.read_exact(&mut back).unwrap();
+        assert_eq!(back, message, "the tunnel passes bytes untouched");
+    }
+    let heads = heads.lock().unwrap();
+    assert_eq!(heads.len(), 2, "{heads:?}");
+    assert!(
+        heads[1].contains("X-Forwarded-For: 127.0.0.1"),
+        "{}",
+        heads[1]
+    );
+}

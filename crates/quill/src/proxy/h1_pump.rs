@@ -380,14 +380,15 @@ async fn send<C: Parkable>(
         }
         http.exchange.new_server();
         let lease = Lease::take(to.server);
+        // Boxed: between requests the connection's task keeps none of the relay's state.
         let outcome = match &mut link.stream {
             Server::Plain(s) => {
                 let relay = pump::relay(client, s, Some(&mut *http), opts, ask);
-                telling(state, relay, ask).await
+                Box::pin(telling(state, relay, ask)).await
             }
             Server::Tls(s) => {
                 let relay = pump::relay(client, &mut **s, Some(&mut *http), opts, ask);
-                telling(state, relay, ask).await
+                Box::pin(telling(state, relay, ask)).await
             }
         };
         drop(lease);
