@@ -1870,3 +1870,47 @@ fn an_http11_upgrade_after_a_plain_request_becomes_a_tunnel() {
         heads[1]
     );
 }
+
+/// A server that refuses connections is blacklisted and each HTTP/1.1 request of a
+/// keep-alive client fails over to the next one (round robin, Pen's rule per request):
+/// none is lost, and the emergency server takes them when no server is left.
+#[test]
+fn http11_requests_fail_over_one_by_one_and_reach_the_emergency_server() {
+    let Some((_live, live)) = named_backend() else {
+        return;
+    };
+    let Some((_spare, spare)) = named_backend() else {
+        return;
+    };
+    let dead = free_port();
+    let q = Quill::start(&[
+        "-H",
+        "-r",
+        "{port}",
+        &format!("127.0.0.1:{dead}"),
+        &format!("127.0.0.1:{live}"),
+    ]);
+    let url = format!("http://127.0.0.1:{}/port", q.port);
+    let mut args = vec!["--http1.1", "-w", "HTTP %{http_code} %{num_connects}\n"];
+    args.extend(vec![url.as_str(); 6]);
+    let Some(out) = curl(&args) else { return };
+    let answers: Vec<&str> = out.lines().filter(|l| l.starts_with("HTTP")).collect();
+    assert_eq!(answers.len(), 6, "{out}");
+    assert!(answers.iter().all(|a| a.starts_with("HTTP 200")), "{out}");
+    assert_eq!(
+        out.lines().filter(|l| *l == live.to_string()).count(),
+        6,
+        "{out}"
+    );
+
+    let q = Quill::start(&[
+        "-H",
+        "-e",
+        &format!("127.0.0.1:{spare}"),
+        "{port}",
+        &format!("127.0.0.1:{dead}"),
+    ]);
+    let url = format!("http://127.0.0.1:{}/port", q.port);
+    let out = curl(&["--http1.1", &url, &url]).unwrap();
+    assert_eq!(out, format!("{spare}\n{spare}\n"));
+}
