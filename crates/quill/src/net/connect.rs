@@ -35,11 +35,13 @@ pub fn check_transparent() -> io::Result<()> {
     probe.set_ip_transparent(true)
 }
 
-/// Applies the options to an accepted client stream. SO_KEEPALIVE is not set here: client
-/// sockets inherit it from the listener.
+/// Applies the options to an accepted client stream. Neither SO_KEEPALIVE nor TCP_NODELAY
+/// is set here: client sockets inherit both from the listener (see
+/// [`crate::net::listen::prepare`]), which saves a system call per connection; only `no
+/// tcp_nodelay` (Pen's default) costs one, to turn Nagle's algorithm back on.
 pub fn apply_options(stream: &TcpStream, opts: SocketOptions) -> io::Result<()> {
-    if opts.nodelay {
-        stream.set_nodelay(true)?;
+    if !opts.nodelay {
+        stream.set_nodelay(false)?;
     }
     Ok(())
 }

@@ -129,11 +129,20 @@ pub(crate) fn bound_socket(
 
 fn tcp_socket(addr: SocketAddr, reuse_port: bool, backlog: u32) -> io::Result<Socket> {
     let socket = bound_socket(addr, Type::STREAM, Protocol::TCP, reuse_port)?;
-    // Accepted sockets inherit SO_KEEPALIVE, so dead clients are eventually noticed without
-    // a system call per connection (Pen's client sockets behave the same way).
-    socket.set_keepalive(true)?;
     socket.listen(i32::try_from(backlog).unwrap_or(i32::MAX))?;
     Ok(socket)
+}
+
+/// Sets what accepted sockets inherit from their listener on Linux, so that no connection
+/// pays a system call for it: SO_KEEPALIVE (dead clients are eventually noticed; Pen's
+/// client sockets behave the same way) and TCP_NODELAY (`tcp_nodelay`, on by default;
+/// [`crate::net::connect::apply_options`] turns it off per connection when the setting
+/// is off). Every TCP listener passes here before its first accept, whoever opened it:
+/// quill, systemd, or the binary that handed it over in an upgrade.
+pub fn prepare(listener: &std::net::TcpListener) -> io::Result<()> {
+    let socket = socket2::SockRef::from(listener);
+    socket.set_keepalive(true)?;
+    socket.set_nodelay(true)
 }
 
 /// Opens `count` listeners on `addr` (one per event loop).

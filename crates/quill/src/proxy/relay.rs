@@ -52,7 +52,8 @@ pub trait Stream {
     fn poll_write_ready(&self, cx: &mut Context<'_>) -> Poll<io::Result<()>>;
     fn try_read(&self, buf: &mut [u8]) -> io::Result<usize>;
     /// Reads without consulting the event loop's readiness: used once, speculatively, on
-    /// a new connection whose first bytes are usually already there.
+    /// a new connection whose first bytes are usually already there. A short read clears
+    /// the readiness the event loop may have cached, as [`Stream::try_read`] does.
     fn read_now(&self, buf: &mut [u8]) -> io::Result<usize>;
     fn try_write(&self, buf: &[u8]) -> io::Result<usize>;
     fn shutdown_write(&self) -> io::Result<()>;
@@ -97,7 +98,18 @@ macro_rules! impl_stream {
                 }
             }
             fn read_now(&self, buf: &mut [u8]) -> io::Result<usize> {
-                rustix::io::read(self, buf).map_err(io::Error::from)
+                let n = rustix::io::read(self, &mut *buf).map_err(io::Error::from)?;
+                if n > 0 && n < buf.len() {
+                    // The queue is empty now, but the readiness of the event that announced
+                    // these bytes may still be cached: without this, the next read would
+                    // only return EAGAIN (one wasted system call per connection). No await
+                    // separates the read from this, so no later event is lost: tokio
+                    // keeps a readiness that arrived with a newer tick.
+                    let _ = self.try_io(Interest::READABLE, || {
+                        Err::<(), _>(io::Error::from(ErrorKind::WouldBlock))
+                    });
+                }
+                Ok(n)
             }
             fn try_write(&self, buf: &[u8]) -> io::Result<usize> {
                 <$t>::try_write(self, buf)

@@ -74,6 +74,7 @@ pub async fn serve(
         let next = match listener {
             Listener::Tcp(l) => {
                 let local_port = l.local_addr()?.port();
+                crate::net::listen::prepare(&l)?;
                 accept_loop(
                     state,
                     TcpListener::from_std(l)?,
