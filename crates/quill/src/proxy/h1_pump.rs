@@ -148,12 +148,11 @@ pub(super) async fn serve<C: Parkable>(
             }
             Waited::Stop => return close(&mut client).await,
         }
-        http.head_limit = deadline.map(|d| d.saturating_duration_since(Instant::now()));
-        if let Some(outcome) = pump::first_head(&mut client, &mut http, false).await {
+        let left = deadline.map(|d| d.saturating_duration_since(Instant::now()));
+        if let Some(outcome) = pump::first_head(&mut client, &mut http, false, left).await {
             count_http_end(state, &outcome.end);
             return;
         }
-        http.head_limit = head_limit;
     }
 }
 

@@ -365,19 +365,25 @@ enum Unfinished {
 
 /// Reads the client's first request head into `http` (through its exchange, with the
 /// per-thread scratch buffer; a head in pieces is held by the exchange, bounded by
-/// `http_header_max`) within `http_request_timeout`, before any server is chosen. `None`:
+/// `http_header_max`) within `limit` (`http_request_timeout` for a connection's first
+/// request; request by request, what is left of the wait for the next), before any
+/// server is chosen. `None`:
 /// the head is complete and the relay can start. Otherwise the connection is over and
 /// answered: a client that sent part of a head gets 408 when time runs out, a bad or
 /// oversized head 400 or 431, and one that sent nothing is closed without a word (as
 /// NGINX does); the outcome is for the books (`down` = bytes of the answer).
-pub async fn first_head<C>(client: &mut C, http: &mut Http, capture: bool) -> Option<Outcome>
+pub async fn first_head<C>(
+    client: &mut C,
+    http: &mut Http,
+    capture: bool,
+    limit: Option<Duration>,
+) -> Option<Outcome>
 where
     C: AsyncRead + AsyncWrite + Unpin + ?Sized,
 {
     if capture {
         http.preread.first = Some(Vec::new());
     }
-    let limit = http.head_limit;
     let read = poll_fn(|cx| poll_first_head(cx, client, http));
     let unfinished = match limit {
         None => read.await,

@@ -738,18 +738,19 @@ async fn open<C: ClientStream>(
             http.exchange.request_by_request();
         }
         let per_request = per_request && !pumped;
+        let limit = http.head_limit;
         let seen;
         let ended = match &mut client {
             Client::Plain(c) => {
                 let mut c = Prefixed::new(std::mem::take(&mut sniffed), &mut *c);
                 let mut c = Recording::new(&mut c, per_request);
-                let ended = Box::pin(pump::first_head(&mut c, &mut http, capture)).await;
+                let ended = Box::pin(pump::first_head(&mut c, &mut http, capture, limit)).await;
                 seen = c.seen;
                 ended
             }
             Client::Tls(c) => {
                 let mut c = Recording::new(&mut **c, per_request);
-                let ended = Box::pin(pump::first_head(&mut c, &mut http, capture)).await;
+                let ended = Box::pin(pump::first_head(&mut c, &mut http, capture, limit)).await;
                 seen = c.seen;
                 ended
             }
