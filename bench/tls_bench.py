@@ -110,9 +110,11 @@ def make_backend_cert(tmp: Path) -> tuple[Path, Path, Path]:
 
 
 def write_nginx_tls(tmp: Path, name: str, port: int, cert: Path, key: Path,
-                    backend: Backend | None, protocols: str = "TLSv1.2 TLSv1.3") -> Path:
+                    backend: Backend | None, protocols: str = "TLSv1.2 TLSv1.3",
+                    http2: bool = False) -> Path:
     """NGINX terminating TLS: proxy_pass with upstream keep-alive to `backend` (over HTTPS,
-    verified, when it has a CA), or with no backend serving /1k itself."""
+    verified, when it has a CA), or with no backend serving /1k itself; HTTP/2 offered by
+    ALPN too when `http2`."""
     www = tmp / "www"
     upstream = ""
     if backend is None:
@@ -153,7 +155,7 @@ http {{
     proxy_temp_path {tmp}/{name}-proxy;
     {upstream}
     server {{
-        listen 127.0.0.1:{port} ssl backlog=4096;
+        listen 127.0.0.1:{port} ssl{" http2" if http2 else ""} backlog=4096;
         ssl_certificate {cert};
         ssl_certificate_key {key};
         ssl_protocols {protocols};
