@@ -1914,3 +1914,40 @@ fn http11_requests_fail_over_one_by_one_and_reach_the_emergency_server() {
     let out = curl(&["--http1.1", &url, &url]).unwrap();
     assert_eq!(out, format!("{spare}\n{spare}\n"));
 }
+
+/// A client the client ACL denies gets the abuse server for every request, over HTTP/1.1
+/// (the byte pump, request by request) and over HTTP/2 (hyper's gateway); the table's
+/// server never sees one.
+#[test]
+fn denied_clients_requests_go_to_the_abuse_server_over_http11_and_http2() {
+    let Some((_server, server)) = named_backend() else {
+        return;
+    };
+    let Some((_abuse, abuse)) = named_backend() else {
+        return;
+    };
+    let q = Quill::start(&[
+        "-H",
+        "-B",
+        &format!("127.0.0.1:{abuse}"),
+        "-O",
+        "acl 1 deny 127.0.0.1",
+        "-O",
+        "client_acl 1",
+        "-O",
+        "h2c",
+        "{port}",
+        &format!("127.0.0.1:{server}"),
+    ]);
+    let url = format!("http://127.0.0.1:{}/port", q.port);
+    let Some(out) = curl(&["--http1.1", &url, &url]) else {
+        return;
+    };
+    assert_eq!(out, format!("{abuse}\n{abuse}\n"), "HTTP/1.1");
+    // One URL per curl: curl 7.88 fails a second request over a prior-knowledge
+    // connection ("Error in the HTTP2 framing layer"), against NGINX as well.
+    for _ in 0..2 {
+        let out = curl(&["--http2-prior-knowledge", &url]).unwrap();
+        assert_eq!(out, format!("{abuse}\n"), "HTTP/2");
+    }
+}

@@ -32,12 +32,12 @@ use hyper::header::{self, HeaderMap, HeaderName, HeaderValue};
 use hyper::{Method, Request, Response, StatusCode, Uri, Version};
 use hyper_util::rt::TokioIo;
 
+use super::candidates::Candidates;
 use super::pool::{self, Conn, Limits, Target};
 use super::pool_h2::{self, Take};
 use super::tcp::{open_upstream, Preamble, Server};
 use crate::accesslog::{AccessLog, Record};
-use crate::balance::select::{Choice, Selector};
-use crate::balance::{clock, ServerState};
+use crate::balance::ServerState;
 use crate::net::connect::{is_local_failure, SocketOptions};
 use crate::settings::Settings;
 use crate::state::State;
@@ -500,84 +500,43 @@ async fn route(
         version,
         keep_alive_10,
     };
-    let mut choice = None;
-    let mut selector = None;
-    if peer.permitted {
-        let s = selector.insert(Selector::new(
-            &settings,
-            &state.servers,
-            &state.clients,
-            &state.cursor,
-            peer.addr,
-            clock::now_ms(),
-        ));
-        choice = Some(s.initial());
-    } else if settings.abuse.is_none() {
+    if !peer.permitted && settings.abuse.is_none() {
         return answer(StatusCode::FORBIDDEN, "Forbidden\n");
     }
-    while let Some(Choice::Server(index)) = choice {
-        let (Some(addr), Some(server)) = (
-            settings.servers.get(index).and_then(|s| s.addr()),
-            state.servers.get(index),
-        ) else {
-            choice = selector.as_mut().map(|s| s.failover(index));
-            continue;
-        };
-        let target = Target::Server(index);
-        match send(state, &settings, peer, target, addr, server, req, how).await {
+    let mut candidates = Candidates::new(state, &settings, peer.addr, peer.permitted);
+    while let Some(c) = candidates.next() {
+        match send(state, &settings, peer, c.target, c.addr, c.server, req, how).await {
             Sent::Answer(answered) => {
-                if selector.as_ref().is_some_and(|s| s.tracks()) {
-                    state
-                        .clients
-                        .record(peer.addr.ip().to_canonical(), index, clock::now_ms());
-                }
+                candidates.served(&c);
                 return reply(
-                    state, &settings, peer, target, server, answered, how, stream, tunnel,
+                    state, &settings, peer, c.target, c.server, answered, how, stream, tunnel,
                 );
             }
             Sent::Unsent(_, e) if is_local_failure(&e) => {
-                tracing::warn!(peer = %peer.addr, "cannot connect to server {index} ({addr}): {e}");
+                tracing::warn!(peer = %peer.addr, "cannot connect to {c}: {e}");
                 state.counters.no_server.fetch_add(1, Relaxed);
                 return answer(StatusCode::SERVICE_UNAVAILABLE, "Service unavailable\n");
             }
             Sent::Unsent(back, e) => {
-                tracing::info!(
-                    "server {index} ({addr}) failed: {e}; blacklisted for {} s",
-                    settings.blacklist
-                );
-                state.server_failed(index, settings.blacklist);
+                candidates.failed(&c, &e);
                 req = back;
-                choice = selector.as_mut().map(|s| s.failover(index));
             }
             Sent::Refused(e) => {
-                tracing::info!("server {index} ({addr}) refused a request's stream: {e}");
+                tracing::info!("{c} refused a request's stream: {e}");
                 return answer(StatusCode::BAD_GATEWAY, "Bad gateway\n");
             }
             Sent::Lost(e) => {
-                tracing::info!(
-                    "server {index} ({addr}) failed during a request: {e}; blacklisted for {} s",
-                    settings.blacklist
-                );
-                state.server_failed(index, settings.blacklist);
+                match c.index {
+                    Some(index) => {
+                        tracing::info!(
+                            "{c} failed during a request: {e}; blacklisted for {} s",
+                            settings.blacklist
+                        );
+                        state.server_failed(index, settings.blacklist);
+                    }
+                    None => tracing::warn!("{c} failed during a request: {e}"),
+                }
                 return answer(StatusCode::BAD_GATEWAY, "Bad gateway\n");
-            }
-        }
-    }
-    // The last resort of permitted clients, and the only server of denied ones.
-    let (last, target, server) = if peer.permitted {
-        (&settings.emergency, Target::Emergency, &state.emergency)
-    } else {
-        (&settings.abuse, Target::Abuse, &state.abuse)
-    };
-    if let Some(extra) = last {
-        match send(state, &settings, peer, target, extra.addr, server, req, how).await {
-            Sent::Answer(answered) => {
-                return reply(
-                    state, &settings, peer, target, server, answered, how, stream, tunnel,
-                )
-            }
-            Sent::Unsent(_, e) | Sent::Lost(e) | Sent::Refused(e) => {
-                tracing::warn!(peer = %peer.addr, "{target:?} server {} failed: {e}", extra.name);
             }
         }
     }

@@ -27,14 +27,14 @@ use std::time::{Duration, Instant};
 
 use tokio::io::{AsyncRead, AsyncWriteExt, ReadBuf};
 
+use super::candidates::{Candidate, Candidates};
 use super::gateway::{secs, Lease, Peer};
 use super::h1::Parkable;
-use super::pool::{self, Limits, Pool, Pooled, Target};
+use super::pool::{self, Limits, Pool, Pooled};
 use super::pump::{self, Ask, Http};
 use super::relay::{End, RelayOptions};
 use super::tcp::{count_http_end, open_upstream, proxy_version, telling, Held, Server};
-use crate::balance::select::{Choice, Selector};
-use crate::balance::{clock, ServerState};
+use crate::balance::ServerState;
 use crate::net::connect::is_local_failure;
 use crate::settings::Settings;
 use crate::state::State;
@@ -248,75 +248,19 @@ async fn one_request<C: Parkable>(
     ask: &Cell<Ask>,
 ) -> Served {
     let settings = state.settings();
-    let mut selector = None;
-    let mut choice = None;
-    if peer.permitted {
-        let s = selector.insert(Selector::new(
-            &settings,
-            &state.servers,
-            &state.clients,
-            &state.cursor,
-            peer.addr,
-            clock::now_ms(),
-        ));
-        choice = Some(s.initial());
-    }
-    while let Some(Choice::Server(index)) = choice {
-        let (Some(addr), Some(server)) = (
-            settings.servers.get(index).and_then(|s| s.addr()),
-            state.servers.get(index),
-        ) else {
-            choice = selector.as_mut().map(|s| s.failover(index));
-            continue;
-        };
-        let to = To {
-            target: Target::Server(index),
-            index: Some(index),
-            addr,
-            server,
-        };
-        match send(state, &settings, client, http, peer, to, ask).await {
+    let mut candidates = Candidates::new(state, &settings, peer.addr, peer.permitted);
+    while let Some(c) = candidates.next() {
+        match send(state, &settings, client, http, peer, c, ask).await {
             Tried::Served(served) => {
-                if selector.as_ref().is_some_and(|s| s.tracks()) {
-                    state
-                        .clients
-                        .record(peer.addr.ip().to_canonical(), index, clock::now_ms());
-                }
+                candidates.served(&c);
                 return served;
             }
             Tried::Unreachable(e) if is_local_failure(&e) => {
-                tracing::warn!(peer = %peer.addr, "cannot connect to server {index} ({addr}): {e}");
+                tracing::warn!(peer = %peer.addr, "cannot connect to {c}: {e}");
                 state.counters.no_server.fetch_add(1, Relaxed);
                 return answer(client, UNAVAILABLE).await;
             }
-            Tried::Unreachable(e) => {
-                tracing::info!(
-                    "server {index} ({addr}) failed: {e}; blacklisted for {} s",
-                    settings.blacklist
-                );
-                state.server_failed(index, settings.blacklist);
-                choice = selector.as_mut().map(|s| s.failover(index));
-            }
-        }
-    }
-    // The last resort of permitted clients, and the only server of denied ones.
-    let (last, target, server) = if peer.permitted {
-        (&settings.emergency, Target::Emergency, &state.emergency)
-    } else {
-        (&settings.abuse, Target::Abuse, &state.abuse)
-    };
-    if let Some(extra) = last {
-        let to = To {
-            target,
-            index: None,
-            addr: extra.addr,
-            server,
-        };
-        match send(state, &settings, client, http, peer, to, ask).await {
-            Tried::Served(served) => return served,
-            Tried::Unreachable(e) => {
-                tracing::warn!(peer = %peer.addr, "{target:?} server {} failed: {e}", extra.name);
-            }
+            Tried::Unreachable(e) => candidates.failed(&c, &e),
         }
     }
     state.counters.no_server.fetch_add(1, Relaxed);
@@ -324,14 +268,7 @@ async fn one_request<C: Parkable>(
 }
 
 /// Where a request goes.
-#[derive(Clone, Copy)]
-struct To {
-    target: Target,
-    /// The server's index in the table (none for the emergency and abuse servers).
-    index: Option<usize>,
-    addr: SocketAddr,
-    server: &'static ServerState,
-}
+type To<'a> = Candidate<'a, 'static>;
 
 /// Relays the request over a pooled connection to `to`, or a new one; a reused connection
 /// that ends without a byte of answer is replaced by a new one for a request that can be
@@ -342,7 +279,7 @@ async fn send<C: Parkable>(
     client: &mut C,
     http: &mut Http,
     peer: Peer,
-    to: To,
+    to: To<'_>,
     ask: &Cell<Ask>,
 ) -> Tried {
     let limits = Limits {
@@ -437,7 +374,7 @@ async fn send<C: Parkable>(
 
 /// A server that failed during a request: blacklisted like one that refuses, unless the
 /// connection was a reused one (a kept-alive connection may end for reasons of its own).
-fn server_failed(state: &State, settings: &Settings, to: To, reused: bool, e: &io::Error) {
+fn server_failed(state: &State, settings: &Settings, to: To<'_>, reused: bool, e: &io::Error) {
     match to.index {
         Some(index) if !reused => {
             tracing::info!(
@@ -453,11 +390,10 @@ fn server_failed(state: &State, settings: &Settings, to: To, reused: bool, e: &i
 
 /// A new connection to the server (TLS with `upstream_tls`, the PROXY header when
 /// configured).
-async fn connect(state: &State, settings: &Settings, peer: Peer, to: To) -> io::Result<Link> {
-    let host = to
-        .index
-        .and_then(|i| settings.servers.get(i))
-        .and_then(|s| s.host.as_ref());
+async fn connect(state: &State, settings: &Settings, peer: Peer, to: To<'_>) -> io::Result<Link> {
+    // As hyper's path: only a table server's name (the raw relay also names the
+    // emergency server).
+    let host = to.index.and(to.host);
     let stream = Box::pin(open_upstream(
         state,
         settings,

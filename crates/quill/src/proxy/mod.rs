@@ -1,6 +1,7 @@
 //! Data planes that own connections. They read the settings snapshot and the shared tables,
 //! never parse configuration text, and never block.
 
+pub mod candidates;
 pub mod dummy;
 pub mod gateway;
 pub mod h1;

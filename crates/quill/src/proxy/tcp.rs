@@ -25,6 +25,7 @@ use std::time::{Duration, Instant};
 use tokio::net::{TcpListener, TcpStream, UnixListener};
 use tokio::sync::{mpsc, watch};
 
+use super::candidates::Candidates;
 use super::gateway::Peer;
 use super::http::{Exchange, HttpParams, Scheme};
 use super::park::{self, Parked};
@@ -34,7 +35,7 @@ use super::registry::{ConnInfo, Registered, Upstream};
 use super::relay::{self, relay, Outcome, RelayOptions, Stop, Stream, Totals};
 use super::replay::{Prefixed, Recording};
 use super::stream;
-use crate::balance::{clock, Choice, Selector, ServerState};
+use crate::balance::{clock, ServerState};
 use crate::command::{Host, ProxyVersion, ServerProxy};
 use crate::connlog::unix_now;
 use crate::net::connect::{apply_options, connect, is_local_failure, source_for, SocketOptions};
@@ -1128,73 +1129,30 @@ async fn choose_and_connect<'s>(
     // The accept loop keeps this near `pending_max`; a burst accepted before the limit
     // was seen may pass it briefly, which is better than closing those clients.
     let _pending = Connecting::start(state);
-    let mut selector = Selector::new(
-        settings,
-        &state.servers,
-        &state.clients,
-        &state.cursor,
-        peer,
-        clock::now_ms(),
-    );
-    let mut choice = selector.initial();
-    while let Choice::Server(index) = choice {
-        let (Some(addr), Some(server)) = (
-            settings.servers.get(index).and_then(|s| s.addr()),
-            state.servers.get(index),
-        ) else {
-            choice = selector.failover(index);
-            continue;
-        };
-        let lease = Lease::take(server, Some(index));
-        let host = settings.servers.get(index).and_then(|s| s.host.as_ref());
+    // Denied clients never get here (the abuse server is the HTTP paths').
+    let mut candidates = Candidates::new(state, settings, peer, true);
+    while let Some(c) = candidates.next() {
+        let lease = Lease::take(c.server, c.index);
         match open_upstream(
-            state,
-            settings,
-            addr,
-            Some(index),
-            host,
-            preamble,
-            opts,
-            false,
+            state, settings, c.addr, c.index, c.host, preamble, opts, false,
         )
         .await
         {
             Ok(stream) => {
-                server.total.fetch_add(1, Relaxed);
-                if selector.tracks() {
-                    state
-                        .clients
-                        .record(peer.ip().to_canonical(), index, clock::now_ms());
-                }
-                tracing::debug!(%peer, "server {index} ({addr})");
+                c.server.total.fetch_add(1, Relaxed);
+                candidates.served(&c);
+                tracing::debug!(%peer, "{c}");
                 return Some((stream, lease));
             }
             Err(e) if is_local_failure(&e) => {
-                tracing::warn!(%peer, "cannot connect to server {index} ({addr}): {e}");
+                tracing::warn!(%peer, "cannot connect to {c}: {e}");
                 state.counters.no_server.fetch_add(1, Relaxed);
                 return None;
             }
             Err(e) => {
                 drop(lease);
-                tracing::info!(
-                    "server {index} ({addr}) failed: {e}; blacklisted for {} s",
-                    settings.blacklist
-                );
-                state.server_failed(index, settings.blacklist);
-                choice = selector.failover(index);
+                candidates.failed(&c, &e);
             }
-        }
-    }
-    if let Some(em) = &settings.emergency {
-        let lease = Lease::take(&state.emergency, None);
-        let host = Some(&em.name.host);
-        match open_upstream(state, settings, em.addr, None, host, preamble, opts, false).await {
-            Ok(stream) => {
-                tracing::debug!(%peer, "emergency server {}", em.name);
-                state.emergency.total.fetch_add(1, Relaxed);
-                return Some((stream, lease));
-            }
-            Err(e) => tracing::warn!("emergency server {} failed: {e}", em.name),
         }
     }
     state.counters.no_server.fetch_add(1, Relaxed);
