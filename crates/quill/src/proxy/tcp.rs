@@ -804,32 +804,13 @@ async fn open<C: ClientStream>(
     } else {
         None
     };
-    let upstream = if permitted {
-        Box::pin(choose_and_connect(state, &settings, preamble, opts)).await
-    } else if let Some(abuse) = &settings.abuse {
+    if !permitted {
         tracing::debug!(%peer, "denied by client_acl {}: sent to the abuse server", settings.client_acl);
-        let lease = Lease::take(&state.abuse, None);
-        match Box::pin(open_upstream(
-            state,
-            &settings,
-            abuse.addr,
-            None,
-            Some(&abuse.name.host),
-            preamble,
-            opts,
-            false,
-        ))
-        .await
-        {
-            Ok(s) => Some((s, lease)),
-            Err(e) => {
-                tracing::warn!(%peer, "abuse server {}: {e}", abuse.name);
-                None
-            }
-        }
-    } else {
-        None
-    };
+    }
+    let upstream = Box::pin(choose_and_connect(
+        state, &settings, preamble, opts, permitted,
+    ))
+    .await;
     let Some((server, lease)) = upstream else {
         if let Some(log) = &log {
             log.record(ip, started_unix, None, b"");
@@ -1118,19 +1099,20 @@ fn timeout(settings: &Settings) -> Duration {
     Duration::from_secs(settings.timeout.max(1))
 }
 
-/// Selection with transparent failover, then the emergency server as a last resort.
+/// Selection with transparent failover, then the emergency server as a last resort; for
+/// a client the ACL denies (`permitted` false), the abuse server.
 async fn choose_and_connect<'s>(
     state: &'s State,
     settings: &Settings,
     preamble: Preamble,
     opts: SocketOptions,
+    permitted: bool,
 ) -> Option<(Server, Lease<'s>)> {
     let peer = preamble.peer;
     // The accept loop keeps this near `pending_max`; a burst accepted before the limit
     // was seen may pass it briefly, which is better than closing those clients.
     let _pending = Connecting::start(state);
-    // Denied clients never get here (the abuse server is the HTTP paths').
-    let mut candidates = Candidates::new(state, settings, peer, true);
+    let mut candidates = Candidates::new(state, settings, peer, permitted);
     while let Some(c) = candidates.next() {
         let lease = Lease::take(c.server, c.index);
         match open_upstream(
