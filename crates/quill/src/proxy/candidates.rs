@@ -102,8 +102,8 @@ impl<'a, 's: 'a> Candidates<'a, 's> {
         if std::mem::replace(&mut self.last_offered, true) {
             return None;
         }
-        let (target, server) = self.last_resort();
-        let extra = self.last_resort_spec()?;
+        let (target, server, extra) = self.last_resort();
+        let extra = extra?;
         Some(Candidate {
             target,
             index: None,
@@ -138,29 +138,46 @@ impl<'a, 's: 'a> Candidates<'a, 's> {
                 self.choice = self.selector.as_mut().map(|s| s.failover(index));
             }
             None => {
-                if let Some(extra) = self.last_resort_spec() {
+                if let (_, _, Some(extra)) = self.last_resort() {
                     tracing::warn!(peer = %self.peer, "{:?} server {} failed: {e}", c.target, extra.name);
                 }
             }
         }
     }
 
-    /// The last resort's kind and state: the emergency server's for a permitted client,
-    /// the abuse server's for a denied one.
-    fn last_resort(&self) -> (Target, &'s ServerState) {
+    /// The last resort's kind, state and configuration (if there is one): the emergency
+    /// server's for a permitted client, the abuse server's for a denied one.
+    fn last_resort(
+        &self,
+    ) -> (
+        Target,
+        &'s ServerState,
+        Option<&'a crate::settings::Upstream>,
+    ) {
         if self.selector.is_some() {
-            (Target::Emergency, &self.state.emergency)
+            (
+                Target::Emergency,
+                &self.state.emergency,
+                self.settings.emergency.as_ref(),
+            )
         } else {
-            (Target::Abuse, &self.state.abuse)
+            (
+                Target::Abuse,
+                &self.state.abuse,
+                self.settings.abuse.as_ref(),
+            )
         }
     }
+}
 
-    /// The last resort's configuration, if there is one.
-    fn last_resort_spec(&self) -> Option<&'a crate::settings::Upstream> {
-        if self.selector.is_some() {
-            self.settings.emergency.as_ref()
-        } else {
-            self.settings.abuse.as_ref()
+/// A server that failed after a request (or part of it) was sent to it: a table server is
+/// blacklisted as if it had refused the connection; the request is not sent elsewhere.
+pub(super) fn lost(state: &State, blacklist: u64, c: &Candidate<'_, '_>, e: &io::Error) {
+    match c.index {
+        Some(index) => {
+            tracing::info!("{c} failed during a request: {e}; blacklisted for {blacklist} s");
+            state.server_failed(index, blacklist);
         }
+        None => tracing::warn!("{c} failed during a request: {e}"),
     }
 }

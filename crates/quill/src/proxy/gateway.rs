@@ -32,7 +32,7 @@ use hyper::header::{self, HeaderMap, HeaderName, HeaderValue};
 use hyper::{Method, Request, Response, StatusCode, Uri, Version};
 use hyper_util::rt::TokioIo;
 
-use super::candidates::Candidates;
+use super::candidates::{self, Candidates};
 use super::pool::{self, Conn, Limits, Target};
 use super::pool_h2::{self, Take};
 use super::tcp::{open_upstream, Preamble, Server};
@@ -526,16 +526,7 @@ async fn route(
                 return answer(StatusCode::BAD_GATEWAY, "Bad gateway\n");
             }
             Sent::Lost(e) => {
-                match c.index {
-                    Some(index) => {
-                        tracing::info!(
-                            "{c} failed during a request: {e}; blacklisted for {} s",
-                            settings.blacklist
-                        );
-                        state.server_failed(index, settings.blacklist);
-                    }
-                    None => tracing::warn!("{c} failed during a request: {e}"),
-                }
+                candidates::lost(state, settings.blacklist, &c, &e);
                 return answer(StatusCode::BAD_GATEWAY, "Bad gateway\n");
             }
         }

@@ -27,7 +27,7 @@ use std::time::{Duration, Instant};
 
 use tokio::io::{AsyncRead, AsyncWriteExt, ReadBuf};
 
-use super::candidates::{Candidate, Candidates};
+use super::candidates::{self, Candidate, Candidates};
 use super::gateway::{secs, Lease, Peer};
 use super::h1::Parkable;
 use super::pool::{self, Limits, Pool, Pooled};
@@ -375,16 +375,10 @@ async fn send<C: Parkable>(
 /// A server that failed during a request: blacklisted like one that refuses, unless the
 /// connection was a reused one (a kept-alive connection may end for reasons of its own).
 fn server_failed(state: &State, settings: &Settings, to: To<'_>, reused: bool, e: &io::Error) {
-    match to.index {
-        Some(index) if !reused => {
-            tracing::info!(
-                "server {index} ({}) failed during a request: {e}; blacklisted for {} s",
-                to.addr,
-                settings.blacklist
-            );
-            state.server_failed(index, settings.blacklist);
-        }
-        _ => tracing::debug!("{:?} ({}) failed during a request: {e}", to.target, to.addr),
+    if reused {
+        tracing::debug!("{to}, over a reused connection, failed during a request: {e}");
+    } else {
+        candidates::lost(state, settings.blacklist, &to, e);
     }
 }
 
