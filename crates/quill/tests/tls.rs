@@ -70,14 +70,14 @@ impl Ca {
     }
 
     /// A server (or client) certificate for `names` (DNS names; 127.0.0.1 is added for
-    /// servers), with the given key algorithm and serial number.
+    /// `Role::Server`), with the given key algorithm and serial number.
     fn leaf(
         &self,
         file: &str,
         names: &[&str],
         alg: &'static rcgen::SignatureAlgorithm,
         serial: u64,
-        client: bool,
+        role: Role,
     ) -> Leaf {
         let key = KeyPair::generate_for(alg).unwrap();
         let mut params =
@@ -88,12 +88,14 @@ impl Ca {
             names.first().copied().unwrap_or("client"),
         );
         params.serial_number = Some(SerialNumber::from(serial.to_be_bytes().to_vec()));
-        if client {
+        if role == Role::Client {
             params.extended_key_usages = vec![ExtendedKeyUsagePurpose::ClientAuth];
         } else {
-            params
-                .subject_alt_names
-                .push(SanType::IpAddress("127.0.0.1".parse().unwrap()));
+            if role == Role::Server {
+                params
+                    .subject_alt_names
+                    .push(SanType::IpAddress("127.0.0.1".parse().unwrap()));
+            }
             params.extended_key_usages = vec![ExtendedKeyUsagePurpose::ServerAuth];
         }
         let cert = params.signed_by(&key, &self.issuer).unwrap();
@@ -109,8 +111,25 @@ impl Ca {
     }
 
     fn server(&self, file: &str, names: &[&str], serial: u64) -> Leaf {
-        self.leaf(file, names, &rcgen::PKCS_ECDSA_P256_SHA256, serial, false)
+        self.leaf(
+            file,
+            names,
+            &rcgen::PKCS_ECDSA_P256_SHA256,
+            serial,
+            Role::Server,
+        )
     }
+}
+
+/// What a test certificate is for.
+#[derive(Clone, Copy, PartialEq, Eq)]
+enum Role {
+    Client,
+    /// A server, valid for its DNS names and 127.0.0.1.
+    Server,
+    /// A server valid for its DNS names only: reached at 127.0.0.1, it verifies only if
+    /// the name is what is checked.
+    ServerByName,
 }
 
 fn s(p: &Path) -> &str {
@@ -422,9 +441,15 @@ fn sni_picks_the_certificate_and_unknown_names_get_the_default() {
         &["other.test"],
         &rcgen::PKCS_ED25519,
         7,
-        false,
+        Role::Server,
     );
-    let rsa = sni_ca.leaf("rsa.test", &["rsa.test"], &rcgen::PKCS_RSA_SHA256, 8, false);
+    let rsa = sni_ca.leaf(
+        "rsa.test",
+        &["rsa.test"],
+        &rcgen::PKCS_RSA_SHA256,
+        8,
+        Role::Server,
+    );
     let backend = IdentityBackend::start("b0");
     let q = Quill::start(&[
         "-E",
@@ -553,14 +578,14 @@ fn required_client_certificates_are_verified_against_the_ca() {
         &["alice"],
         &rcgen::PKCS_ECDSA_P256_SHA256,
         21,
-        true,
+        Role::Client,
     );
     let bad = stranger.leaf(
         "mallory",
         &["mallory"],
         &rcgen::PKCS_ECDSA_P256_SHA256,
         22,
-        true,
+        Role::Client,
     );
     let backend = IdentityBackend::start("b0");
     let q = Quill::start(&[
@@ -847,6 +872,50 @@ fn re_encryption_verifies_the_backend_certificate() {
         &upstream,
     ]);
     assert_eq!(get(&misnamed, false), "");
+}
+
+/// The emergency server is verified by the name it was configured with, as a table
+/// server is, on each data plane that can reach it: the raw relay, HTTP/1.x request by
+/// request (`h1_pump`), and hyper's gateway (here chosen by `access_log`).
+#[test]
+fn the_emergency_server_is_verified_by_its_configured_name() {
+    let (dir, ca, _) = tls_fixture();
+    let named = ca.leaf(
+        "named",
+        &["localhost"],
+        &rcgen::PKCS_ECDSA_P256_SHA256,
+        0x77,
+        Role::ServerByName,
+    );
+    let emergency = tls_dummy(&named);
+    let want = format!("quill dummy server on port {}", emergency.port);
+    let down = format!("127.0.0.1:{}", free_port());
+    let log = format!("access_log {}/access.log", s(dir.path()));
+    for extra in [&[][..], &["-H"][..], &["-H", "-O", &log][..]] {
+        let mut args = vec![
+            "-O".to_string(),
+            "upstream_tls".into(),
+            "-O".into(),
+            format!("upstream_ca {}", s(&ca.cert)),
+            "-e".into(),
+            format!("localhost:{}", emergency.port),
+        ];
+        args.extend(extra.iter().map(|a| a.to_string()));
+        args.extend(["{port}".to_string(), down.clone()]);
+        let args: Vec<&str> = args.iter().map(String::as_str).collect();
+        let q = Quill::start(&args);
+        let mut c = q.connect();
+        c.write_all(b"GET / HTTP/1.1\r\nHost: x\r\nConnection: close\r\n\r\n")
+            .unwrap();
+        let mut out = Vec::new();
+        let _ = c.read_to_end(&mut out);
+        let out = String::from_utf8_lossy(&out);
+        assert!(
+            out.contains(&want),
+            "quill {extra:?}: {out}\n{}",
+            q.stderr()
+        );
+    }
 }
 
 /// With `http` (-H), TLS-terminated requests carry `X-Forwarded-Proto: https` (and the

@@ -32,7 +32,7 @@ use hyper::header::{self, HeaderMap, HeaderName, HeaderValue};
 use hyper::{Method, Request, Response, StatusCode, Uri, Version};
 use hyper_util::rt::TokioIo;
 
-use super::candidates::{self, Candidates};
+use super::candidates::{self, Candidate, Candidates};
 use super::pool::{self, Conn, Limits, Target};
 use super::pool_h2::{self, Take};
 use super::tcp::{open_upstream, Preamble, Server};
@@ -41,6 +41,9 @@ use crate::balance::ServerState;
 use crate::net::connect::{is_local_failure, SocketOptions};
 use crate::settings::Settings;
 use crate::state::State;
+
+/// The server a request goes to; its state lives as long as the process.
+type To<'a> = Candidate<'a, 'static>;
 
 /// The HTTP/2 receive window of a stream to a server (`upstream_h2`).
 const H2_STREAM_WINDOW: u32 = 256 * 1024;
@@ -505,7 +508,7 @@ async fn route(
     }
     let mut candidates = Candidates::new(state, &settings, peer.addr, peer.permitted);
     while let Some(c) = candidates.next() {
-        match send(state, &settings, peer, c.target, c.addr, c.server, req, how).await {
+        match send(state, &settings, peer, &c, req, how).await {
             Sent::Answer(answered) => {
                 candidates.served(&c);
                 return reply(
@@ -575,51 +578,33 @@ enum Sent {
     Refused(std::io::Error),
 }
 
-/// Sends `req` to the server at `addr` over a pooled or shared connection, or a new one.
+/// Sends `req` to the server `to` over a pooled or shared connection, or a new one.
 /// A reused connection that turns out closed before any of the request was written is
 /// replaced by a new one at once (that is not the server's failure).
-#[allow(clippy::too_many_arguments)]
 async fn send(
     state: &'static State,
     settings: &Settings,
     peer: Peer,
-    target: Target,
-    addr: SocketAddr,
-    server: &'static ServerState,
+    to: &To<'_>,
     mut req: Request<RequestBody>,
     how: How,
 ) -> Sent {
+    let (server, addr) = (to.server, to.addr);
     req.body_mut().server = Some(server);
     let record = req.body().record.clone();
-    let index = match target {
-        Target::Server(i) => Some(i),
-        _ => None,
-    };
     // A PROXY protocol header describes one client, and a tunnel takes the connection:
     // neither kind is ever pooled, nor shared over HTTP/2 (such requests take HTTP/1.1).
-    let poolable = !how.upgrade && super::tcp::proxy_version(settings, index).is_none();
+    let poolable = !how.upgrade && super::tcp::proxy_version(settings, to.index).is_none();
     let h2 = poolable && settings.upstream_h2;
     let mut retried = false;
     loop {
         // Sent again after a refusal, a request takes a new connection, on which it is the
         // first stream: no GOAWAY can cross it there.
-        let (mut conn, reused) = match pick(
-            state,
-            settings,
-            peer,
-            target,
-            addr,
-            server,
-            how,
-            poolable,
-            h2 && !retried,
-            h2,
-        )
-        .await
-        {
-            Ok(picked) => picked,
-            Err(e) => return Sent::Unsent(req, e),
-        };
+        let (mut conn, reused) =
+            match pick(state, settings, peer, to, how, poolable, h2 && !retried, h2).await {
+                Ok(picked) => picked,
+                Err(e) => return Sent::Unsent(req, e),
+            };
         let lease = Lease::take(server);
         let mut spare = None;
         let sent = match &mut conn {
@@ -750,14 +735,13 @@ async fn pick(
     state: &'static State,
     settings: &Settings,
     peer: Peer,
-    target: Target,
-    addr: SocketAddr,
-    server: &'static ServerState,
+    to: &To<'_>,
     how: How,
     poolable: bool,
     shared: bool,
     h2: bool,
 ) -> std::io::Result<(Upstream, bool)> {
+    let (target, addr) = (to.target, to.addr);
     if shared {
         loop {
             match pool_h2::take(target, addr, how.limits) {
@@ -772,12 +756,8 @@ async fn pick(
             return Ok((Upstream::H1(conn), true));
         }
     }
-    let index = match target {
-        Target::Server(i) => Some(i),
-        _ => None,
-    };
     let _opening = h2.then(|| pool_h2::opening(target));
-    let fresh = connect(state, settings, peer, index, addr, server, how.upgrade, h2).await?;
+    let fresh = connect(state, settings, peer, to, how.upgrade, h2).await?;
     Ok(match fresh {
         Fresh::H1(sender) => (
             Upstream::H1(Conn {
@@ -863,27 +843,21 @@ enum Fresh {
 /// A new connection to a server (TLS with `upstream_tls`, the PROXY header when
 /// configured), driven by a task of its own on this event loop: HTTP/2 when `h2` (prior
 /// knowledge in plain, ALPN over TLS when the server picks it), else HTTP/1.1.
-#[allow(clippy::too_many_arguments)]
 async fn connect(
     state: &'static State,
     settings: &Settings,
     peer: Peer,
-    index: Option<usize>,
-    addr: SocketAddr,
-    server: &'static ServerState,
+    to: &To<'_>,
     upgrades: bool,
     h2: bool,
 ) -> std::io::Result<Fresh> {
-    let host = match index {
-        Some(i) => settings.servers.get(i).and_then(|s| s.host.as_ref()),
-        None => None,
-    };
+    let (addr, server) = (to.addr, to.server);
     let stream = open_upstream(
         state,
         settings,
         addr,
-        index,
-        host,
+        to.index,
+        to.host,
         peer.preamble,
         peer.opts,
         h2,

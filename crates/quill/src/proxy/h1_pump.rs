@@ -385,15 +385,12 @@ fn server_failed(state: &State, settings: &Settings, to: To<'_>, reused: bool, e
 /// A new connection to the server (TLS with `upstream_tls`, the PROXY header when
 /// configured).
 async fn connect(state: &State, settings: &Settings, peer: Peer, to: To<'_>) -> io::Result<Link> {
-    // As hyper's path: only a table server's name (the raw relay also names the
-    // emergency server).
-    let host = to.index.and(to.host);
     let stream = Box::pin(open_upstream(
         state,
         settings,
         to.addr,
         to.index,
-        host,
+        to.host,
         peer.preamble,
         peer.opts,
         false,
