@@ -47,10 +47,14 @@ REPO_ROOT = BENCH_DIR.parent
 RESULTS_DIR = BENCH_DIR / "results"
 LOADGEN_DIR = BENCH_DIR / "loadgen"
 
-ALL_BALANCERS = ("quill", "pen", "haproxy", "nginx", "backend", "quill-nopoll")
-# Measured only when named in --only: quill with busy polling off (QUILL_BUSY_POLL=off),
-# the A/B of what polling costs or saves.
-OPTIONAL_BALANCERS = ("quill-nopoll",)
+ALL_BALANCERS = ("quill", "pen", "haproxy", "nginx", "backend", "quill-nopoll", "quill-poll")
+# Measured only when named in --only: quill with busy polling off (QUILL_BUSY_POLL=off) and
+# quill polling whenever busy, without trying whether it pays (QUILL_BUSY_POLL=always): the
+# A/B of what polling costs or saves, and of the default that tries both.
+OPTIONAL_BALANCERS = ("quill-nopoll", "quill-poll")
+# The environment each quill variant runs with.
+QUILL_VARIANTS = {"quill": [], "quill-nopoll": ["env", "QUILL_BUSY_POLL=off"],
+                  "quill-poll": ["env", "QUILL_BUSY_POLL=always"]}
 ANCHORS = ("pen", "haproxy", "nginx")
 
 
@@ -571,10 +575,9 @@ def balancer_argv(name: str, port: int, backend_port: int, tmp: Path, quill_bin:
     one = layout == "one-core"
     pin = ["taskset", "-c", BALANCER_CORE] if one else []
     cores = 1 if one else len(os.sched_getaffinity(0))
-    if name in ("quill", "quill-nopoll"):
+    if name in QUILL_VARIANTS:
         # No worker-count option: quill sizes itself from the cores it may use.
-        env = ["env", "QUILL_BUSY_POLL=off"] if name == "quill-nopoll" else []
-        return env + pin + [str(quill_bin), "-f", "-r", "-x", MAX_CONNS, listen, target]
+        return QUILL_VARIANTS[name] + pin + [str(quill_bin), "-f", "-r", "-x", MAX_CONNS, listen, target]
     if name == "pen":
         return pin + ["pen", "-f", "-r", "-x", MAX_CONNS, listen, target]
     if name == "haproxy":
@@ -1154,7 +1157,10 @@ class Bench:
             for sc in scs:
                 if sc.once and rnd > 1:
                     continue
-                for bal in self.selected:
+                # Each round starts with the next balancer: whatever the host does to the
+                # first run after a pause (or the last before one) falls on each in turn.
+                shift = (rnd - 1) % len(self.selected)
+                for bal in self.selected[shift:] + self.selected[:shift]:
                     if bal == "backend" and not sc.with_backend:
                         continue
                     plan.append((rnd, sc, bal))
@@ -1335,7 +1341,7 @@ def fmt_table(summary: dict[str, Any], args: argparse.Namespace) -> str:
 
 
 COLOURS = {"quill": "#2b6cb0", "pen": "#a0aec0", "haproxy": "#ed8936", "nginx": "#48bb78",
-           "backend": "#4a5568", "quill-nopoll": "#90cdf4"}
+           "backend": "#4a5568", "quill-nopoll": "#90cdf4", "quill-poll": "#1a365d"}
 
 
 def svg_chart(summary: dict[str, Any], title: str) -> str:
@@ -1454,7 +1460,7 @@ def main(argv: list[str]) -> int:
         print(f"bench: {e}", file=sys.stderr)
         return 1
 
-    if "quill" in selected or "quill-nopoll" in selected:
+    if set(QUILL_VARIANTS) & set(selected):
         if not args.no_build and args.quill_bin is None:
             reason = cargo_build("quill", REPO_ROOT, ["-p", "quill"])
             if reason:
@@ -1464,7 +1470,8 @@ def main(argv: list[str]) -> int:
         if "quill" not in fatal and not (quill_bin.is_file() and os.access(quill_bin, os.X_OK)):
             fatal["quill"] = f"quill binary not found or not executable: {quill_bin}"
         if "quill" in fatal:
-            fatal["quill-nopoll"] = fatal["quill"]
+            for variant in QUILL_VARIANTS:
+                fatal[variant] = fatal["quill"]
             warn(f"quill will not be measured: {fatal['quill']}")
 
     machine = describe_machine()
@@ -1521,7 +1528,7 @@ def main(argv: list[str]) -> int:
             "haproxy": f"mode tcp, maxconn {HAPROXY_MAXCONN}, nbthread 1 (one-core) or cores (all-cores)",
             "nginx_stream": "worker_processes 1 (one-core) or cores (all-cores), proxy_pass to the backend",
             "quill_pen": f"-f -r -x {MAX_CONNS} LISTEN BACKEND",
-            "order": "per round, per scenario, each balancer in turn; each balancer started fresh per run",
+            "order": "per round, per scenario, each balancer in turn (each round starting one further along); each balancer started fresh per run",
         },
         "not_measured": fatal,
         "summary": summary,
