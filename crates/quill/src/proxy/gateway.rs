@@ -77,6 +77,7 @@ impl Body for RequestBody {
             self.activity.progress();
             if let (Some(data), Some(server)) = (frame.data_ref(), self.server) {
                 server.bytes_to.fetch_add(data.len() as u64, Relaxed);
+                super::polling::moved(data.len() as u64);
                 if let Some(r) = &self.record {
                     r.bytes_in.set(r.bytes_in.get() + data.len() as u64);
                 }
@@ -121,6 +122,7 @@ impl Body for ResponseBody {
             self.stream.activity.progress();
             if let Some(data) = frame.data_ref() {
                 self.server.bytes_from.fetch_add(data.len() as u64, Relaxed);
+                super::polling::moved(data.len() as u64);
                 if let Some(r) = &self.stream.record {
                     r.bytes_out.set(r.bytes_out.get() + data.len() as u64);
                 }

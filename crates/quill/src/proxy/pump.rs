@@ -211,6 +211,7 @@ impl Flow {
                         return Poll::Ready(Ok(()));
                     }
                     self.bytes += input.len() as u64;
+                    super::polling::moved(input.len() as u64);
                     shared.active = true;
                     if let Some(first) = self.first.as_mut().filter(|f| f.is_empty()) {
                         first.extend_from_slice(

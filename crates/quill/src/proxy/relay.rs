@@ -373,6 +373,7 @@ impl Pipe {
                     Ok(0) => self.eof = true,
                     Ok(n) => {
                         self.bytes += n as u64;
+                        super::polling::moved(n as u64);
                         self.in_bulk = n;
                         *active = true;
                     }
@@ -418,6 +419,7 @@ impl Pipe {
                     Err(e) => return Err(Failed::Source(e)),
                 };
                 self.bytes += n as u64;
+                super::polling::moved(n as u64);
                 *active = true;
                 self.go_bulk = n == buf.len() && !self.no_splice;
                 if let Some(first) = self.first.as_mut().filter(|f| f.is_empty()) {

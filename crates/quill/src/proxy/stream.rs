@@ -118,6 +118,7 @@ impl Pipe {
                     return Poll::Ready(Ok(()));
                 }
                 self.bytes += n as u64;
+                super::polling::moved(n as u64);
                 *active = true;
                 if let Some(first) = self.first.as_mut().filter(|f| f.is_empty()) {
                     first.extend_from_slice(&data[..n.min(crate::connlog::REQUEST_BYTES)]);

@@ -299,6 +299,8 @@ pub async fn serve(
         let more = loop {
             let result = guard.try_io(|fd| {
                 let n = batch.recv(fd.get_ref())?;
+                // The loop's work, for its busy-polling trials: datagrams in.
+                super::polling::moved(n as u64);
                 if n < LISTEN_BATCH {
                     // The queue is empty: say so, so that the event loop's cached
                     // readiness is cleared without another (empty) recvmmsg.
@@ -580,6 +582,8 @@ impl Worker {
         for _ in 0..BUDGET {
             let result = guard.try_io(|fd| {
                 let n = batch.recv(fd.get_ref())?;
+                // The loop's work, for its busy-polling trials: datagrams in.
+                super::polling::moved(n as u64);
                 if n < REPLY_BATCH {
                     return Err(ErrorKind::WouldBlock.into());
                 }
