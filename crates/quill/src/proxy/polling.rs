@@ -6,11 +6,11 @@
 //! sixth of the load core's time). Under heavy traffic that can cost more than the packet
 //! itself, so a busy loop may poll instead of sleeping. Whether it does depends on the
 //! hardware behind the cores (how a halted virtual CPU is woken, what shares the physical
-//! core): the same build gained 19 % keep-alive requests/s by polling on one host and lost
-//! 17 % on another. So a busy loop tries both ([`Judge`]) and keeps what moved more bytes
-//! per unit of the whole machine's CPU. Invariants: a loop that is idle or lightly loaded
-//! never polls (an idle quill costs no CPU), and a loop whose core is contended (the kernel
-//! preempts it while it polls) stops polling for a while.
+//! core): the same build gained 19 % keep-alive requests/s by polling on one host and next
+//! to nothing on another. So a busy loop tries both ([`Judge`]) and polls only where that
+//! moved more bytes per second, or per unit of the whole machine's CPU. Invariants: a loop
+//! that is idle or lightly loaded never polls (an idle quill costs no CPU), and a loop whose
+//! core is contended (the kernel preempts it while it polls) stops polling for a while.
 
 use std::cell::Cell;
 use std::sync::OnceLock;
