@@ -154,6 +154,13 @@ fn prometheus_counters_match_the_traffic_sent() {
     );
     assert_eq!(value(&samples, "quill_connections_open", &[]), 0.0);
     assert_eq!(value(&samples, "quill_clients_tracked", &[]), 1.0);
+    // A dozen connections keep no event loop busy enough to try busy polling.
+    assert_eq!(kind("quill_event_loops_polling"), "gauge");
+    assert_eq!(value(&samples, "quill_event_loops_polling", &[]), 0.0);
+    for verdict in ["poll", "sleep"] {
+        let labels = [("verdict", verdict)];
+        assert_eq!(value(&samples, "quill_polling_trials_total", &labels), 0.0);
+    }
     for (index, backend) in [("0", &a), ("1", &b)] {
         let (conns, sent, received) = expect[backend.name()];
         let labels = [("server", index), ("address", &backend.spec()[..])];

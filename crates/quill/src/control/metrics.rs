@@ -20,6 +20,7 @@ use super::report;
 use crate::balance::servers::Condition;
 use crate::balance::{clock, ServerState};
 use crate::dsr::DsrCounters;
+use crate::proxy::polling;
 use crate::state::State;
 use crate::tls::Certificate;
 
@@ -272,6 +273,28 @@ pub static FAMILIES: &[Family] = &[
         unit: Some(Unit::Seconds),
         kind: Kind::Gauge,
         source: Source::Global(|s| s.started.elapsed().as_secs()),
+    },
+    Family {
+        name: "event_loops_polling",
+        help: "Event loops busy-polling now instead of sleeping between events (a busy loop \
+               polls only where its trials found that it pays; QUILL_BUSY_POLL in quill(1)).",
+        unit: None,
+        kind: Kind::Gauge,
+        source: Source::Global(|_| load(&polling::STATS.polling)),
+    },
+    Family {
+        name: "polling_trials",
+        help: "Trials of busy polling against sleeping by busy event loops, by verdict: \
+               polling kept, or sleeping.",
+        unit: None,
+        kind: Kind::Counter,
+        source: Source::ByLabel {
+            label: "verdict",
+            values: &[
+                ("poll", |_| load(&polling::STATS.trials_poll)),
+                ("sleep", |_| load(&polling::STATS.trials_sleep)),
+            ],
+        },
     },
     Family {
         name: "server_connections_open",

@@ -13,6 +13,7 @@
 //! core is contended (the kernel preempts it while it polls) stops polling for a while.
 
 use std::cell::Cell;
+use std::sync::atomic::{AtomicU64, Ordering::Relaxed};
 use std::sync::OnceLock;
 use std::time::{Duration, Instant};
 
@@ -42,6 +43,21 @@ fn mode() -> Mode {
 pub(crate) fn allowed() -> bool {
     mode() != Mode::Off
 }
+
+/// What the loops' polling does, for the metrics (`event_loops_polling`, `polling_trials`).
+pub(crate) struct Stats {
+    /// Event loops polling now.
+    pub(crate) polling: AtomicU64,
+    /// Trials that kept polling, and trials that chose sleeping.
+    pub(crate) trials_poll: AtomicU64,
+    pub(crate) trials_sleep: AtomicU64,
+}
+
+pub(crate) static STATS: Stats = Stats {
+    polling: AtomicU64::new(0),
+    trials_poll: AtomicU64::new(0),
+    trials_sleep: AtomicU64::new(0),
+};
 
 thread_local! {
     /// Bytes this thread's event loop has moved (read from one peer for another): the work
@@ -178,6 +194,12 @@ impl Judge {
             VERDICT_HOLD
         };
         self.verdict = Some(poll);
+        let count = if poll {
+            &STATS.trials_poll
+        } else {
+            &STATS.trials_sleep
+        };
+        count.fetch_add(1, Relaxed);
         self.phase = Phase::Settled {
             poll,
             until: now + self.hold,
@@ -414,6 +436,7 @@ impl Load {
         }
         self.preempted = preempted;
         let busy = self.busy * self.share.den > window * self.share.num;
+        let was = self.hot;
         self.hot = (busy || self.judge.trying())
             && now >= self.calm_until
             && match mode() {
@@ -421,6 +444,13 @@ impl Load {
                 Mode::Always => true,
                 Mode::Auto => self.judge.polls(now, Sample::now),
             };
+        if self.hot != was {
+            if self.hot {
+                STATS.polling.fetch_add(1, Relaxed);
+            } else {
+                STATS.polling.fetch_sub(1, Relaxed);
+            }
+        }
         self.busy = Duration::ZERO;
         self.window_start = now;
     }
@@ -428,6 +458,14 @@ impl Load {
     /// Whether to poll rather than sleep now. A pause longer than [`SPIN`] sleeps.
     pub(crate) fn spinning(&self) -> bool {
         self.hot && self.last.elapsed() < SPIN
+    }
+}
+
+impl Drop for Load {
+    fn drop(&mut self) {
+        if self.hot {
+            STATS.polling.fetch_sub(1, Relaxed);
+        }
     }
 }
 
