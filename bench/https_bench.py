@@ -342,7 +342,7 @@ def main(argv: list[str]) -> int:
             for rnd in range(1, args.rounds + 1):
                 for sc in scenarios:
                     for paced in loads:
-                        for bal in selected:
+                        for bal in tb.in_turn(selected, rnd):
                             r = measure(procs, tmp, args, backend, backend_h2, cert, bal, sc, paced)
                             r["round"] = rnd
                             runs.append(r)

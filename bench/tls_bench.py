@@ -416,7 +416,7 @@ def main(argv: list[str]) -> int:
             for rnd in range(1, args.rounds + 1):
                 for key in keys:
                     for sc in scenarios:
-                        for bal in selected:
+                        for bal in tb.in_turn(selected, rnd):
                             if bal in CEILING.values() and bal != CEILING[sc]:
                                 continue
                             r = measure(procs, tmp, args, args.quill_bin, backends[sc], certs, bal, key, sc)

@@ -337,7 +337,9 @@ zone:
 
         for scenario, bal_cores, load_cores, rate in scenarios:
             for rnd in range(1, args.rounds + 1):
-                for name in only:
+                # Each round starts one balancer further along (see tcp_bench.in_turn).
+                shift = (rnd - 1) % max(len(only), 1)
+                for name in only[shift:] + only[:shift]:
                     port = backend_port if name == "backend" else free_port()
                     argv = command(name, port, bal_cores)
                     rec: dict[str, Any] = {"scenario": scenario, "round": rnd, "balancer": name,
