@@ -924,23 +924,25 @@ fn clients_that_reconnect_lose_no_request_to_a_reload_loop() {
         "{reloads} reloads, but curl used {h2} connection(s)"
     );
 
-    // HTTP/1.1 keep-alive clients get `Connection: close` and come back.
+    // HTTP/1.1 keep-alive clients get `Connection: close` and come back. The load lasts
+    // several reload periods: a reload before the clients connect, or after one of them
+    // has had its share, moves fewer than four.
     let accepted = metric(metrics, "quill_connections_accepted_total");
     done.store(false, SeqCst);
     let url = format!("https://127.0.0.1:{}/1k", q.port);
     let (out, reloads) = std::thread::scope(|s| {
         let load = s.spawn(|| {
-            let out = tool("h2load", &["--h1", "-c4", "-n4000", &url]);
+            let out = tool("h2load", &["--h1", "-c4", "-n12000", &url]);
             done.store(true, SeqCst);
             out
         });
         let reloads = reload_until(&q, &done);
         (load.join().unwrap().unwrap(), reloads)
     });
-    assert!(out.contains("4000 succeeded, 0 failed"), "{out}");
+    assert!(out.contains("12000 succeeded, 0 failed"), "{out}");
     let reconnected = metric(metrics, "quill_connections_accepted_total") - accepted - 4;
     assert!(
-        reloads < 2 || reconnected >= 4,
+        reloads < 3 || reconnected >= 4,
         "{reloads} reloads, {reconnected} reconnections\n{out}"
     );
 }

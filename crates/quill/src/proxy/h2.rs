@@ -10,6 +10,7 @@ use std::time::Duration;
 use hyper_util::rt::{TokioIo, TokioTimer};
 use tokio::io::{AsyncRead, AsyncWrite};
 
+use super::coalesce;
 use super::gateway::{self, Activity, Ended, Graceful, LocalExec, Peer, Timers};
 use crate::state::State;
 
@@ -59,7 +60,9 @@ where
         .keep_alive_timeout(Duration::from_secs(20));
     let activity = Rc::new(Activity::default());
     let service = gateway::service(state, peer, &activity);
-    let conn = builder.serve_connection(TokioIo::new(io), service);
+    // The responses of one turn leave together (h2 alone flushes after every body).
+    let (io, drain) = coalesce::gather(io);
+    let conn = coalesce::Flushing::new(builder.serve_connection(TokioIo::new(io), service), drain);
     tokio::pin!(conn);
     let timers = Timers {
         first: gateway::secs(settings.http_request_timeout),

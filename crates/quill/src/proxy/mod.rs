@@ -2,6 +2,7 @@
 //! never parse configuration text, and never block.
 
 pub mod candidates;
+pub mod coalesce;
 pub mod dummy;
 pub mod gateway;
 pub mod h1;
