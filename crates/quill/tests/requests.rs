@@ -703,6 +703,25 @@ fn a_request_body_and_a_large_response_stream_through_byte_exact() {
         std::fs::read(&back).unwrap() == data,
         "8 MiB came back changed"
     );
+    // A client that reads slower than quill writes, with HTTP/2 windows that do not hold
+    // quill back: quill's socket fills now and then (writes gathered for one turn wait
+    // for it), and every byte still arrives, in order.
+    let Some(python) = python_h2() else {
+        return;
+    };
+    let script = Path::new(env!("CARGO_MANIFEST_DIR")).join("tests/fixtures/h2_slow_reader.py");
+    let port = q.port.to_string();
+    let out = tool(python, &[script.to_str().unwrap(), &port, "/files/blob"]).unwrap();
+    use sha2::Digest;
+    let sha: String = sha2::Sha256::digest(&data)
+        .iter()
+        .map(|b| format!("{b:02x}"))
+        .collect();
+    assert_eq!(
+        out.trim(),
+        format!("200 {} {sha} ended", data.len()),
+        "a slow reader's download"
+    );
 }
 
 /// A server that answers each request's head at once and its body after `delay`.

@@ -5,9 +5,10 @@
 //! writes to collects what it is given (up to [`LIMIT`]), and [`Flushing`], around the
 //! connection's future, writes it out after each poll of the connection.
 //!
-//! Invariant: when [`Flushing`] returns `Pending`, nothing is left gathered unless the
-//! socket refused it (and then the socket's write readiness wakes the task): no byte waits
-//! for an event that is not coming. An idle connection holds no buffer (it is freed each
+//! Invariant: when [`Flushing`] returns `Pending`, nothing is left gathered or unflushed
+//! (a TLS stream keeps what the socket refused until it is flushed) unless the socket
+//! refused it, and then the socket's write readiness wakes the task: no byte waits for an
+//! event that is not coming. An idle connection holds no buffer (it is freed each
 //! time it empties).
 
 use std::cell::RefCell;
@@ -31,6 +32,9 @@ struct Shared<IO> {
     /// Gathered bytes; `buf[sent..]` are still to be written.
     buf: Vec<u8>,
     sent: usize,
+    /// Bytes went to `io` since its last flush: a TLS stream may hold some of them
+    /// (encrypted, the socket being full) until it is flushed.
+    unflushed: bool,
     /// A failed write of gathered bytes, told to the connection at its next write.
     failed: Option<io::ErrorKind>,
 }
@@ -40,8 +44,8 @@ impl<IO: AsyncWrite + Unpin> Shared<IO> {
         self.buf.len() - self.sent
     }
 
-    /// Writes out what was gathered; `Pending` (with the waker registered by the socket)
-    /// while the socket takes no more.
+    /// Writes out what was gathered and flushes `io`; `Pending` (with the waker
+    /// registered by the socket) while the socket takes no more.
     fn poll_drain(&mut self, cx: &mut Context<'_>) -> Poll<io::Result<()>> {
         if let Some(kind) = self.failed {
             return Poll::Ready(Err(kind.into()));
@@ -49,13 +53,33 @@ impl<IO: AsyncWrite + Unpin> Shared<IO> {
         while self.sent < self.buf.len() {
             match ready!(Pin::new(&mut self.io).poll_write(cx, &self.buf[self.sent..])) {
                 Ok(0) => return Poll::Ready(Err(self.fail(io::ErrorKind::WriteZero))),
-                Ok(n) => self.sent += n,
+                Ok(n) => {
+                    self.sent += n;
+                    self.unflushed = true;
+                }
                 Err(e) => return Poll::Ready(Err(self.fail(e.kind()))),
             }
         }
         self.buf = Vec::new();
         self.sent = 0;
+        if self.unflushed {
+            if let Err(e) = ready!(Pin::new(&mut self.io).poll_flush(cx)) {
+                return Poll::Ready(Err(self.fail(e.kind())));
+            }
+            self.unflushed = false;
+        }
         Poll::Ready(Ok(()))
+    }
+
+    /// A write too big to gather, straight to `io`.
+    fn poll_write_through(
+        &mut self,
+        cx: &mut Context<'_>,
+        bufs: &[IoSlice<'_>],
+    ) -> Poll<io::Result<usize>> {
+        let n = ready!(Pin::new(&mut self.io).poll_write_vectored(cx, bufs))?;
+        self.unflushed = true;
+        Poll::Ready(Ok(n))
     }
 
     fn fail(&mut self, kind: io::ErrorKind) -> io::Error {
@@ -91,6 +115,7 @@ pub fn gather<IO>(io: IO) -> (Gathered<IO>, Drain<IO>) {
         io,
         buf: Vec::new(),
         sent: 0,
+        unflushed: false,
         failed: None,
     }));
     (Gathered(Rc::clone(&shared)), Drain(shared))
@@ -124,7 +149,7 @@ impl<IO: AsyncWrite + Unpin> AsyncWrite for Gathered<IO> {
             shared.buf.extend_from_slice(buf);
             Poll::Ready(Ok(buf.len()))
         } else {
-            Pin::new(&mut shared.io).poll_write(cx, buf)
+            shared.poll_write_through(cx, &[IoSlice::new(buf)])
         }
     }
 
@@ -141,7 +166,7 @@ impl<IO: AsyncWrite + Unpin> AsyncWrite for Gathered<IO> {
             }
             Poll::Ready(Ok(len))
         } else {
-            Pin::new(&mut shared.io).poll_write_vectored(cx, bufs)
+            shared.poll_write_through(cx, bufs)
         }
     }
 
@@ -250,6 +275,10 @@ mod tests {
         room: usize,
         broken: bool,
         shut: bool,
+        /// Like a TLS stream over a full socket: writes are taken but held until a flush.
+        holds: bool,
+        held: Vec<u8>,
+        flushes: usize,
     }
 
     #[derive(Clone)]
@@ -261,6 +290,9 @@ mod tests {
             room,
             broken: false,
             shut: false,
+            holds: false,
+            held: Vec::new(),
+            flushes: 0,
         })))
     }
 
@@ -294,6 +326,10 @@ mod tests {
             if wire.broken {
                 return Poll::Ready(Err(io::ErrorKind::BrokenPipe.into()));
             }
+            if wire.holds {
+                wire.held.extend_from_slice(buf);
+                return Poll::Ready(Ok(buf.len()));
+            }
             let n = buf.len().min(wire.room);
             if n == 0 {
                 return Poll::Pending;
@@ -304,6 +340,12 @@ mod tests {
         }
 
         fn poll_flush(self: Pin<&mut Self>, _: &mut Context<'_>) -> Poll<io::Result<()>> {
+            let mut wire = self.0.borrow_mut();
+            wire.flushes += 1;
+            if !wire.held.is_empty() {
+                let held = std::mem::take(&mut wire.held);
+                wire.writes.push(held);
+            }
             Poll::Ready(Ok(()))
         }
 
@@ -416,6 +458,29 @@ mod tests {
             assert!(Pin::new(&mut io).poll_write(cx, f).is_ready());
         }
         assert_eq!(wire.writes(), [100, LIMIT + 9, 16_000]);
+    }
+
+    #[test]
+    fn what_a_tls_stream_took_but_held_is_flushed_before_the_task_sleeps() {
+        let wire = socket(usize::MAX);
+        wire.0.borrow_mut().holds = true;
+        let (mut io, drain) = gather(wire.clone());
+        let mut first = true;
+        let mut conn = Flushing::new(
+            poll_fn(move |cx| {
+                if std::mem::take(&mut first) {
+                    write_frames(&mut io, cx, &[frame(7, 1055)]);
+                }
+                Poll::<()>::Pending
+            }),
+            drain,
+        );
+        assert!(poll_once(&mut conn, &Arc::default()).is_pending());
+        assert_eq!(wire.writes(), [1055]);
+        assert_eq!(wire.0.borrow().flushes, 1);
+        // A turn that wrote nothing flushes nothing.
+        assert!(poll_once(&mut conn, &Arc::default()).is_pending());
+        assert_eq!(wire.0.borrow().flushes, 1);
     }
 
     #[test]
