@@ -759,7 +759,10 @@ async fn pick(
         }
     }
     let _opening = h2.then(|| pool_h2::opening(target));
-    let fresh = connect(state, settings, peer, to, how.upgrade, h2).await?;
+    // Boxed: a new connection is the rare case (a TCP and a TLS handshake besides), and
+    // its future, inline, would make every request's future — copied into its task and
+    // moved on each await — kilobytes larger.
+    let fresh = Box::pin(connect(state, settings, peer, to, how.upgrade, h2)).await?;
     Ok(match fresh {
         Fresh::H1(sender) => (
             Upstream::H1(Conn {
@@ -1177,14 +1180,18 @@ fn answer(status: StatusCode, text: &'static str) -> Reply {
 }
 
 /// Fields that describe one hop (RFC 9110 7.6.1), never forwarded; HTTP/2 forbids them.
-const HOP_BY_HOP: [&str; 6] = [
-    "connection",
-    "keep-alive",
-    "proxy-connection",
-    "transfer-encoding",
-    "upgrade",
-    "te",
+const HOP_BY_HOP: [HeaderName; 6] = [
+    header::CONNECTION,
+    HeaderName::from_static("keep-alive"),
+    HeaderName::from_static("proxy-connection"),
+    header::TRANSFER_ENCODING,
+    header::UPGRADE,
+    header::TE,
 ];
+
+// Named once: a `&str` name is parsed and validated on every use.
+const X_FORWARDED_FOR: HeaderName = HeaderName::from_static("x-forwarded-for");
+const X_FORWARDED_PROTO: HeaderName = HeaderName::from_static("x-forwarded-proto");
 
 fn strip_hop_by_hop(headers: &mut HeaderMap) {
     // Fields the `Connection` field names are hop-by-hop too.
@@ -1198,7 +1205,7 @@ fn strip_hop_by_hop(headers: &mut HeaderMap) {
     for name in named {
         headers.remove(name);
     }
-    for name in HOP_BY_HOP {
+    for name in &HOP_BY_HOP {
         headers.remove(name);
     }
 }
@@ -1288,7 +1295,7 @@ fn upstream_request(
     }
     let client = client_text(peer.addr.ip());
     let mut xff = Vec::new();
-    for v in parts.headers.get_all("x-forwarded-for") {
+    for v in parts.headers.get_all(&X_FORWARDED_FOR) {
         let v = v.as_bytes().trim_ascii();
         if !v.is_empty() {
             xff.extend_from_slice(v);
@@ -1297,9 +1304,9 @@ fn upstream_request(
     }
     xff.extend_from_slice(client.as_bytes());
     let xff = HeaderValue::from_bytes(&xff).ok()?;
-    parts.headers.insert("x-forwarded-for", xff);
+    parts.headers.insert(X_FORWARDED_FOR, xff);
     parts.headers.insert(
-        "x-forwarded-proto",
+        X_FORWARDED_PROTO,
         HeaderValue::from_static(if peer.tls { "https" } else { "http" }),
     );
     Some(Request::from_parts(
