@@ -1180,7 +1180,10 @@ fn answer(status: StatusCode, text: &'static str) -> Reply {
 }
 
 /// Fields that describe one hop (RFC 9110 7.6.1), never forwarded; HTTP/2 forbids them.
-const HOP_BY_HOP: [HeaderName; 6] = [
+const HOPS: usize = 6;
+
+/// `Connection` first: [`strip_hop_by_hop`] reads the fields it names.
+const HOP_BY_HOP: [HeaderName; HOPS] = [
     header::CONNECTION,
     HeaderName::from_static("keep-alive"),
     HeaderName::from_static("proxy-connection"),
@@ -1194,18 +1197,28 @@ const X_FORWARDED_FOR: HeaderName = HeaderName::from_static("x-forwarded-for");
 const X_FORWARDED_PROTO: HeaderName = HeaderName::from_static("x-forwarded-proto");
 
 fn strip_hop_by_hop(headers: &mut HeaderMap) {
-    // Fields the `Connection` field names are hop-by-hop too.
-    let named: Vec<HeaderName> = headers
-        .get_all(header::CONNECTION)
-        .iter()
-        .filter_map(|v| v.to_str().ok())
-        .flat_map(|v| v.split(','))
-        .filter_map(|n| HeaderName::from_bytes(n.trim().as_bytes()).ok())
-        .collect();
-    for name in named {
-        headers.remove(name);
+    // One pass over the names first: a lookup hashes its name, and most requests carry
+    // none of these (HTTP/2 forbids them), most responses one (`Connection`).
+    let mut found = [false; HOPS];
+    for name in headers.keys() {
+        if let Some(i) = HOP_BY_HOP.iter().position(|h| h == name) {
+            found[i] = true;
+        }
     }
-    for name in &HOP_BY_HOP {
+    if found[0] {
+        // Fields the `Connection` field names are hop-by-hop too.
+        let named: Vec<HeaderName> = headers
+            .get_all(header::CONNECTION)
+            .iter()
+            .filter_map(|v| v.to_str().ok())
+            .flat_map(|v| v.split(','))
+            .filter_map(|n| HeaderName::from_bytes(n.trim().as_bytes()).ok())
+            .collect();
+        for name in named {
+            headers.remove(name);
+        }
+    }
+    for (name, _) in HOP_BY_HOP.iter().zip(found).filter(|(_, f)| *f) {
         headers.remove(name);
     }
 }
