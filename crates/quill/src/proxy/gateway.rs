@@ -1179,9 +1179,9 @@ fn answer(status: StatusCode, text: &'static str) -> Reply {
     resp
 }
 
-/// Fields that describe one hop (RFC 9110 7.6.1), never forwarded; HTTP/2 forbids them.
 const HOPS: usize = 6;
 
+/// Fields that describe one hop (RFC 9110 7.6.1), never forwarded; HTTP/2 forbids them.
 /// `Connection` first: [`strip_hop_by_hop`] reads the fields it names.
 const HOP_BY_HOP: [HeaderName; HOPS] = [
     header::CONNECTION,
