@@ -144,13 +144,7 @@ impl<IO: AsyncWrite + Unpin> AsyncWrite for Gathered<IO> {
         cx: &mut Context<'_>,
         buf: &[u8],
     ) -> Poll<io::Result<usize>> {
-        let mut shared = self.0.borrow_mut();
-        if ready!(shared.poll_room(cx, buf.len()))? {
-            shared.buf.extend_from_slice(buf);
-            Poll::Ready(Ok(buf.len()))
-        } else {
-            shared.poll_write_through(cx, &[IoSlice::new(buf)])
-        }
+        self.poll_write_vectored(cx, &[IoSlice::new(buf)])
     }
 
     fn poll_write_vectored(
