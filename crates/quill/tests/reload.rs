@@ -702,7 +702,8 @@ fn connection_log_records_connections_accepted_at_once() {
         return;
     }
     // A client that connects the moment quill listens (it waits in the listen queue until
-    // an event loop accepts it) is logged like any other.
+    // an event loop accepts it) is served and logged like any other. (Until the port probe
+    // stopped listening, such a client could land in the probe's queue and be reset.)
     let a = IdentityBackend::start("a");
     for attempt in 0..10 {
         let dir = TempDir::new("earlylog");

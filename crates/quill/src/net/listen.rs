@@ -154,7 +154,9 @@ pub fn open(addr: &ListenAddr, count: usize, backlog: u32) -> Result<Vec<Listene
     match addr {
         ListenAddr::Tcp(a) => {
             // Probe without SO_REUSEPORT: fails with EADDRINUSE if anyone holds the port.
-            drop(tcp_socket(*a, false, backlog).map_err(err)?);
+            // Bound only, never listening: a client that connected to a listening probe
+            // would sit in its accept queue and be reset when the probe closes.
+            drop(bound_socket(*a, Type::STREAM, Protocol::TCP, false).map_err(err)?);
             let mut out = Vec::with_capacity(count);
             for _ in 0..count.max(1) {
                 out.push(Listener::Tcp(
