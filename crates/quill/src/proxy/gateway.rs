@@ -33,6 +33,8 @@ use hyper::{Method, Request, Response, StatusCode, Uri, Version};
 use hyper_util::rt::TokioIo;
 
 use super::candidates::{self, Candidate, Candidates};
+use super::h1_client::{self, Back, Failure, Outgoing};
+use super::h1_pump::{self, Link};
 use super::pool::{self, Conn, Limits, Target};
 use super::pool_h2::{self, Take};
 use super::tcp::{open_upstream, Preamble, Server};
@@ -101,7 +103,7 @@ impl Body for RequestBody {
 /// `bytes_from`; holds the request's lease on the server and its place among the
 /// connection's streams in flight until the body ends (or the client resets the stream).
 pub struct ResponseBody {
-    inner: Incoming,
+    inner: Answer,
     server: &'static ServerState,
     _lease: Lease,
     stream: InFlight,
@@ -109,14 +111,49 @@ pub struct ResponseBody {
     _h2: Option<pool_h2::Stream>,
 }
 
+/// A server's answer body: read by hyper's client, or by quill's own (`h1_client`).
+pub(super) enum Answer {
+    Hyper(Incoming),
+    Own(h1_client::Answer),
+}
+
+impl Body for Answer {
+    type Data = Bytes;
+    type Error = Box<dyn std::error::Error + Send + Sync>;
+
+    fn poll_frame(
+        self: Pin<&mut Self>,
+        cx: &mut Context<'_>,
+    ) -> Poll<Option<Result<Frame<Bytes>, Self::Error>>> {
+        match self.get_mut() {
+            Answer::Hyper(b) => Pin::new(b).poll_frame(cx).map_err(Into::into),
+            Answer::Own(b) => Pin::new(b).poll_frame(cx).map_err(Into::into),
+        }
+    }
+
+    fn is_end_stream(&self) -> bool {
+        match self {
+            Answer::Hyper(b) => b.is_end_stream(),
+            Answer::Own(b) => b.is_end_stream(),
+        }
+    }
+
+    fn size_hint(&self) -> SizeHint {
+        match self {
+            Answer::Hyper(b) => b.size_hint(),
+            Answer::Own(b) => b.size_hint(),
+        }
+    }
+}
+
 impl Body for ResponseBody {
     type Data = Bytes;
-    type Error = hyper::Error;
+    type Error = Box<dyn std::error::Error + Send + Sync>;
 
     fn poll_frame(
         mut self: Pin<&mut Self>,
         cx: &mut Context<'_>,
-    ) -> Poll<Option<Result<Frame<Bytes>, hyper::Error>>> {
+    ) -> Poll<Option<Result<Frame<Bytes>, Self::Error>>> {
         let polled = Pin::new(&mut self.inner).poll_frame(cx);
         if let Poll::Ready(Some(Ok(frame))) = &polled {
             self.stream.activity.progress();
@@ -534,6 +571,10 @@ async fn route(
                 candidates::lost(state, settings.blacklist, &c, &e);
                 return answer(StatusCode::BAD_GATEWAY, "Bad gateway\n");
             }
+            Sent::Failed(e) => {
+                tracing::debug!(peer = %peer.addr, "{c} failed a request: {e}");
+                return answer(StatusCode::BAD_GATEWAY, "Bad gateway\n");
+            }
         }
     }
     state.counters.no_server.fetch_add(1, Relaxed);
@@ -559,11 +600,11 @@ enum Upstream {
     H2(pool_h2::Stream),
 }
 
-/// The server's answer: its response head, the connection (for the pool) and the
-/// request's lease on the server.
+/// The server's answer: its response head, the connection (for the pool; `None` when the
+/// answer's body holds it, see `h1_client`) and the request's lease on the server.
 struct Answered {
-    resp: Response<Incoming>,
-    conn: Upstream,
+    resp: Response<Answer>,
+    conn: Option<Upstream>,
     lease: Lease,
 }
 
@@ -574,6 +615,9 @@ enum Sent {
     Unsent(Request<RequestBody>, std::io::Error),
     /// The server failed after the request (or part of it) was sent.
     Lost(std::io::Error),
+    /// The request failed, not provably by the server's doing: a reused connection broke
+    /// (a kept-alive connection may end for reasons of its own), or the client's body did.
+    Failed(std::io::Error),
     /// An HTTP/2 server refused the request's stream (`REFUSED_STREAM`, or a GOAWAY that
     /// came as it was sent): not processed, not the server's failure, but the request was
     /// consumed and cannot be sent again.
@@ -598,6 +642,11 @@ async fn send(
     // neither kind is ever pooled, nor shared over HTTP/2 (such requests take HTTP/1.1).
     let poolable = !how.upgrade && super::tcp::proxy_version(settings, to.index).is_none();
     let h2 = poolable && settings.upstream_h2;
+    if poolable && !h2 && how.version == Version::HTTP_2 {
+        // HTTP/1.x clients' field names keep their case through hyper's client; HTTP/2's
+        // are lowercase, and quill's own framing writes them in title case.
+        return send_own(state, settings, peer, to, req, how).await;
+    }
     let mut retried = false;
     loop {
         // Sent again after a refusal, a request takes a new connection, on which it is the
@@ -627,14 +676,12 @@ async fn send(
         };
         match sent {
             Ok(resp) => {
-                if let Some(r) = &record {
-                    r.server.set(Some(addr));
-                }
-                server.requests.fetch_add(1, Relaxed);
-                if reused {
-                    server.reused.fetch_add(1, Relaxed);
-                }
-                return Sent::Answer(Answered { resp, conn, lease });
+                answered(to, record.as_deref(), reused);
+                return Sent::Answer(Answered {
+                    resp: resp.map(Answer::Hyper),
+                    conn: Some(conn),
+                    lease,
+                });
             }
             Err(mut e) => {
                 drop(lease);
@@ -661,6 +708,86 @@ async fn send(
                     None => return Sent::Lost(error),
                 }
             }
+        }
+    }
+}
+
+/// Counts a request the server `to` answered.
+fn answered(to: &To<'_>, record: Option<&Record>, reused: bool) {
+    if let Some(r) = record {
+        r.server.set(Some(to.addr));
+    }
+    to.server.requests.fetch_add(1, Relaxed);
+    if reused {
+        to.server.reused.fetch_add(1, Relaxed);
+    }
+}
+
+/// [`send`] for an HTTP/2 client's request to an HTTP/1.1 server: over a pooled stream of
+/// the byte pump's (or a new one), framed by quill (`h1_client`). A reused connection that
+/// ends before a byte of answer is replaced by a new one for a request that can be sent
+/// again.
+async fn send_own(
+    state: &'static State,
+    settings: &Settings,
+    peer: Peer,
+    to: &To<'_>,
+    req: Request<RequestBody>,
+    how: How,
+) -> Sent {
+    let record = req.body().record.clone();
+    let mut req = Some(req);
+    let mut out: Option<Outgoing> = None;
+    let mut reuse = true;
+    loop {
+        let pooled = if reuse {
+            pool::take::<Link>(to.target, to.addr)
+        } else {
+            None
+        };
+        let reused = pooled.is_some();
+        let mut link = match pooled {
+            Some(link) => link,
+            None => match Box::pin(h1_pump::connect(state, settings, peer, *to)).await {
+                Ok(link) => link,
+                Err(e) => {
+                    return match req.take() {
+                        Some(req) => Sent::Unsent(req, e),
+                        // Its first connection had taken it.
+                        None => Sent::Lost(e),
+                    };
+                }
+            },
+        };
+        if let Some(mut req) = req.take() {
+            req.body_mut().server = Some(to.server);
+            out = Some(Outgoing::new(req));
+        }
+        let Some(o) = out.as_mut() else {
+            return Sent::Failed(std::io::Error::other("request lost"));
+        };
+        link.used();
+        let lease = Lease::take(to.server);
+        let back = Back {
+            state,
+            target: to.target,
+            server: to.server,
+            limits: how.limits,
+        };
+        match h1_client::exchange(link, o, back).await {
+            Ok(resp) => {
+                answered(to, record.as_deref(), reused);
+                return Sent::Answer(Answered {
+                    resp: resp.map(Answer::Own),
+                    conn: None,
+                    lease,
+                });
+            }
+            // The server had closed the idle connection: the request was not seen.
+            Err(Failure::Unanswered(_)) if reused && o.replayable() => reuse = false,
+            Err(Failure::Unanswered(e) | Failure::Broken(e)) if reused => return Sent::Failed(e),
+            Err(Failure::Unanswered(e) | Failure::Broken(e)) => return Sent::Lost(e),
+            Err(Failure::Client(e)) => return Sent::Failed(e),
         }
     }
 }
@@ -1026,11 +1153,12 @@ fn reply(
     let mut unpooled = None;
     let mut h2 = None;
     match conn {
-        Upstream::H1(conn) if conn.poolable && !upgraded => {
+        Some(Upstream::H1(conn)) if conn.poolable && !upgraded => {
             pool::give_back(state, conn, target, server, how.limits);
         }
-        Upstream::H1(conn) => unpooled = Some(conn),
-        Upstream::H2(s) => h2 = Some(s),
+        Some(Upstream::H1(conn)) => unpooled = Some(conn),
+        Some(Upstream::H2(s)) => h2 = Some(s),
+        None => {}
     }
     let (mut parts, body) = resp.into_parts();
     strip_hop_by_hop(&mut parts.headers);

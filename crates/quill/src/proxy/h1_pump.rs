@@ -55,6 +55,18 @@ pub(super) struct Link {
     server: &'static ServerState,
 }
 
+impl Link {
+    /// The stream to the server.
+    pub(super) fn stream(&mut self) -> &mut Server {
+        &mut self.stream
+    }
+
+    /// Counts a request sent over it.
+    pub(super) fn used(&mut self) {
+        self.uses += 1;
+    }
+}
+
 impl Drop for Link {
     fn drop(&mut self) {
         self.server.pool_open.fetch_sub(1, Relaxed);
@@ -311,7 +323,7 @@ async fn send<C: Parkable>(
             },
         };
         let again = (reused && http.exchange.replayable()).then(|| http.request_bytes());
-        link.uses += 1;
+        link.used();
         to.server.requests.fetch_add(1, Relaxed);
         if reused {
             to.server.reused.fetch_add(1, Relaxed);
@@ -384,7 +396,12 @@ fn server_failed(state: &State, settings: &Settings, to: To<'_>, reused: bool, e
 
 /// A new connection to the server (TLS with `upstream_tls`, the PROXY header when
 /// configured).
-async fn connect(state: &State, settings: &Settings, peer: Peer, to: To<'_>) -> io::Result<Link> {
+pub(super) async fn connect(
+    state: &State,
+    settings: &Settings,
+    peer: Peer,
+    to: To<'_>,
+) -> io::Result<Link> {
     let stream = Box::pin(open_upstream(
         state,
         settings,

@@ -6,6 +6,7 @@ pub mod coalesce;
 pub mod dummy;
 pub mod gateway;
 pub mod h1;
+pub mod h1_client;
 pub mod h1_pump;
 pub mod h2;
 pub mod http;

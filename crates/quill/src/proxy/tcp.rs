@@ -14,6 +14,7 @@ use std::cell::Cell;
 use std::io;
 use std::net::{IpAddr, Ipv4Addr, SocketAddr};
 use std::os::fd::{AsFd, BorrowedFd};
+use std::pin::Pin;
 use std::sync::atomic::{
     AtomicUsize,
     Ordering::{Relaxed, SeqCst},
@@ -22,6 +23,7 @@ use std::sync::Arc;
 use std::task::{Context, Poll};
 use std::time::{Duration, Instant};
 
+use tokio::io::{AsyncRead, AsyncWrite};
 use tokio::net::{TcpListener, TcpStream, UnixListener};
 use tokio::sync::{mpsc, watch};
 
@@ -992,6 +994,46 @@ impl Server {
         match self {
             Server::Plain(_) => false,
             Server::Tls(s) => s.get_ref().1.alpn_protocol() == Some(b"h2"),
+        }
+    }
+}
+
+impl AsyncRead for Server {
+    fn poll_read(
+        self: Pin<&mut Self>,
+        cx: &mut Context<'_>,
+        buf: &mut tokio::io::ReadBuf<'_>,
+    ) -> Poll<io::Result<()>> {
+        match self.get_mut() {
+            Server::Plain(s) => Pin::new(s).poll_read(cx, buf),
+            Server::Tls(s) => Pin::new(&mut **s).poll_read(cx, buf),
+        }
+    }
+}
+
+impl AsyncWrite for Server {
+    fn poll_write(
+        self: Pin<&mut Self>,
+        cx: &mut Context<'_>,
+        buf: &[u8],
+    ) -> Poll<io::Result<usize>> {
+        match self.get_mut() {
+            Server::Plain(s) => Pin::new(s).poll_write(cx, buf),
+            Server::Tls(s) => Pin::new(&mut **s).poll_write(cx, buf),
+        }
+    }
+
+    fn poll_flush(self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<io::Result<()>> {
+        match self.get_mut() {
+            Server::Plain(s) => Pin::new(s).poll_flush(cx),
+            Server::Tls(s) => Pin::new(&mut **s).poll_flush(cx),
+        }
+    }
+
+    fn poll_shutdown(self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<io::Result<()>> {
+        match self.get_mut() {
+            Server::Plain(s) => Pin::new(s).poll_shutdown(cx),
+            Server::Tls(s) => Pin::new(&mut **s).poll_shutdown(cx),
         }
     }
 }
