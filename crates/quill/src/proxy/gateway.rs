@@ -818,16 +818,7 @@ struct Spare {
 
 impl Spare {
     fn of(req: &Request<RequestBody>) -> Option<Spare> {
-        let idempotent = matches!(
-            *req.method(),
-            Method::GET
-                | Method::HEAD
-                | Method::OPTIONS
-                | Method::TRACE
-                | Method::PUT
-                | Method::DELETE
-        );
-        if !idempotent || !req.body().is_end_stream() {
+        if !h1_client::idempotent(req.method()) || !req.body().is_end_stream() {
             return None;
         }
         let b = req.body();

@@ -81,16 +81,7 @@ impl Outgoing {
             head.extend_from_slice(b"Content-Length: 0\r\n");
         }
         head.extend_from_slice(b"\r\n");
-        let replayable = bodiless
-            && matches!(
-                parts.method,
-                Method::GET
-                    | Method::HEAD
-                    | Method::OPTIONS
-                    | Method::TRACE
-                    | Method::PUT
-                    | Method::DELETE
-            );
+        let replayable = bodiless && idempotent(&parts.method);
         Outgoing {
             head,
             body: (!bodiless).then_some(body),
@@ -104,6 +95,15 @@ impl Outgoing {
     pub(super) fn replayable(&self) -> bool {
         self.replayable
     }
+}
+
+/// A method whose request has the same effect sent twice as once (RFC 9110 9.2.2): the
+/// only ones quill sends again when it cannot know whether the server saw them.
+pub(super) fn idempotent(method: &Method) -> bool {
+    matches!(
+        *method,
+        Method::GET | Method::HEAD | Method::OPTIONS | Method::TRACE | Method::PUT | Method::DELETE
+    )
 }
 
 /// Writes a field name as HTTP/1.1 servers are used to seeing it (`x-forwarded-for` →
