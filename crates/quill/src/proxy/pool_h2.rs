@@ -16,7 +16,6 @@
 //! ([`Preface`]): before, its stream limit is unknown, and it may not be HTTP/2 at all.
 
 use std::cell::{Cell, RefCell};
-use std::collections::HashMap;
 use std::net::SocketAddr;
 use std::pin::Pin;
 use std::rc::Rc;
@@ -28,7 +27,7 @@ use tokio::io::{AsyncRead, AsyncWrite, ReadBuf};
 use tokio::sync::Notify;
 
 use super::gateway::RequestBody;
-use super::pool::{Limits, Target};
+use super::pool::{ByTarget, Limits, Target};
 
 /// One multiplexed connection.
 struct Shared {
@@ -63,9 +62,9 @@ impl Shared {
 
 #[derive(Default)]
 struct Table {
-    conns: HashMap<Target, Vec<Rc<Shared>>>,
+    conns: ByTarget<Vec<Rc<Shared>>>,
     /// Targets a connection is being opened to, and how its waiters are woken.
-    opening: HashMap<Target, Rc<Notify>>,
+    opening: ByTarget<Rc<Notify>>,
     /// A sweeper task is running on this loop.
     sweeping: bool,
 }
