@@ -39,7 +39,8 @@ const READ_SIZE: usize = 16 * 1024;
 
 /// A request ready to be written: its head's bytes, and its body.
 pub(super) struct Outgoing {
-    head: Vec<u8>,
+    /// Shared, not copied, with each attempt to send it.
+    head: Bytes,
     /// `None` when the request has no body (or it was sent).
     body: Option<RequestBody>,
     /// The body goes chunked (no `Content-Length` was given).
@@ -83,7 +84,7 @@ impl Outgoing {
         head.extend_from_slice(b"\r\n");
         let replayable = bodiless && idempotent(&parts.method);
         Outgoing {
-            head,
+            head: head.into(),
             body: (!bodiless).then_some(body),
             chunked,
             head_only: parts.method == Method::HEAD,
@@ -144,14 +145,9 @@ pub(super) async fn exchange(
     out: &mut Outgoing,
     back: Back,
 ) -> Result<Response<Answer>, Failure> {
-    // Sent again, a request needs its head again; else it is taken.
-    let head = if out.replayable {
-        Bytes::from(out.head.clone())
-    } else {
-        Bytes::from(std::mem::take(&mut out.head))
-    };
     let mut write = Writing {
-        pending: head,
+        // A reference to the head (the request may be sent again), not a copy of it.
+        pending: out.head.clone(),
         body: out.body.take(),
         chunked: out.chunked,
         flushed: false,
@@ -267,8 +263,10 @@ impl Writing {
                 Some(Ok(frame)) => match frame.into_data() {
                     Ok(data) if data.is_empty() => {}
                     Ok(data) if self.chunked => {
+                        use std::io::Write as _;
                         let mut framed = Vec::with_capacity(data.len() + 20);
-                        framed.extend_from_slice(format!("{:X}\r\n", data.len()).as_bytes());
+                        // Writing into a Vec cannot fail.
+                        let _ = write!(framed, "{:X}\r\n", data.len());
                         framed.extend_from_slice(&data);
                         framed.extend_from_slice(b"\r\n");
                         self.pending = framed.into();
@@ -395,9 +393,11 @@ fn parse_head(buf: &mut BytesMut, head_only: bool) -> Result<Parsed, Failure> {
         let value = HeaderValue::from_bytes(f.value)
             .map_err(|_| Failure::Broken(invalid("bad field value")))?;
         if name == header::CONTENT_LENGTH {
-            let n = std::str::from_utf8(f.value)
-                .ok()
-                .and_then(|v| v.trim().parse::<u64>().ok())
+            // Digits only (RFC 9110 8.6): `parse` would also take a sign.
+            let digits = f.value.trim_ascii();
+            let n = (!digits.is_empty() && digits.iter().all(u8::is_ascii_digit))
+                .then(|| std::str::from_utf8(digits).ok()?.parse::<u64>().ok())
+                .flatten()
                 .ok_or(Failure::Broken(invalid("bad Content-Length")))?;
             if length.is_some_and(|l| l != n) {
                 return Err(Failure::Broken(invalid("conflicting Content-Length")));
@@ -750,6 +750,7 @@ mod tests {
         for bad in [
             &b"HTTP/1.1 200 OK\r\nContent-Length: 1\r\nContent-Length: 2\r\n\r\nab"[..],
             b"HTTP/1.1 200 OK\r\nContent-Length: -1\r\n\r\n",
+            b"HTTP/1.1 200 OK\r\nContent-Length: +2\r\n\r\nab",
             b"HTTP/1.1 200 OK\r\nTransfer-Encoding: chunked\r\n\r\nzz\r\n",
             b"HTTP/1.1 200 OK\r\nTransfer-Encoding: chunked\r\n\r\n2\r\nabX\r\n0\r\n\r\n",
             b"HTTP/1.1 200 OK\r\nContent-Length: 10\r\n\r\ncut",

@@ -102,11 +102,9 @@ impl Pooled for Link {
             let mut cx = Context::from_waker(noop);
             let mut byte = [0u8; 1];
             let mut buf = ReadBuf::new(&mut byte);
-            match &mut self.stream {
-                Server::Plain(s) => Pin::new(s).poll_read(&mut cx, &mut buf),
-                Server::Tls(s) => Pin::new(&mut **s).poll_read(&mut cx, &mut buf),
-            }
-            .is_pending()
+            Pin::new(&mut self.stream)
+                .poll_read(&mut cx, &mut buf)
+                .is_pending()
         })
     }
 }

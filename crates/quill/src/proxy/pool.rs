@@ -1,7 +1,8 @@
 //! The upstream pools of request-level proxying: kept-alive HTTP/1.1 connections to
 //! servers, reused across client connections and streams. Two kinds, each in its own pool:
-//! hyper's (`Conn`, for `proxy::gateway`) and raw streams (`proxy::h1_pump::Link`, for
-//! HTTP/1.x clients relayed by the byte pump); the rules below are the same for both.
+//! hyper's (`Conn`, for `proxy::gateway`'s HTTP/1.x clients and upgrades) and raw streams
+//! (`proxy::h1_pump::Link`, for HTTP/1.x clients relayed by the byte pump and HTTP/2
+//! clients' streams framed by `proxy::h1_client`); the rules below are the same for both.
 //!
 //! One pool per event loop and kind (a thread-local: a loop's tasks never leave its thread), so
 //! taking and returning a connection costs no lock. Invariants: an idle entry's sender was
