@@ -449,6 +449,10 @@ pub fn run(inv: Invocation) -> Result<(), StartError> {
                 local.block_on(&rt, async move {
                     // Under load the loop polls instead of sleeping (`proxy::polling`).
                     tokio::task::spawn_local(crate::proxy::polling::poll_while_busy());
+                    // Connections waiting for their clients' next request close at stop.
+                    tokio::task::spawn_local(crate::proxy::signals::ring_at_stop(Arc::clone(
+                        &state,
+                    )));
                     let served = crate::proxy::tcp::serve(state, listener, stop, rx, lot);
                     if let Err(e) = served.await {
                         tracing::error!("event loop {i}: {e}");
@@ -547,7 +551,7 @@ pub fn run(inv: Invocation) -> Result<(), StartError> {
         state.active.load(Relaxed)
     );
     let _ = stop_tx.send(true);
-    state.stopping.send_replace(true);
+    state.stop();
     rt.block_on(async {
         let drained = async {
             while state.active.load(Relaxed) > 0

@@ -5,7 +5,10 @@
 //! side goes through [`State::execute`], which applies a command to a copy and publishes the
 //! copy atomically, so a reader sees either the old or the new configuration, never a mix.
 
-use std::sync::atomic::{AtomicU64, AtomicUsize, Ordering::Relaxed};
+use std::sync::atomic::{
+    AtomicU64, AtomicUsize,
+    Ordering::{Acquire, Relaxed, SeqCst},
+};
 use std::sync::{Arc, Mutex};
 
 use arc_swap::{ArcSwap, ArcSwapOption};
@@ -16,6 +19,26 @@ use crate::proxy::registry::Registry;
 use crate::balance::{clock, ClientTable, ServerState, ServerTable};
 use crate::command::Command;
 use crate::settings::{Action, ApplyError, Reply, Settings};
+
+/// A reading of [`State::asked`]: whether quill stops, and how many reloads and drains
+/// asked connections to move on so far (compare two readings to see one in between).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Asked(u64);
+
+impl Asked {
+    /// The stop flag's bit; the bits below count recycles (wrapping long before 2^63).
+    const STOPPING: u64 = 1 << 63;
+
+    /// quill stops.
+    pub fn stopping(self) -> bool {
+        self.0 & Self::STOPPING != 0
+    }
+
+    /// A reload or a drain happened between `earlier` and this reading.
+    pub fn recycled_since(self, earlier: Asked) -> bool {
+        (self.0 & !Self::STOPPING) != (earlier.0 & !Self::STOPPING)
+    }
+}
 
 /// Process-wide counters (summed over all event loops).
 #[derive(Debug, Default)]
@@ -90,6 +113,10 @@ pub struct State {
     /// (HTTP/2 GOAWAY, HTTP/1.x `Connection: close` on the next response), which see the
     /// new certificates and limits, or, draining, reach another node.
     pub recycled: tokio::sync::watch::Sender<u64>,
+    /// `stopping` and the count of `recycled` bumps in one word ([`Asked`]), for the
+    /// connections that look per request (one load) instead of watching the channels.
+    /// Written only by [`State::stop`] and [`State::recycle`], before the channels.
+    asked: AtomicU64,
     /// The routing table quill's route for the service address is in now
     /// (`announce_table`), 0 when none is.
     pub announced: std::sync::atomic::AtomicU32,
@@ -123,9 +150,28 @@ impl State {
             generation: tokio::sync::watch::Sender::new(0),
             stopping: tokio::sync::watch::Sender::new(false),
             recycled: tokio::sync::watch::Sender::new(0),
+            asked: AtomicU64::new(0),
             announced: std::sync::atomic::AtomicU32::new(0),
             node_draining: std::sync::atomic::AtomicBool::new(false),
         })
+    }
+
+    /// quill stops: HTTP/2 connections send GOAWAY, HTTP/1.x ones close between requests.
+    pub fn stop(&self) {
+        self.asked.fetch_or(Asked::STOPPING, SeqCst);
+        self.stopping.send_replace(true);
+    }
+
+    /// A reload or a drain: client connections of request-level proxying move on to new
+    /// connections.
+    pub fn recycle(&self) {
+        self.asked.fetch_add(1, SeqCst);
+        self.recycled.send_modify(|g| *g = g.wrapping_add(1));
+    }
+
+    /// What quill asks of connections now.
+    pub fn asked(&self) -> Asked {
+        Asked(self.asked.load(Acquire))
     }
 
     /// The current settings snapshot.

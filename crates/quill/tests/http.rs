@@ -451,11 +451,22 @@ fn slow_or_silent_clients_never_reach_a_backend_and_time_out() {
     assert!(!written.contains("http_request_timeout"), "{written}");
 }
 
-/// quill `-H` with the byte pump (`upstream_keepalive 0`: one server connection per client
-/// connection, as Pen) and a control socket.
-fn start_pump(extra: &[&str], backend: &EchoServer) -> (Quill, String) {
+/// How `-H` relays an HTTP/1.x client.
+#[derive(Clone, Copy)]
+enum Pump {
+    /// `upstream_keepalive 0`: one server connection per client connection, as Pen.
+    Connection,
+    /// The default pool: request by request, each over a pooled server connection.
+    Request,
+}
+
+/// quill `-H` with the byte pump used as `pump` says, and a control socket.
+fn start_pump(pump: Pump, extra: &[&str], backend: &EchoServer) -> (Quill, String) {
     let spec = backend.spec();
-    let mut args: Vec<&str> = vec!["-H", "-O", "upstream_keepalive 0"];
+    let mut args: Vec<&str> = vec!["-H"];
+    if let Pump::Connection = pump {
+        args.extend_from_slice(&["-O", "upstream_keepalive 0"]);
+    }
     args.extend_from_slice(extra);
     args.extend_from_slice(&["127.0.0.1:{port}", &spec]);
     support::ctl::start_with_tcp_control(&args)
@@ -466,11 +477,20 @@ fn start_pump(extra: &[&str], backend: &EchoServer) -> (Quill, String) {
 /// server's keep-alive), and quill closes the connection after it.
 #[test]
 fn byte_pump_clients_are_moved_on_by_a_drain() {
+    moved_on_by_a_drain(Pump::Connection);
+}
+
+#[test]
+fn clients_served_request_by_request_are_moved_on_by_a_drain() {
+    moved_on_by_a_drain(Pump::Request);
+}
+
+fn moved_on_by_a_drain(pump: Pump) {
     if skip_on_pen("drain is a quill extension") {
         return;
     }
     let backend = EchoServer::start();
-    let (q, ctl) = start_pump(&[], &backend);
+    let (q, ctl) = start_pump(pump, &[], &backend);
     let mut s = q.connect();
     s.set_read_timeout(Some(Duration::from_secs(10))).unwrap();
     s.write_all(b"GET /before HTTP/1.1\r\nHost: x\r\n\r\n")
@@ -498,18 +518,24 @@ fn byte_pump_clients_are_moved_on_by_a_drain() {
 /// `shutdown_grace`.
 #[test]
 fn stopping_closes_idle_byte_pump_clients_and_finishes_answers_in_flight() {
+    stopping_closes_idle_clients(Pump::Connection);
+}
+
+#[test]
+fn stopping_closes_idle_clients_served_request_by_request_and_finishes_answers_in_flight() {
+    stopping_closes_idle_clients(Pump::Request);
+}
+
+fn stopping_closes_idle_clients(pump: Pump) {
     if skip_on_pen("shutdown_grace is a quill extension") {
         return;
     }
     let backend = EchoServer::start();
-    let (mut q, _ctl) = start_pump(&["-O", "shutdown_grace 60"], &backend);
-    let mut idle = q.connect();
-    idle.set_read_timeout(Some(Duration::from_secs(10)))
-        .unwrap();
-    idle.write_all(b"GET /idle HTTP/1.1\r\nHost: x\r\n\r\n")
-        .unwrap();
-    read_response(&mut idle).expect("an answer");
-    // A request whose body is half sent when quill is told to stop.
+    // Nothing but the stop closes the idle client within the test's 10 s.
+    let extra = ["-O", "shutdown_grace 60", "-O", "http_request_timeout 60"];
+    let (mut q, _ctl) = start_pump(pump, &extra, &backend);
+    // A request whose body is half sent when quill is told to stop (sent first, so that
+    // its server connection is not one the other request left in the pool).
     let mut busy = q.connect();
     busy.set_read_timeout(Some(Duration::from_secs(10)))
         .unwrap();
@@ -518,8 +544,14 @@ fn stopping_closes_idle_byte_pump_clients_and_finishes_answers_in_flight() {
     wait_until(
         Duration::from_secs(10),
         "the request reaches the backend",
-        || backend.connections() == 2,
+        || backend.connections() == 1,
     );
+    let mut idle = q.connect();
+    idle.set_read_timeout(Some(Duration::from_secs(10)))
+        .unwrap();
+    idle.write_all(b"GET /idle HTTP/1.1\r\nHost: x\r\n\r\n")
+        .unwrap();
+    read_response(&mut idle).expect("an answer");
     q.signal("TERM");
     expect_closed(&mut idle, Duration::from_secs(10));
     busy.write_all(b"done!").unwrap();

@@ -80,7 +80,7 @@ pub fn execute(ctx: &Context, cmd: &Command) -> Result<String, String> {
                 .node_draining
                 .swap(*on, std::sync::atomic::Ordering::Relaxed);
             if *on && !was {
-                state.recycled.send_modify(|g| *g = g.wrapping_add(1));
+                state.recycle();
             }
             if was != *on {
                 tracing::warn!(

@@ -139,7 +139,7 @@ impl Context {
         actions.push(Action::ReopenLog);
         crate::daemon::set_log_level(settings.debug);
         let rest = self.state.replace(settings, actions);
-        self.state.recycled.send_modify(|g| *g = g.wrapping_add(1));
+        self.state.recycle();
         if let Some(listeners) = new_listeners {
             self.hand_over(listeners);
         }

@@ -14,7 +14,7 @@
 //! answer and the request has no body and an idempotent method; a server's `conns` counts
 //! the requests in flight to it.
 
-use std::cell::{Cell, RefCell};
+use std::cell::RefCell;
 use std::future::poll_fn;
 use std::io;
 use std::net::SocketAddr;
@@ -31,9 +31,10 @@ use super::candidates::{self, Candidate, Candidates};
 use super::gateway::{secs, Lease, Peer};
 use super::h1::Parkable;
 use super::pool::{self, Limits, Pool, Pooled};
-use super::pump::{self, Ask, Http};
+use super::pump::{self, Http};
 use super::relay::{End, RelayOptions};
-use super::tcp::{count_http_end, open_upstream, proxy_version, telling, Held, Server};
+use super::signals::{self, Since};
+use super::tcp::{count_http_end, open_upstream, proxy_version, Held, Server};
 use crate::balance::ServerState;
 use crate::net::connect::is_local_failure;
 use crate::settings::Settings;
@@ -143,14 +144,15 @@ pub(super) async fn serve<C: Parkable>(
     };
     let park_after = secs(settings.idle_park);
     drop(settings);
-    let ask = Cell::new(Ask::Nothing);
+    // A reload or drain from now on makes the next answer say `Connection: close`.
+    let ask = Since::now(state);
     loop {
         if let Served::Over = one_request(state, &mut client, &mut http, peer, &ask).await {
             return;
         }
         let deadline = between.map(|b| Instant::now() + b);
         http.exchange.resume();
-        match wait_for_head(state, &client, &http, deadline, park_after, &ask).await {
+        match wait_for_head(state, &client, &http, deadline, park_after).await {
             Waited::Ready => {}
             Waited::Overdue => {
                 count_http_end(state, &End::RequestTimeout { answered: false });
@@ -180,23 +182,20 @@ enum Waited {
 /// for `idle_park`. It holds no buffer meanwhile, so unlike hyper's parking this frees
 /// nothing and asks the allocator for no release (which, for clients that all think
 /// between requests, handed pages back that the next burst faulted in again: +10–20 %
-/// CPU per request). A reload or drain meanwhile makes the next answer say
-/// `Connection: close`.
+/// CPU per request). Only quill stopping wakes it (the event loop's bell).
 async fn wait_for_head<C: Parkable>(
     state: &State,
     client: &C,
     http: &Http,
     deadline: Option<Instant>,
     park_after: Option<Duration>,
-    ask: &Cell<Ask>,
 ) -> Waited {
     if http.has_held() || client.busy() {
         return Waited::Ready;
     }
-    let mut stopping = state.stopping.subscribe();
-    let mut recycled = state.recycled.subscribe();
-    recycled.mark_unchanged();
-    if *stopping.borrow_and_update() || ask.get() == Ask::Stop {
+    // Registered before the look at the flag: a stop in between still wakes it.
+    let stopped = signals::bell().notified();
+    if state.asked().stopping() {
         return Waited::Stop;
     }
     let overdue = async {
@@ -211,7 +210,7 @@ async fn wait_for_head<C: Parkable>(
             None => std::future::pending().await,
         }
     };
-    tokio::pin!(overdue, park);
+    tokio::pin!(overdue, park, stopped);
     let mut parked = None;
     loop {
         tokio::select! {
@@ -221,12 +220,7 @@ async fn wait_for_head<C: Parkable>(
                 state.parked.fetch_add(1, Relaxed);
                 parked = Some(Held(&state.parked));
             }
-            _ = stopping.changed() => return Waited::Stop,
-            _ = recycled.changed() => {
-                if ask.get() == Ask::Nothing {
-                    ask.set(Ask::MoveOn);
-                }
-            }
+            () = &mut stopped => return Waited::Stop,
         }
     }
 }
@@ -255,7 +249,7 @@ async fn one_request<C: Parkable>(
     client: &mut C,
     http: &mut Http,
     peer: Peer,
-    ask: &Cell<Ask>,
+    ask: &Since<'_>,
 ) -> Served {
     let settings = state.settings();
     let mut candidates = Candidates::new(state, &settings, peer.addr, peer.permitted);
@@ -290,7 +284,7 @@ async fn send<C: Parkable>(
     http: &mut Http,
     peer: Peer,
     to: To<'_>,
-    ask: &Cell<Ask>,
+    ask: &Since<'_>,
 ) -> Tried {
     let limits = Limits {
         keepalive: settings.upstream_keepalive,
@@ -330,13 +324,9 @@ async fn send<C: Parkable>(
         let lease = Lease::take(to.server);
         // Boxed: between requests the connection's task keeps none of the relay's state.
         let outcome = match &mut link.stream {
-            Server::Plain(s) => {
-                let relay = pump::relay(client, s, Some(&mut *http), opts, ask);
-                Box::pin(telling(state, relay, ask)).await
-            }
+            Server::Plain(s) => Box::pin(pump::relay(client, s, Some(&mut *http), opts, ask)).await,
             Server::Tls(s) => {
-                let relay = pump::relay(client, &mut **s, Some(&mut *http), opts, ask);
-                Box::pin(telling(state, relay, ask)).await
+                Box::pin(pump::relay(client, &mut **s, Some(&mut *http), opts, ask)).await
             }
         };
         drop(lease);

@@ -19,6 +19,7 @@ pub mod pump;
 pub mod registry;
 pub mod relay;
 pub mod replay;
+pub mod signals;
 pub mod splice;
 pub mod stream;
 pub mod tcp;

@@ -300,6 +300,18 @@ pub enum Ask {
     Stop,
 }
 
+/// Where a relay reads what quill asks of its connection, at every turn.
+pub trait Asks {
+    fn ask(&self) -> Ask;
+}
+
+/// Set by a watcher beside the relay (`tcp::telling`).
+impl Asks for Cell<Ask> {
+    fn ask(&self) -> Ask {
+        self.get()
+    }
+}
+
 /// An `http` connection before its relay: its exchange, what [`first_head`] read, and the
 /// bound on request heads.
 pub struct Http {
@@ -540,16 +552,17 @@ impl HeadTimer {
 /// and ends at `End::Boundary` once it is answered (the client's bytes read beyond it go
 /// back into `http.preread`); an error of the server's stream is `End::ServerError`, and
 /// a server that closes before a byte of answer is one.
-pub async fn relay<C, S>(
+pub async fn relay<C, S, A>(
     client: &mut C,
     server: &mut S,
     mut http: Option<&mut Http>,
     opts: RelayOptions,
-    ask: &Cell<Ask>,
+    ask: &A,
 ) -> Outcome
 where
     C: AsyncRead + AsyncWrite + Unpin + ?Sized,
     S: AsyncRead + AsyncWrite + Unpin + ?Sized,
+    A: Asks + ?Sized,
 {
     let (preread, mut head) = match http.as_deref_mut() {
         Some(h) => {
@@ -651,7 +664,7 @@ where
             }
         }
         if let Some(ex) = exchange.as_deref_mut().filter(|_| !refusing && !ending) {
-            match ask.get() {
+            match ask.ask() {
                 Ask::Nothing => {}
                 Ask::MoveOn => ex.close_after_answer(),
                 Ask::Stop => {
