@@ -111,10 +111,16 @@ pub(super) fn idempotent(method: &Method) -> bool {
 /// `X-Forwarded-For`): HTTP/2's names are lowercase, and the byte pump writes quill's own
 /// fields in title case too.
 fn title_case(out: &mut Vec<u8>, name: &[u8]) {
+    let start = out.len();
+    out.extend_from_slice(name);
+    // In place: a push per byte checked the capacity at every byte.
     let mut upper = true;
-    for &b in name {
-        out.push(if upper { b.to_ascii_uppercase() } else { b });
-        upper = b == b'-';
+    for b in &mut out[start..] {
+        let was_dash = *b == b'-';
+        if upper {
+            b.make_ascii_uppercase();
+        }
+        upper = was_dash;
     }
 }
 
@@ -398,7 +404,7 @@ fn parse_head(buf: &mut BytesMut, head_only: bool) -> Result<Parsed, Failure> {
             let n = (!digits.is_empty() && digits.iter().all(u8::is_ascii_digit))
                 .then(|| std::str::from_utf8(digits).ok()?.parse::<u64>().ok())
                 .flatten()
-                .ok_or(Failure::Broken(invalid("bad Content-Length")))?;
+                .ok_or_else(|| Failure::Broken(invalid("bad Content-Length")))?;
             if length.is_some_and(|l| l != n) {
                 return Err(Failure::Broken(invalid("conflicting Content-Length")));
             }
