@@ -437,7 +437,10 @@ pub(super) fn service(
     let activity = Rc::clone(activity);
     hyper::service::service_fn(move |req| {
         let stream = InFlight::start(&activity);
-        async move { Ok(forward(state, peer, req, stream).await) }
+        // Boxed: the request's state (≈ 5 KB) is written once, not moved along as hyper
+        // wraps the future and spawns the stream's task.
+        let forwarding = Box::pin(forward(state, peer, req, stream));
+        async move { Ok(forwarding.await) }
     })
 }
 
