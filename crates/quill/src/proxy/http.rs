@@ -24,6 +24,9 @@ pub const DEFAULT_REQUEST_TIMEOUT: u64 = 10;
 pub const MIN_HEADER_MAX: usize = 256;
 /// Header fields per request; more is answered with 431.
 const MAX_HEADERS: usize = 128;
+/// What a rewritten request head may add beyond the client's head and address: the
+/// `X-Forwarded-For: `, `X-Forwarded-Proto: https` lines and their line ends.
+const REWRITE_EXTRA: usize = 64;
 /// Responses heads larger than this are not framed any more (passed through raw).
 const RESPONSE_HEAD_MAX: usize = 64 * 1024;
 /// Requests forwarded but not yet answered; beyond this the client is not read (pipelining
@@ -552,6 +555,8 @@ impl Exchange {
             (None, Some(n)) if n > 0 => Req::Body(n),
             (None, _) => Req::Head,
         };
+        // One allocation: growing from empty field by field reallocated four times.
+        out.reserve(n + self.client_text.len() + REWRITE_EXTRA);
         self.write_request_head(method, path, version, req.headers, out);
         self.req_switch = connect || upgrade;
         self.keep_alive &= keeps;
