@@ -36,8 +36,9 @@ pub const DEFAULT_KEEPALIVE: u32 = 32;
 pub const DEFAULT_IDLE_TIMEOUT: u64 = 60;
 /// Default `upstream_max_requests`. A bound, so that no server connection lives forever,
 /// but ten times NGINX's `keepalive_requests` (1000): each retirement costs a new
-/// connection, with `upstream_tls` a handshake with the server (≈ 1.9 M instructions, or
-/// ≈ 1.9 k per request at 1000, 5 % of an HTTPS request); HAProxy and Envoy set no limit.
+/// connection, with `upstream_tls` a handshake with the server (≈ 1.2 k instructions a
+/// request at 1000, 3 % of an HTTPS request's user-space work); HAProxy and Envoy set no
+/// limit.
 pub const DEFAULT_MAX_REQUESTS: u64 = 10_000;
 
 /// How long idle connections beyond a loop's share of `upstream_keepalive` are kept.
