@@ -202,6 +202,14 @@ fn answer(out: &mut TcpStream, req: &Seen) -> bool {
             }
         }
         "/head" => w(out, b"HTTP/1.1 200 OK\r\nContent-Length: 1000\r\n\r\n"),
+        "/hop" => w(
+            out,
+            b"HTTP/1.1 200 OK\r\nConnection: keep-alive, X-Hop\r\nX-Hop: 1\r\nKeep-Alive: timeout=5\r\nProxy-Connection: keep-alive\r\nX-End: kept\r\nContent-Length: 2\r\n\r\nok",
+        ),
+        "/keep" => w(
+            out,
+            b"HTTP/1.1 200 OK\r\nConnection: keep-alive\r\nKeep-Alive: timeout=5\r\nContent-Length: 2\r\n\r\nok",
+        ),
         "/no-content" => w(out, b"HTTP/1.1 204 No Content\r\n\r\n"),
         "/not-modified" => w(out, b"HTTP/1.1 304 Not Modified\r\nETag: \"x\"\r\n\r\n"),
         "/continue" => w(
@@ -436,4 +444,29 @@ fn the_server_gets_forwarded_fields_in_title_case_and_one_cookie_field() {
     ] {
         assert!(names.contains(&name), "{name} not among {names:?}");
     }
+}
+
+/// Fields about the server's connection stay behind (HTTP/2 forbids them): `Connection`,
+/// what it names, `Keep-Alive`, `Proxy-Connection`; the connection is kept all the same.
+#[test]
+fn hop_by_hop_fields_of_an_answer_stay_behind() {
+    let server = Scripted::start();
+    let q = quill(&server);
+    for path in ["/hop", "/keep"] {
+        let url = format!("http://127.0.0.1:{}{path}", q.port);
+        let Some(out) = curl(&["-D", "-", &url]) else {
+            return;
+        };
+        let lower = out.to_ascii_lowercase();
+        assert!(lower.starts_with("http/2 200"), "{out}");
+        assert!(lower.ends_with("\r\n\r\nok"), "{out}");
+        for gone in ["connection:", "x-hop:", "keep-alive:", "proxy-connection:"] {
+            assert!(!lower.contains(gone), "{gone} passed: {out}");
+        }
+        if path == "/hop" {
+            assert!(lower.contains("x-end: kept"), "{out}");
+        }
+    }
+    // Both answers came over one server connection, kept for the next request.
+    assert_eq!(get(&q, "/after").unwrap(), "conn=1 len=0 sum=0[200]");
 }

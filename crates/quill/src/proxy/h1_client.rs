@@ -412,12 +412,25 @@ fn parse_head(buf: &mut BytesMut, head_only: bool) -> Result<Parsed, Failure> {
         } else if name == header::TRANSFER_ENCODING {
             let last = f.value.rsplit(|&b| b == b',').next().unwrap_or_default();
             transfer = Some(last.trim_ascii().eq_ignore_ascii_case(b"chunked"));
+            // Hop-by-hop (the decoder frames the body): left out here rather than removed
+            // from the map later.
+            continue;
         } else if name == header::CONNECTION {
+            let mut names_fields = false;
             for token in f.value.split(|&b| b == b',') {
                 let token = token.trim_ascii();
-                close |= token.eq_ignore_ascii_case(b"close");
-                keep_alive |= token.eq_ignore_ascii_case(b"keep-alive");
+                let is_close = token.eq_ignore_ascii_case(b"close");
+                let is_keep_alive = token.eq_ignore_ascii_case(b"keep-alive");
+                close |= is_close;
+                keep_alive |= is_keep_alive;
+                names_fields |= !(is_close || is_keep_alive || token.is_empty());
             }
+            if !names_fields {
+                // Only about this connection: nothing for `gateway` to strip by it.
+                continue;
+            }
+        } else if name.as_str() == "keep-alive" {
+            continue;
         }
         headers.append(name, value);
     }
