@@ -1328,13 +1328,17 @@ fn strip_hop_by_hop(headers: &mut HeaderMap) {
         }
     }
     if found[0] {
-        // Fields the `Connection` field names are hop-by-hop too.
+        // Fields the `Connection` field names are hop-by-hop too. Its usual tokens name
+        // none (`close`) or one already in `HOP_BY_HOP` (`keep-alive`): skipped, so that
+        // the usual answer allocates and parses nothing here.
         let named: Vec<HeaderName> = headers
             .get_all(header::CONNECTION)
             .iter()
             .filter_map(|v| v.to_str().ok())
             .flat_map(|v| v.split(','))
-            .filter_map(|n| HeaderName::from_bytes(n.trim().as_bytes()).ok())
+            .map(str::trim)
+            .filter(|n| !n.eq_ignore_ascii_case("close") && !n.eq_ignore_ascii_case("keep-alive"))
+            .filter_map(|n| HeaderName::from_bytes(n.as_bytes()).ok())
             .collect();
         for name in named {
             headers.remove(name);

@@ -426,7 +426,8 @@ fn parse_head(buf: &mut BytesMut, head_only: bool) -> Result<Parsed, Failure> {
                 names_fields |= !(is_close || is_keep_alive || token.is_empty());
             }
             if !names_fields {
-                // Only about this connection: nothing for `gateway` to strip by it.
+                // Only about this connection: nothing for `gateway::strip_hop_by_hop` (which
+                // still sees every answer, and removes the rest) to strip by it.
                 continue;
             }
         } else if name.as_str() == "keep-alive" {
