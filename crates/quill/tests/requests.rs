@@ -620,6 +620,52 @@ fn requests_of_one_keep_alive_client_are_balanced_one_by_one() {
     assert_eq!(distinct.len(), 1, "{out}");
 }
 
+#[test]
+fn a_server_closing_its_connection_leaves_the_clients_open_and_its_own_fields_behind() {
+    // NGINX closes each connection after its second request (`Connection: close`, as
+    // any server at its `keepalive_requests`) and says `Keep-Alive: timeout=50` on the
+    // others: both are about the server's connection, not the client's.
+    let Some((_nginx, port)) = nginx(
+        "",
+        " keepalive_requests 2;\n keepalive_timeout 60 50;",
+        "  location /who { default_type text/plain; return 200 \"$connection\\n\"; }",
+        &[],
+    ) else {
+        return;
+    };
+    let q = Quill::start(&["-H", "{port}", &format!("127.0.0.1:{port}")]);
+    let url = format!("http://127.0.0.1:{}/who", q.port);
+    let mut args = vec!["--http1.1", "-i", "-w", "connects=%{num_connects}\n"];
+    args.extend(vec![url.as_str(); 6]);
+    let Some(out) = curl(&args) else { return };
+    let connects: u32 = out
+        .lines()
+        .filter_map(|l| l.strip_prefix("connects="))
+        .map(|n| n.parse::<u32>().unwrap())
+        .sum();
+    assert_eq!(connects, 1, "one client connection for six requests: {out}");
+    let lower = out.to_ascii_lowercase();
+    assert_eq!(lower.matches("200 ok").count(), 6, "{out}");
+    assert!(!lower.contains("keep-alive: "), "{out}");
+    assert!(!lower.contains("connection: close"), "{out}");
+    // Three server connections carried the six requests.
+    let served: BTreeSet<&str> = out
+        .lines()
+        .filter(|l| !l.is_empty() && l.bytes().all(|b| b.is_ascii_digit()))
+        .collect();
+    assert_eq!(served.len(), 3, "{out}");
+    // A client's own `close` ends its connection, told so, and not the server's.
+    let closing = curl(&["--http1.1", "-i", "-H", "Connection: close", &url, &url]).unwrap();
+    assert_eq!(
+        closing
+            .to_ascii_lowercase()
+            .matches("connection: close")
+            .count(),
+        2,
+        "{closing}"
+    );
+}
+
 /// The server connections twenty streams of one HTTP/2 client connection (curl reuses it
 /// for every URL, one stream after the other) came over, with quill's `option`.
 fn connections_for_twenty_streams(option: &str) -> Option<usize> {

@@ -135,12 +135,15 @@ const CHUNK_START: Chunk = Chunk::Size {
 };
 
 /// What a forwarded request needs from its response.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
 struct Pending {
     head: bool,
     connect: bool,
     /// The request asked to switch protocols (`Upgrade`) or is a `CONNECT`.
     switch: bool,
+    /// An HTTP/1.0 request: its client reads an answer without `Connection: keep-alive`
+    /// as the connection's last.
+    http10: bool,
 }
 
 /// The response side.
@@ -201,10 +204,14 @@ pub struct Exchange {
     one_at_a_time: bool,
     /// A request was received whole: the client's bytes wait for `resume`.
     paused: bool,
-    /// Neither the request nor its answer said the connection ends after the answer
-    /// (`Connection: close`, HTTP/1.0 without keep-alive): both the client and the server
-    /// expect it to.
-    keep_alive: bool,
+    /// The client's connection goes on after the answer: its request did not say it ends
+    /// (`Connection: close`, HTTP/1.0 without keep-alive), nor, when the server connection
+    /// is the client's own (not request by request), did the answer; and the answer's end
+    /// is framed, not the server's close.
+    client_keep: bool,
+    /// The server's connection goes on after the answer: neither the request as forwarded
+    /// nor the answer said it ends.
+    server_keep: bool,
     /// The server closed its connection between requests.
     server_left: bool,
     /// The last request received has no body, and its method is idempotent: it can be sent
@@ -241,7 +248,8 @@ impl Exchange {
             last: false,
             one_at_a_time: false,
             paused: false,
-            keep_alive: true,
+            client_keep: true,
+            server_keep: true,
             server_left: false,
             replayable: false,
         }
@@ -280,13 +288,13 @@ impl Exchange {
     /// ended by a header, by the server, by a body delimited by the close, a tunnel or
     /// answers quill cannot frame).
     pub fn server_keeps(&self) -> bool {
-        self.keep_alive && !self.server_left && self.resp == Resp::Head
+        self.server_keep && !self.server_left && self.resp == Resp::Head
     }
 
-    /// Whether the client's connection goes on after this answer: neither the request nor
-    /// the answer (which the client sees) said it ends.
+    /// Whether the client's connection goes on after this answer: what the answer the
+    /// client got says (quill's `Connection` field in it, when it had to write its own).
     pub fn client_keeps(&self) -> bool {
-        self.keep_alive
+        self.client_keep
     }
 
     /// The server closed its connection after a complete answer (request by request),
@@ -347,7 +355,7 @@ impl Exchange {
 
     /// Asks the client to end the connection: the next final response that leaves no
     /// request pending, with no other request begun, gets `Connection: close` (the
-    /// server's own `Connection` and `Keep-Alive` fields dropped), and the client is read
+    /// server's own `Connection` and the fields about its connection dropped), and the client is read
     /// no more after it. Between requests the client's next request is still taken, and
     /// its answer is that response.
     pub fn close_after_answer(&mut self) {
@@ -520,12 +528,11 @@ impl Exchange {
         let mut length: Option<u64> = None;
         let mut chunked: Option<bool> = None;
         let mut upgrade = false;
-        // HTTP/1.0 closes unless asked to keep alive; HTTP/1.1 keeps alive unless asked.
-        let mut keeps = version != 0;
+        let mut options = ConnectionOptions::default();
         for h in req.headers.iter() {
             let name = h.name.as_bytes();
             if name.eq_ignore_ascii_case(b"connection") {
-                keeps = connection_keeps(h.value, keeps);
+                options.read(h.value);
             } else if name.eq_ignore_ascii_case(b"content-length") {
                 let n = content_length(h.value).ok_or(Refusal::BadRequest)?;
                 if length.is_some_and(|l| l != n) {
@@ -555,11 +562,22 @@ impl Exchange {
             (None, Some(n)) if n > 0 => Req::Body(n),
             (None, _) => Req::Head,
         };
+        // HTTP/1.0 closes unless asked to keep alive; HTTP/1.1 keeps alive unless asked.
+        let keeps = options.keeps(version != 0);
+        // Request by request the server's connection outlives the client's: the client's
+        // `close` is for quill (its answer says it), not for the server.
+        let drop_close = self.one_at_a_time && options.close;
         // One allocation: growing from empty field by field reallocated four times.
         out.reserve(n + self.client_text.len() + REWRITE_EXTRA);
-        self.write_request_head(method, path, version, req.headers, out);
+        self.write_request_head(method, path, version, req.headers, drop_close, out);
         self.req_switch = connect || upgrade;
-        self.keep_alive &= keeps;
+        self.client_keep &= keeps;
+        if self.one_at_a_time {
+            // Each request may go to another server connection: only its own head counts.
+            self.server_keep = version != 0 || options.keep_alive;
+        } else {
+            self.server_keep &= keeps;
+        }
         self.replayable = body == Req::Head
             && !self.req_switch
             && matches!(
@@ -572,6 +590,7 @@ impl Exchange {
                 head: method == "HEAD",
                 connect,
                 switch: self.req_switch,
+                http10: version == 0,
             });
         }
         self.req_forwarded = true;
@@ -584,14 +603,17 @@ impl Exchange {
     }
 
     /// Writes the request head as the server will see it: the client's request line and
-    /// fields, except `X-Forwarded-For` (merged into one, the client appended) and
-    /// `X-Forwarded-Proto` (replaced: a client cannot claim `https` over plain HTTP).
+    /// fields, except `X-Forwarded-For` (merged into one, the client appended),
+    /// `X-Forwarded-Proto` (replaced: a client cannot claim `https` over plain HTTP) and,
+    /// with `drop_close`, the `close` option of `Connection` (the field left out when it
+    /// named nothing else).
     fn write_request_head(
         &self,
         method: &str,
         path: &str,
         version: u8,
         headers: &[httparse::Header<'_>],
+        drop_close: bool,
         out: &mut Vec<u8>,
     ) {
         out.extend_from_slice(method.as_bytes());
@@ -613,6 +635,20 @@ impl Exchange {
                 continue;
             }
             if name.eq_ignore_ascii_case(b"x-forwarded-proto") {
+                continue;
+            }
+            if drop_close && name.eq_ignore_ascii_case(b"connection") {
+                let mut rest = list(h.value).filter(|t| !t.eq_ignore_ascii_case(b"close"));
+                if let Some(first) = rest.next() {
+                    out.extend_from_slice(name);
+                    out.extend_from_slice(b": ");
+                    out.extend_from_slice(first);
+                    for token in rest {
+                        out.extend_from_slice(b", ");
+                        out.extend_from_slice(token);
+                    }
+                    out.extend_from_slice(b"\r\n");
+                }
                 continue;
             }
             out.extend_from_slice(name);
@@ -749,11 +785,13 @@ impl Exchange {
         let mut length: Option<Option<u64>> = None;
         let mut chunked: Option<bool> = None;
         let mut has_hsts = false;
-        let mut keeps = resp.version != Some(0);
+        let mut options = ConnectionOptions::default();
+        // `Keep-Alive`, `Proxy-Connection`: about the server's connection only.
+        let mut hop_fields = false;
         for h in resp.headers.iter() {
             let name = h.name.as_bytes();
             if name.eq_ignore_ascii_case(b"connection") {
-                keeps = connection_keeps(h.value, keeps);
+                options.read(h.value);
             } else if name.eq_ignore_ascii_case(b"content-length") {
                 length = Some(content_length(h.value));
             } else if name.eq_ignore_ascii_case(b"transfer-encoding") {
@@ -763,83 +801,89 @@ impl Exchange {
                 }
             } else if name.eq_ignore_ascii_case(b"strict-transport-security") {
                 has_hsts = true;
+            } else if name.eq_ignore_ascii_case(b"keep-alive")
+                || name.eq_ignore_ascii_case(b"proxy-connection")
+            {
+                hop_fields = true;
             }
-        }
-        if code >= 200 {
-            self.keep_alive &= keeps;
         }
         let head = &buf[..n];
+        let request = self.pending.front().copied().unwrap_or_default();
+        if code < 200 {
+            // Interim (100 Continue, 103 Early Hints) and 101 Switching Protocols pass as
+            // they are: a 101's `Connection: upgrade` and `Upgrade` are what the client
+            // asked for.
+            out.extend_from_slice(head);
+            if code == 101 {
+                // Switching protocols: a tunnel from here on, both ways.
+                self.pending.pop_front();
+                self.enter_tunnel();
+            } else {
+                // The final response follows.
+                self.resp_started = true;
+            }
+            return Some(HeadEnd::Complete(n));
+        }
         let hsts = match self.params.hsts {
-            Some(h) if self.params.scheme == Scheme::Https && code >= 200 && !has_hsts => Some(h),
+            Some(h) if self.params.scheme == Scheme::Https && !has_hsts => Some(h),
             _ => None,
         };
-        let request = self.pending.front().copied();
-        // The answer that ends a closing connection: final, not a switch to a tunnel, the
-        // only one due, and no other request begun.
-        let closes = self.closing
-            && code >= 200
-            && self.pending.len() == 1
-            && self.req == Req::Head
-            && self.req_head.is_empty()
-            && !(request.is_some_and(|r| r.connect) && (200..300).contains(&code));
-        if closes {
-            self.last = true;
-            write_closing_head(head, hsts, out);
-        } else {
-            match hsts {
-                Some(h) => {
-                    // Insert the field before the empty line, keeping the server's line ends.
-                    let end = if head.ends_with(b"\r\n") { 2 } else { 1 };
-                    let split = head.len().saturating_sub(end);
-                    out.extend_from_slice(&head[..split]);
-                    let _ = write!(out, "Strict-Transport-Security: {}\r\n", h.header_value());
-                    out.extend_from_slice(&head[split..]);
-                }
-                None => out.extend_from_slice(head),
-            }
-        }
-        if code == 101 {
-            // Switching protocols: a tunnel from here on, both ways.
-            self.pending.pop_front();
-            self.enter_tunnel();
-            return Some(HeadEnd::Complete(n));
-        }
-        if (100..200).contains(&code) {
-            // Interim (100 Continue, 103 Early Hints): the final response follows.
-            self.resp_started = true;
-            return Some(HeadEnd::Complete(n));
-        }
-        let request = request.unwrap_or(Pending {
-            head: false,
-            connect: false,
-            switch: false,
-        });
         if request.connect && (200..300).contains(&code) {
+            write_with_hsts(head, hsts, out);
             self.pending.pop_front();
             self.enter_tunnel();
             return Some(HeadEnd::Complete(n));
         }
-        self.resp_started = true;
-        self.resp = if request.head || code == 204 || code == 304 {
-            self.response_done();
+        let server_keeps = options.keeps(resp.version != Some(0));
+        self.server_keep &= server_keeps;
+        if !self.one_at_a_time {
+            // The server's connection is the client's: it ends with it.
+            self.client_keep &= server_keeps;
+        }
+        let framing = if request.head || code == 204 || code == 304 {
             Resp::Head
         } else {
             match (chunked, length) {
                 (Some(true), _) => Resp::Chunked(CHUNK_START),
-                (Some(false), _) => Resp::UntilClose,
-                (None, Some(Some(0))) => {
-                    self.response_done();
-                    Resp::Head
-                }
+                (Some(false), _) | (None, None) => Resp::UntilClose,
                 (None, Some(Some(len))) => Resp::Body(len),
-                (None, Some(None)) => {
-                    // An unreadable length: the rest cannot be framed.
-                    self.give_up_responses();
-                    Resp::Raw
-                }
-                (None, None) => Resp::UntilClose,
+                (None, Some(None)) => Resp::Raw,
             }
         };
+        if framing == Resp::UntilClose {
+            // The body ends with the server's connection, and so does the client's.
+            self.client_keep = false;
+        }
+        // The answer that ends a closing connection: the only one due, and no other
+        // request begun.
+        let closes = self.closing
+            && self.pending.len() == 1
+            && self.req == Req::Head
+            && self.req_head.is_empty();
+        if closes {
+            self.last = true;
+        }
+        // What the client must read in the answer's `Connection` field, and what it
+        // would read in the server's (its default by the older of the two versions).
+        let client_keeps = self.client_keep && !closes;
+        let says_keep = options.keeps(resp.version != Some(0) && !request.http10);
+        if framing == Resp::Raw || (!hop_fields && !options.names && says_keep == client_keeps) {
+            write_with_hsts(head, hsts, out);
+        } else {
+            write_own_connection(head, &resp.headers[..], client_keeps, hsts, out);
+        }
+        self.resp_started = true;
+        self.resp = framing;
+        match framing {
+            Resp::Head => self.response_done(),
+            Resp::Body(0) => {
+                self.response_done();
+                self.resp = Resp::Head;
+            }
+            // An unreadable length: the rest cannot be framed.
+            Resp::Raw => self.give_up_responses(),
+            _ => {}
+        }
         Some(HeadEnd::Complete(n))
     }
 
@@ -907,24 +951,83 @@ impl Exchange {
     }
 }
 
-/// What a `Connection` field says of keeping the connection: `close` ends it, `keep-alive`
-/// keeps it (HTTP/1.0), else `keeps` (the version's default) stands.
-fn connection_keeps(value: &[u8], mut keeps: bool) -> bool {
-    for token in list(value) {
-        if token.eq_ignore_ascii_case(b"close") {
-            return false;
-        }
-        if token.eq_ignore_ascii_case(b"keep-alive") {
-            keeps = true;
-        }
-    }
-    keeps
+/// The options of a head's `Connection` fields (RFC 9110 7.6.1).
+#[derive(Debug, Default, Clone, Copy)]
+struct ConnectionOptions {
+    close: bool,
+    keep_alive: bool,
+    /// Some option names a field (`Upgrade`, or any other): one about this hop only.
+    names: bool,
 }
 
-/// Writes a response head as the last one of its connection: the server's status line and
-/// fields, without its `Connection` and `Keep-Alive` fields (and the lines that continue
-/// them), then `Connection: close` and, when due, HSTS; the server's line ends are kept.
-fn write_closing_head(head: &[u8], hsts: Option<Hsts>, out: &mut Vec<u8>) {
+impl ConnectionOptions {
+    /// Adds the options of one `Connection` field.
+    fn read(&mut self, value: &[u8]) {
+        for token in list(value) {
+            if token.eq_ignore_ascii_case(b"close") {
+                self.close = true;
+            } else if token.eq_ignore_ascii_case(b"keep-alive") {
+                self.keep_alive = true;
+            } else {
+                self.names = true;
+            }
+        }
+    }
+
+    /// Whether the connection goes on: `close` ends it, `keep-alive` keeps it (HTTP/1.0),
+    /// else `by_default` (the version's default) stands.
+    fn keeps(self, by_default: bool) -> bool {
+        !self.close && (self.keep_alive || by_default)
+    }
+}
+
+/// Writes a response head as the server sent it, with HSTS inserted before its empty line
+/// (the server's line ends kept) when due.
+fn write_with_hsts(head: &[u8], hsts: Option<Hsts>, out: &mut Vec<u8>) {
+    let Some(h) = hsts else {
+        out.extend_from_slice(head);
+        return;
+    };
+    let end = if head.ends_with(b"\r\n") { 2 } else { 1 };
+    let split = head.len().saturating_sub(end);
+    out.extend_from_slice(&head[..split]);
+    let _ = write!(out, "Strict-Transport-Security: {}\r\n", h.header_value());
+    out.extend_from_slice(&head[split..]);
+}
+
+/// Writes a response head with quill's own `Connection` field: the server's status line
+/// and fields, without those about the server's connection only (`Connection`,
+/// `Keep-Alive`, `Proxy-Connection`, the fields `Connection` names, and the lines that
+/// continue them), then `Connection: keep-alive` or `close` as the client's connection
+/// goes on or not and, when due, HSTS; the server's line ends are kept. `headers` are the
+/// head's fields as parsed. The fields that frame the body are never left out: the
+/// client must find its end where quill did.
+fn write_own_connection(
+    head: &[u8],
+    headers: &[httparse::Header<'_>],
+    keeps: bool,
+    hsts: Option<Hsts>,
+    out: &mut Vec<u8>,
+) {
+    // More names than a head has fields can only repeat or name nothing: bounded.
+    let named: Vec<&[u8]> = headers
+        .iter()
+        .filter(|h| h.name.eq_ignore_ascii_case("connection"))
+        .flat_map(|h| list(h.value))
+        .filter(|t| !t.eq_ignore_ascii_case(b"close") && !t.eq_ignore_ascii_case(b"keep-alive"))
+        .take(MAX_HEADERS)
+        .collect();
+    let hop = |name: &[u8]| {
+        if name.eq_ignore_ascii_case(b"content-length")
+            || name.eq_ignore_ascii_case(b"transfer-encoding")
+        {
+            return false;
+        }
+        name.eq_ignore_ascii_case(b"connection")
+            || name.eq_ignore_ascii_case(b"keep-alive")
+            || name.eq_ignore_ascii_case(b"proxy-connection")
+            || named.iter().any(|n| n.eq_ignore_ascii_case(name))
+    };
     let mut lines = head.split_inclusive(|&b| b == b'\n');
     let Some(status) = lines.next() else {
         return;
@@ -950,14 +1053,17 @@ fn write_closing_head(head: &[u8], hsts: Option<Hsts>, out: &mut Vec<u8>) {
             .next()
             .unwrap_or_default()
             .trim_ascii();
-        dropping =
-            name.eq_ignore_ascii_case(b"connection") || name.eq_ignore_ascii_case(b"keep-alive");
+        dropping = hop(name);
         if !dropping {
             out.extend_from_slice(line);
         }
     }
     let eol: &[u8] = if crlf { b"\r\n" } else { b"\n" };
-    out.extend_from_slice(b"Connection: close");
+    out.extend_from_slice(if keeps {
+        b"Connection: keep-alive"
+    } else {
+        b"Connection: close"
+    });
     out.extend_from_slice(eol);
     if let Some(h) = hsts {
         let _ = write!(out, "Strict-Transport-Security: {}", h.header_value());
@@ -1508,40 +1614,93 @@ mod tests {
 
     #[test]
     fn request_by_request_knows_when_the_connections_end() {
-        // Whether the connections go on after `resp` answered `req` on a new exchange.
+        // After `resp` answered `req` on a new exchange: whether the client's and the
+        // server's connections go on, and the answer as the client got it.
         let answer = |req: &[u8], resp: &[u8]| {
             let mut ex = exchange();
             ex.request_by_request();
             client(&mut ex, req, 1000);
-            server(&mut ex, resp);
+            let out = server(&mut ex, resp);
             assert!(
                 ex.at_boundary(),
                 "answered: {}",
                 String::from_utf8_lossy(resp)
             );
-            assert_eq!(ex.server_keeps(), ex.client_keeps());
-            ex.client_keeps()
+            let out = String::from_utf8(out).unwrap();
+            (ex.client_keeps(), ex.server_keeps(), out)
         };
         let get = b"GET / HTTP/1.1\r\n\r\n";
         let ok = b"HTTP/1.1 204 No Content\r\n\r\n";
-        assert!(answer(get, ok));
-        assert!(!answer(
+        assert_eq!(
+            answer(get, ok),
+            (true, true, "HTTP/1.1 204 No Content\r\n\r\n".into())
+        );
+        // The server's `close` ends its own connection, not the client's.
+        assert_eq!(
+            answer(get, b"HTTP/1.1 204 No Content\r\nConnection: close\r\n\r\n"),
+            (
+                true,
+                false,
+                "HTTP/1.1 204 No Content\r\nConnection: keep-alive\r\n\r\n".into()
+            )
+        );
+        // The client's `close` ends its connection, not the server's: the server does not
+        // hear of it, the client's answer says it.
+        let mut ex = exchange();
+        ex.request_by_request();
+        let sent = client(
+            &mut ex,
+            b"GET / HTTP/1.1\r\nConnection: Close\r\nX: 1\r\nConnection: TE, close\r\n\r\n",
+            1000,
+        );
+        assert_eq!(
+            String::from_utf8_lossy(&sent),
+            format!("GET / HTTP/1.1\r\nX: 1\r\nConnection: TE\r\n{XFF}")
+        );
+        assert_eq!(
+            String::from_utf8_lossy(&server(&mut ex, ok)),
+            "HTTP/1.1 204 No Content\r\nConnection: close\r\n\r\n"
+        );
+        assert!(!ex.client_keeps() && ex.server_keeps());
+        // An HTTP/1.0 answer with a length: the server closes, the client's connection
+        // goes on and is told so.
+        assert_eq!(
+            answer(get, b"HTTP/1.0 200 OK\r\nContent-Length: 0\r\n\r\n"),
+            (
+                true,
+                false,
+                "HTTP/1.0 200 OK\r\nContent-Length: 0\r\nConnection: keep-alive\r\n\r\n".into()
+            )
+        );
+        let (_, server_keeps, _) = answer(
             get,
-            b"HTTP/1.1 204 No Content\r\nConnection: close\r\n\r\n"
-        ));
-        assert!(!answer(b"GET / HTTP/1.1\r\nConnection: Close\r\n\r\n", ok));
-        assert!(!answer(
-            get,
-            b"HTTP/1.0 200 OK\r\nContent-Length: 0\r\n\r\n"
-        ));
-        assert!(answer(
-            get,
-            b"HTTP/1.0 200 OK\r\nConnection: keep-alive\r\nContent-Length: 0\r\n\r\n"
-        ));
-        assert!(!answer(
-            b"GET / HTTP/1.0\r\n\r\n",
-            b"HTTP/1.1 200 OK\r\nContent-Length: 0\r\n\r\n"
-        ));
+            b"HTTP/1.0 200 OK\r\nConnection: keep-alive\r\nContent-Length: 0\r\n\r\n",
+        );
+        assert!(server_keeps);
+        // An HTTP/1.0 request without keep-alive ends both; its answer already says so.
+        assert_eq!(
+            answer(
+                b"GET / HTTP/1.0\r\n\r\n",
+                b"HTTP/1.1 200 OK\r\nContent-Length: 0\r\n\r\n"
+            ),
+            (
+                false,
+                false,
+                "HTTP/1.1 200 OK\r\nContent-Length: 0\r\n\r\n".into()
+            )
+        );
+        // With keep-alive both go on, and the client's answer must say so.
+        assert_eq!(
+            answer(
+                b"GET / HTTP/1.0\r\nConnection: keep-alive\r\n\r\n",
+                b"HTTP/1.1 200 OK\r\nContent-Length: 0\r\n\r\n"
+            ),
+            (
+                true,
+                true,
+                "HTTP/1.1 200 OK\r\nContent-Length: 0\r\nConnection: keep-alive\r\n\r\n".into()
+            )
+        );
         // A server that closed between requests ends its connection, not the client's.
         let mut ex = exchange();
         ex.request_by_request();
@@ -1567,6 +1726,45 @@ mod tests {
             1000,
         );
         assert!(!ex.replayable());
+    }
+
+    #[test]
+    fn hop_by_hop_fields_of_an_answer_stay_behind() {
+        let resp = b"HTTP/1.1 200 OK\r\nConnection: keep-alive, X-Drop\r\nX-Drop: 1\r\nKeep-Alive: timeout=5,\r\n max=9\r\nX-Keep: 2\r\nProxy-Connection: keep-alive\r\nContent-Length: 2\r\n\r\nok";
+        let kept =
+            "HTTP/1.1 200 OK\r\nX-Keep: 2\r\nContent-Length: 2\r\nConnection: keep-alive\r\n\r\nok";
+        for by_request in [false, true] {
+            let mut ex = exchange();
+            if by_request {
+                ex.request_by_request();
+            }
+            client(&mut ex, b"GET / HTTP/1.1\r\n\r\n", 1000);
+            assert_eq!(String::from_utf8_lossy(&server(&mut ex, resp)), kept);
+            assert!(ex.client_keeps() && ex.server_keeps());
+        }
+        // An `Upgrade` offer outside a 101 is the server's hop too; the fields that frame
+        // the body stay whatever `Connection` names.
+        let mut ex = exchange();
+        client(&mut ex, b"GET / HTTP/1.1\r\n\r\n", 1000);
+        let out = server(
+            &mut ex,
+            b"HTTP/1.1 200 OK\r\nUpgrade: h2c\r\nConnection: Upgrade, Content-Length\r\nContent-Length: 2\r\n\r\nok",
+        );
+        assert_eq!(
+            String::from_utf8_lossy(&out),
+            "HTTP/1.1 200 OK\r\nContent-Length: 2\r\nConnection: keep-alive\r\n\r\nok"
+        );
+        assert!(ex.between(), "the answer ended where its length said");
+        // A body delimited by the close ends the client's connection too, and says so.
+        let mut ex = exchange();
+        ex.request_by_request();
+        client(&mut ex, b"GET / HTTP/1.1\r\n\r\n", 1000);
+        let out = server(&mut ex, b"HTTP/1.1 200 OK\r\n\r\nto the end");
+        assert_eq!(
+            String::from_utf8_lossy(&out),
+            "HTTP/1.1 200 OK\r\nConnection: close\r\n\r\nto the end"
+        );
+        assert!(!ex.client_keeps());
     }
 
     #[test]
