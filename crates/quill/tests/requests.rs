@@ -666,6 +666,33 @@ fn a_server_closing_its_connection_leaves_the_clients_open_and_its_own_fields_be
     );
 }
 
+#[test]
+fn http10_clients_share_the_pooled_server_connections() {
+    let Some((_nginx, port)) = backend() else {
+        return;
+    };
+    let q = Quill::start(&["-H", "{port}", &format!("127.0.0.1:{port}")]);
+    let url = format!("http://127.0.0.1:{}/who", q.port);
+    // Each curl is a client of its own, asking for one request without keep-alive.
+    let mut served = BTreeSet::new();
+    for _ in 0..20 {
+        let Some(out) = curl(&["--http1.0", "-i", &url]) else {
+            return;
+        };
+        let lower = out.to_ascii_lowercase();
+        assert!(lower.contains("connection: close"), "{out}");
+        assert!(!lower.contains("keep-alive"), "{out}");
+        served.extend(connections(&out));
+    }
+    // One server connection in each event loop's pool (one loop per core) at most.
+    let loops = std::thread::available_parallelism().map_or(1, |n| n.get());
+    assert!(
+        served.len() <= loops,
+        "20 clients used {} server connections: {served:?}",
+        served.len()
+    );
+}
+
 /// The server connections twenty streams of one HTTP/2 client connection (curl reuses it
 /// for every URL, one stream after the other) came over, with quill's `option`.
 fn connections_for_twenty_streams(option: &str) -> Option<usize> {

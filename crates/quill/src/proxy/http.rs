@@ -219,6 +219,16 @@ pub struct Exchange {
     replayable: bool,
 }
 
+/// How the `Connection` field of a request forwarded request by request differs from the
+/// client's: the server's connection is quill's, kept for the next request of any client.
+#[derive(Debug, Clone, Copy)]
+struct Towards {
+    /// The client's `close` option is left out (the field too when it named nothing else).
+    drop_close: bool,
+    /// `Connection: keep-alive` is added (an HTTP/1.0 request that did not ask for it).
+    add_keep_alive: bool,
+}
+
 /// The result of looking for the end of a message head.
 enum HeadEnd {
     /// Not complete yet.
@@ -565,16 +575,22 @@ impl Exchange {
         // HTTP/1.0 closes unless asked to keep alive; HTTP/1.1 keeps alive unless asked.
         let keeps = options.keeps(version != 0);
         // Request by request the server's connection outlives the client's: the client's
-        // `close` is for quill (its answer says it), not for the server.
-        let drop_close = self.one_at_a_time && options.close;
+        // `close` is for quill (its answer says it), not for the server, and an HTTP/1.0
+        // request asks the server to keep its connection (as NGINX's `keepalive` upstreams
+        // need `proxy_http_version 1.1` for), so that clients such as `ab` without `-k` do
+        // not cost a server connection each.
+        let towards = Towards {
+            drop_close: self.one_at_a_time && options.close,
+            add_keep_alive: self.one_at_a_time && version == 0 && !options.keep_alive,
+        };
         // One allocation: growing from empty field by field reallocated four times.
         out.reserve(n + self.client_text.len() + REWRITE_EXTRA);
-        self.write_request_head(method, path, version, req.headers, drop_close, out);
+        self.write_request_head(method, path, version, req.headers, towards, out);
         self.req_switch = connect || upgrade;
         self.client_keep &= keeps;
         if self.one_at_a_time {
             // Each request may go to another server connection: only its own head counts.
-            self.server_keep = version != 0 || options.keep_alive;
+            self.server_keep = true;
         } else {
             self.server_keep &= keeps;
         }
@@ -604,16 +620,15 @@ impl Exchange {
 
     /// Writes the request head as the server will see it: the client's request line and
     /// fields, except `X-Forwarded-For` (merged into one, the client appended),
-    /// `X-Forwarded-Proto` (replaced: a client cannot claim `https` over plain HTTP) and,
-    /// with `drop_close`, the `close` option of `Connection` (the field left out when it
-    /// named nothing else).
+    /// `X-Forwarded-Proto` (replaced: a client cannot claim `https` over plain HTTP) and
+    /// the `Connection` options `towards` changes.
     fn write_request_head(
         &self,
         method: &str,
         path: &str,
         version: u8,
         headers: &[httparse::Header<'_>],
-        drop_close: bool,
+        towards: Towards,
         out: &mut Vec<u8>,
     ) {
         out.extend_from_slice(method.as_bytes());
@@ -637,7 +652,7 @@ impl Exchange {
             if name.eq_ignore_ascii_case(b"x-forwarded-proto") {
                 continue;
             }
-            if drop_close && name.eq_ignore_ascii_case(b"connection") {
+            if towards.drop_close && name.eq_ignore_ascii_case(b"connection") {
                 let mut rest = list(h.value).filter(|t| !t.eq_ignore_ascii_case(b"close"));
                 if let Some(first) = rest.next() {
                     out.extend_from_slice(name);
@@ -655,6 +670,9 @@ impl Exchange {
             out.extend_from_slice(b": ");
             out.extend_from_slice(h.value);
             out.extend_from_slice(b"\r\n");
+        }
+        if towards.add_keep_alive {
+            out.extend_from_slice(b"Connection: keep-alive\r\n");
         }
         out.extend_from_slice(b"X-Forwarded-For: ");
         for v in xff {
@@ -1677,7 +1695,28 @@ mod tests {
             b"HTTP/1.0 200 OK\r\nConnection: keep-alive\r\nContent-Length: 0\r\n\r\n",
         );
         assert!(server_keeps);
-        // An HTTP/1.0 request without keep-alive ends both; its answer already says so.
+        // An HTTP/1.0 request without keep-alive ends the client's connection only: the
+        // server is asked to keep its own, and the client's answer says close.
+        let mut ex = exchange();
+        ex.request_by_request();
+        let sent = client(
+            &mut ex,
+            b"GET / HTTP/1.0\r\nConnection: close\r\n\r\n",
+            1000,
+        );
+        assert_eq!(
+            String::from_utf8_lossy(&sent),
+            format!("GET / HTTP/1.0\r\nConnection: keep-alive\r\n{XFF}")
+        );
+        assert_eq!(
+            String::from_utf8_lossy(&server(
+                &mut ex,
+                b"HTTP/1.1 200 OK\r\nConnection: keep-alive\r\nContent-Length: 0\r\n\r\n"
+            )),
+            "HTTP/1.1 200 OK\r\nContent-Length: 0\r\nConnection: close\r\n\r\n"
+        );
+        assert!(!ex.client_keeps() && ex.server_keeps());
+        // An answer without `Connection` already says close to an HTTP/1.0 client.
         assert_eq!(
             answer(
                 b"GET / HTTP/1.0\r\n\r\n",
@@ -1685,7 +1724,7 @@ mod tests {
             ),
             (
                 false,
-                false,
+                true,
                 "HTTP/1.1 200 OK\r\nContent-Length: 0\r\n\r\n".into()
             )
         );
