@@ -101,6 +101,19 @@ impl Pooled for Link {
     fn usable(&mut self) -> bool {
         NOOP.with(|noop| {
             let mut cx = Context::from_waker(noop);
+            // The usual case, seen without a read through TLS (≈ 800 instructions): no
+            // plaintext held (nor a `close_notify`), and the socket not readable (tokio
+            // forgets readiness after a read that did not fill its buffer). Else the read.
+            let quiet = match &self.stream {
+                Server::Plain(s) => s.poll_read_ready(&mut cx).is_pending(),
+                Server::Tls(s) => {
+                    let (tcp, tls) = s.get_ref();
+                    tls.wants_read() && tcp.poll_read_ready(&mut cx).is_pending()
+                }
+            };
+            if quiet {
+                return true;
+            }
             let mut byte = [0u8; 1];
             let mut buf = ReadBuf::new(&mut byte);
             Pin::new(&mut self.stream)
