@@ -365,9 +365,9 @@ impl Exchange {
 
     /// Asks the client to end the connection: the next final response that leaves no
     /// request pending, with no other request begun, gets `Connection: close` (the
-    /// server's own `Connection` and the fields about its connection dropped), and the client is read
-    /// no more after it. Between requests the client's next request is still taken, and
-    /// its answer is that response.
+    /// server's own `Connection` and the fields about its connection dropped), and the
+    /// client is read no more after it. Between requests the client's next request is
+    /// still taken, and its answer is that response.
     pub fn close_after_answer(&mut self) {
         self.closing = true;
     }
@@ -885,7 +885,13 @@ impl Exchange {
         // would read in the server's (its default by the older of the two versions).
         let client_keeps = self.client_keep && !closes;
         let says_keep = options.keeps(resp.version != Some(0) && !request.http10);
-        if framing == Resp::Raw || (!hop_fields && !options.names && says_keep == client_keeps) {
+        // An answer quill cannot frame passes as it came, unless it is the last one.
+        let verbatim = if framing == Resp::Raw {
+            !closes
+        } else {
+            !hop_fields && !options.names && says_keep == client_keeps
+        };
+        if verbatim {
             write_with_hsts(head, hsts, out);
         } else {
             write_own_connection(head, &resp.headers[..], client_keeps, hsts, out);
