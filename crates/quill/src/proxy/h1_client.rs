@@ -26,6 +26,7 @@ use tokio::io::AsyncWrite;
 
 use super::gateway::RequestBody;
 use super::h1_pump::Link;
+use super::http::ConnectionOptions;
 use super::pool::{self, Limits, Target};
 use crate::balance::ServerState;
 use crate::state::State;
@@ -391,8 +392,7 @@ fn parse_head(buf: &mut BytesMut, head_only: bool) -> Result<Parsed, Failure> {
     let mut headers = HeaderMap::with_capacity(parsed.headers.len());
     let mut length: Option<u64> = None;
     let mut transfer: Option<bool> = None; // Some(chunked last)
-    let mut close = false;
-    let mut keep_alive = false;
+    let mut options = ConnectionOptions::default();
     for f in parsed.headers.iter() {
         let name = HeaderName::from_bytes(f.name.as_bytes())
             .map_err(|_| Failure::Broken(invalid("bad field name")))?;
@@ -416,16 +416,9 @@ fn parse_head(buf: &mut BytesMut, head_only: bool) -> Result<Parsed, Failure> {
             // from the map later.
             continue;
         } else if name == header::CONNECTION {
-            let mut names_fields = false;
-            for token in f.value.split(|&b| b == b',') {
-                let token = token.trim_ascii();
-                let is_close = token.eq_ignore_ascii_case(b"close");
-                let is_keep_alive = token.eq_ignore_ascii_case(b"keep-alive");
-                close |= is_close;
-                keep_alive |= is_keep_alive;
-                names_fields |= !(is_close || is_keep_alive || token.is_empty());
-            }
-            if !names_fields {
+            let field = ConnectionOptions::of(f.value);
+            options = options.and(field);
+            if !field.names_fields() {
                 // Only about this connection: nothing for `gateway::strip_hop_by_hop` (which
                 // still sees every answer, and removes the rest) to strip by it.
                 continue;
@@ -451,7 +444,7 @@ fn parse_head(buf: &mut BytesMut, head_only: bool) -> Result<Parsed, Failure> {
                 (None, None) => Framing::Close,
             }
         };
-    let keeps = framing != Framing::Close && !close && (!http10 || keep_alive);
+    let keeps = framing != Framing::Close && options.keeps(!http10);
     let mut parts = Response::new(()).into_parts().0;
     parts.status = status;
     parts.version = if http10 {

@@ -975,9 +975,10 @@ impl Exchange {
     }
 }
 
-/// The options of a head's `Connection` fields (RFC 9110 7.6.1).
+/// The options of a head's `Connection` fields (RFC 9110 7.6.1); also what `h1_client`
+/// reads of a server's answer.
 #[derive(Debug, Default, Clone, Copy)]
-struct ConnectionOptions {
+pub(super) struct ConnectionOptions {
     close: bool,
     keep_alive: bool,
     /// Some option names a field (`Upgrade`, or any other): one about this hop only.
@@ -985,6 +986,13 @@ struct ConnectionOptions {
 }
 
 impl ConnectionOptions {
+    /// The options of one `Connection` field.
+    pub(super) fn of(value: &[u8]) -> ConnectionOptions {
+        let mut options = ConnectionOptions::default();
+        options.read(value);
+        options
+    }
+
     /// Adds the options of one `Connection` field.
     fn read(&mut self, value: &[u8]) {
         for token in list(value) {
@@ -1000,8 +1008,22 @@ impl ConnectionOptions {
 
     /// Whether the connection goes on: `close` ends it, `keep-alive` keeps it (HTTP/1.0),
     /// else `by_default` (the version's default) stands.
-    fn keeps(self, by_default: bool) -> bool {
+    pub(super) fn keeps(self, by_default: bool) -> bool {
         !self.close && (self.keep_alive || by_default)
+    }
+
+    /// Whether some option names a field, which is about this hop only.
+    pub(super) fn names_fields(self) -> bool {
+        self.names
+    }
+
+    /// The options of this field and of `other` together.
+    pub(super) fn and(self, other: ConnectionOptions) -> ConnectionOptions {
+        ConnectionOptions {
+            close: self.close || other.close,
+            keep_alive: self.keep_alive || other.keep_alive,
+            names: self.names || other.names,
+        }
     }
 }
 
