@@ -819,9 +819,7 @@ impl Exchange {
                 }
             } else if name.eq_ignore_ascii_case(b"strict-transport-security") {
                 has_hsts = true;
-            } else if name.eq_ignore_ascii_case(b"keep-alive")
-                || name.eq_ignore_ascii_case(b"proxy-connection")
-            {
+            } else if is_hop_field(name) {
                 hop_fields = true;
             }
         }
@@ -1027,6 +1025,12 @@ impl ConnectionOptions {
     }
 }
 
+/// `Keep-Alive` and `Proxy-Connection`: fields about one connection whether or not
+/// `Connection` names them.
+fn is_hop_field(name: &[u8]) -> bool {
+    name.eq_ignore_ascii_case(b"keep-alive") || name.eq_ignore_ascii_case(b"proxy-connection")
+}
+
 /// Writes a response head as the server sent it, with HSTS inserted before its empty line
 /// (the server's line ends kept) when due.
 fn write_with_hsts(head: &[u8], hsts: Option<Hsts>, out: &mut Vec<u8>) {
@@ -1070,8 +1074,7 @@ fn write_own_connection(
             return false;
         }
         name.eq_ignore_ascii_case(b"connection")
-            || name.eq_ignore_ascii_case(b"keep-alive")
-            || name.eq_ignore_ascii_case(b"proxy-connection")
+            || is_hop_field(name)
             || named.iter().any(|n| n.eq_ignore_ascii_case(name))
     };
     let mut lines = head.split_inclusive(|&b| b == b'\n');
