@@ -692,8 +692,12 @@ def describe_machine() -> dict[str, Any]:
     except OSError:
         pass
     sysctls = {}
+    # The congestion control and qdisc shape latency tails over loopback: BBR paces from
+    # timers, so a relay on another core than its peers sees segments reordered (see
+    # bench/RESULTS.md, 1 MiB p99).
     for k in ("net/ipv4/ip_local_port_range", "net/ipv4/tcp_tw_reuse", "net/ipv4/tcp_max_tw_buckets",
-              "net/core/somaxconn", "net/ipv4/tcp_max_syn_backlog"):
+              "net/core/somaxconn", "net/ipv4/tcp_max_syn_backlog",
+              "net/ipv4/tcp_congestion_control", "net/core/default_qdisc"):
         try:
             sysctls[k.replace("/", ".")] = " ".join(Path(f"/proc/sys/{k}").read_text().split())
         except OSError:
@@ -1488,6 +1492,11 @@ def main(argv: list[str]) -> int:
              "machine will skew the figures")
     log(f"bench: balancers {','.join(selected)}; {args.rounds} round(s); scenarios "
         f"{', '.join(s.name for s in scs)}; {args.duration}s per load run")
+    cc = machine["sysctl"].get("net.ipv4.tcp_congestion_control")
+    if cc and cc != "cubic":
+        warn(f"TCP congestion control is {cc}: over loopback its pacing reorders the segments of a "
+             "relay on another core than its peers, which moves 1 MiB figures and p99s "
+             "(bench/RESULTS.md); compare runs only under the same one")
 
     raise_autogroup("self")
     bench = Bench(args, selected, quill_bin, fatal)
