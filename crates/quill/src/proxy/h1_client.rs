@@ -416,9 +416,7 @@ fn parse_head(buf: &mut BytesMut, head_only: bool) -> Result<Parsed, Failure> {
             // from the map later.
             continue;
         } else if name == header::CONNECTION {
-            let field = ConnectionOptions::of(f.value);
-            options = options.and(field);
-            if !field.names_fields() {
+            if !options.read(f.value) {
                 // Only about this connection: nothing for `gateway::strip_hop_by_hop` (which
                 // still sees every answer, and removes the rest) to strip by it.
                 continue;

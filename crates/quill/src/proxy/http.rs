@@ -984,44 +984,27 @@ pub(super) struct ConnectionOptions {
 }
 
 impl ConnectionOptions {
-    /// The options of one `Connection` field.
-    pub(super) fn of(value: &[u8]) -> ConnectionOptions {
-        let mut options = ConnectionOptions::default();
-        options.read(value);
-        options
-    }
-
-    /// Adds the options of one `Connection` field.
-    fn read(&mut self, value: &[u8]) {
+    /// Adds the options of one `Connection` field; true when this field names another
+    /// field (one about this hop only).
+    pub(super) fn read(&mut self, value: &[u8]) -> bool {
+        let mut names = false;
         for token in list(value) {
             if token.eq_ignore_ascii_case(b"close") {
                 self.close = true;
             } else if token.eq_ignore_ascii_case(b"keep-alive") {
                 self.keep_alive = true;
             } else {
-                self.names = true;
+                names = true;
             }
         }
+        self.names |= names;
+        names
     }
 
     /// Whether the connection goes on: `close` ends it, `keep-alive` keeps it (HTTP/1.0),
     /// else `by_default` (the version's default) stands.
     pub(super) fn keeps(self, by_default: bool) -> bool {
         !self.close && (self.keep_alive || by_default)
-    }
-
-    /// Whether some option names a field, which is about this hop only.
-    pub(super) fn names_fields(self) -> bool {
-        self.names
-    }
-
-    /// The options of this field and of `other` together.
-    pub(super) fn and(self, other: ConnectionOptions) -> ConnectionOptions {
-        ConnectionOptions {
-            close: self.close || other.close,
-            keep_alive: self.keep_alive || other.keep_alive,
-            names: self.names || other.names,
-        }
     }
 }
 
