@@ -1021,11 +1021,21 @@ fn write_with_hsts(head: &[u8], hsts: Option<Hsts>, out: &mut Vec<u8>) {
         out.extend_from_slice(head);
         return;
     };
-    let end = if head.ends_with(b"\r\n") { 2 } else { 1 };
-    let split = head.len().saturating_sub(end);
+    let eol: &[u8] = if head.ends_with(b"\r\n") {
+        b"\r\n"
+    } else {
+        b"\n"
+    };
+    let split = head.len().saturating_sub(eol.len());
     out.extend_from_slice(&head[..split]);
-    let _ = write!(out, "Strict-Transport-Security: {}\r\n", h.header_value());
+    write_hsts(h, eol, out);
     out.extend_from_slice(&head[split..]);
+}
+
+/// The `Strict-Transport-Security` line, ended as the head's other lines are.
+fn write_hsts(h: Hsts, eol: &[u8], out: &mut Vec<u8>) {
+    let _ = write!(out, "Strict-Transport-Security: {}", h.header_value());
+    out.extend_from_slice(eol);
 }
 
 /// Writes a response head with quill's own `Connection` field: the server's status line
@@ -1098,8 +1108,7 @@ fn write_own_connection(
     });
     out.extend_from_slice(eol);
     if let Some(h) = hsts {
-        let _ = write!(out, "Strict-Transport-Security: {}", h.header_value());
-        out.extend_from_slice(eol);
+        write_hsts(h, eol, out);
     }
     out.extend_from_slice(eol);
 }
@@ -1614,6 +1623,15 @@ mod tests {
         let own =
             b"HTTP/1.1 200 OK\r\nStrict-Transport-Security: max-age=1\r\nContent-Length: 0\r\n\r\n";
         assert_eq!(server(&mut tls, own), own);
+        // A head whose lines end in a bare LF gets its HSTS line ended the same way.
+        client(&mut tls, b"GET / HTTP/1.1\r\n\r\n", 1000);
+        assert_eq!(
+            String::from_utf8_lossy(&server(
+                &mut tls,
+                b"HTTP/1.1 204 No Content\nServer: lf\n\n"
+            )),
+            "HTTP/1.1 204 No Content\nServer: lf\nStrict-Transport-Security: max-age=63072000; includeSubDomains\n\n"
+        );
         let mut plain = Exchange::new(params(Scheme::Http, Some(hsts)));
         client(&mut plain, b"GET / HTTP/1.1\r\n\r\n", 1000);
         assert_eq!(server(&mut plain, resp), resp);
