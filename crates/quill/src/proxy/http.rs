@@ -1880,7 +1880,7 @@ mod tests {
         let first = b"HTTP/1.1 200 OK\nContent-Length: 1\n\nx";
         assert_eq!(
             String::from_utf8_lossy(&server(&mut ex, first)),
-            "HTTP/1.1 200 OK\nContent-Length: 1\nStrict-Transport-Security: max-age=1\r\n\nx"
+            "HTTP/1.1 200 OK\nContent-Length: 1\nStrict-Transport-Security: max-age=1\n\nx"
         );
         assert!(ex.accepts_client_bytes() && !ex.finished());
         // The last one due: LF line ends kept, HSTS after `Connection: close`.
