@@ -846,12 +846,22 @@ struct DsrSite {
     backends: Vec<Netns>,
     dir: TempDir,
     _switch: Netns,
+    /// Last, so that it is let go after the namespaces are: one site at a time.
+    _turn: std::sync::MutexGuard<'static, ()>,
 }
+
+/// Sites are built one at a time. On two cores, two of them at once (each a router, two
+/// nodes running BIRD and quill, two backends) made a node's failover time out in two CI
+/// rehearsals out of seven: network namespaces set up and torn down beside a failover hold
+/// the kernel's network locks for seconds (`ip route show` on the router took 8 s, then
+/// 22 s), and the surviving node, its backends' ARP answers late, withdrew too.
+static DSR_SITES: std::sync::Mutex<()> = std::sync::Mutex::new(());
 
 const NODE_IPS: [&str; 2] = ["10.88.0.2", "10.88.0.3"];
 
 impl DsrSite {
     fn start(bfd: bool) -> DsrSite {
+        let turn = DSR_SITES.lock().unwrap_or_else(|p| p.into_inner());
         let dir = TempDir::new("dsr-site");
         let switch = Netns::new("switch");
         netns::bridge(&switch, "br0");
@@ -954,6 +964,7 @@ impl DsrSite {
             backends,
             dir,
             _switch: switch,
+            _turn: turn,
         };
         wait_until(
             Duration::from_secs(30),
