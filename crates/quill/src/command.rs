@@ -324,16 +324,26 @@ pub struct Hsts {
 }
 
 impl Hsts {
-    /// The header field's value, e.g. `max-age=31536000; includeSubDomains`.
-    pub fn header_value(&self) -> String {
-        let mut v = format!("max-age={}", self.max_age);
-        if self.include_subdomains {
-            v.push_str("; includeSubDomains");
+    /// The header field's value, e.g. `max-age=31536000; includeSubDomains`, formatted where
+    /// it is written (every response of a TLS client carries it: no `String` each time).
+    pub fn header_value(&self) -> impl fmt::Display + '_ {
+        HstsValue(self)
+    }
+}
+
+/// [`Hsts::header_value`].
+struct HstsValue<'a>(&'a Hsts);
+
+impl fmt::Display for HstsValue<'_> {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        write!(f, "max-age={}", self.0.max_age)?;
+        if self.0.include_subdomains {
+            f.write_str("; includeSubDomains")?;
         }
-        if self.preload {
-            v.push_str("; preload");
+        if self.0.preload {
+            f.write_str("; preload")?;
         }
-        v
+        Ok(())
     }
 }
 
@@ -1807,6 +1817,22 @@ mod tests {
 
     fn parse(s: &str) -> Result<Command, ParseError> {
         s.parse()
+    }
+
+    #[test]
+    fn hsts_header_value_names_each_directive_asked_for() {
+        let mut h = Hsts {
+            max_age: 600,
+            include_subdomains: false,
+            preload: false,
+        };
+        assert_eq!(h.header_value().to_string(), "max-age=600");
+        h.include_subdomains = true;
+        h.preload = true;
+        assert_eq!(
+            h.header_value().to_string(),
+            "max-age=600; includeSubDomains; preload"
+        );
     }
 
     #[test]

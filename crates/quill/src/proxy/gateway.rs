@@ -1162,7 +1162,7 @@ fn reply(
                 .headers
                 .contains_key(header::STRICT_TRANSPORT_SECURITY)
             {
-                if let Ok(v) = HeaderValue::from_str(&h.header_value()) {
+                if let Ok(v) = HeaderValue::try_from(h.header_value().to_string()) {
                     parts.headers.insert(header::STRICT_TRANSPORT_SECURITY, v);
                 }
             }
