@@ -541,11 +541,14 @@ class Certificate:
     combined: Path  # certificate then key, for HAProxy's `crt`
 
 
-def make_certificate(tmp: Path) -> Certificate:
-    cert, key, combined = tmp / "tls.crt", tmp / "tls.key", tmp / "tls.pem"
-    rc, text = run_capture(["openssl", "req", "-x509", "-newkey", "ec", "-pkeyopt",
-                            "ec_paramgen_curve:P-256", "-nodes", "-keyout", str(key), "-out", str(cert),
-                            "-subj", "/CN=localhost", "-days", "2",
+P256 = ["-newkey", "ec", "-pkeyopt", "ec_paramgen_curve:P-256"]
+
+
+def make_certificate(tmp: Path, name: str = "tls", newkey: list[str] = P256) -> Certificate:
+    """A self-signed certificate for localhost and 127.0.0.1 (tmp/NAME.crt, .key, .pem)."""
+    cert, key, combined = tmp / f"{name}.crt", tmp / f"{name}.key", tmp / f"{name}.pem"
+    rc, text = run_capture(["openssl", "req", "-x509", *newkey, "-nodes", "-keyout", str(key),
+                            "-out", str(cert), "-subj", "/CN=localhost", "-days", "2",
                             "-addext", "subjectAltName=DNS:localhost,IP:127.0.0.1"])
     if rc != 0:
         raise BenchError(f"openssl req failed: {text}")

@@ -76,19 +76,15 @@ def openssl(*argv: str) -> None:
         raise tb.BenchError(f"openssl {argv[0]} failed: {text}")
 
 
-P256 = ["-newkey", "ec", "-pkeyopt", "ec_paramgen_curve:P-256"]
+P256 = tb.P256
 
 
 def make_certs(tmp: Path) -> dict[str, tuple[Path, Path, Path]]:
     """(cert, key, combined) per key type, made with the openssl CLI."""
     out = {}
     for kind, newkey in (("ecdsa", P256), ("rsa", ["-newkey", "rsa:2048"])):
-        cert, key, both = tmp / f"{kind}.crt", tmp / f"{kind}.key", tmp / f"{kind}.pem"
-        openssl("req", "-x509", *newkey, "-nodes", "-keyout", str(key), "-out", str(cert),
-                "-subj", "/CN=localhost", "-days", "2",
-                "-addext", "subjectAltName=DNS:localhost,IP:127.0.0.1")
-        both.write_text(cert.read_text() + key.read_text())
-        out[kind] = (cert, key, both)
+        c = tb.make_certificate(tmp, kind, newkey)
+        out[kind] = (c.cert, c.key, c.combined)
     return out
 
 
