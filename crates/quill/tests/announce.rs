@@ -182,6 +182,24 @@ fn the_route_follows_whether_any_server_can_serve() {
     );
 }
 
+/// A node started without `announce_table` has nothing to look at (it does not wake for
+/// it); the command given later starts the announcement all the same.
+#[test]
+fn announce_table_given_at_run_time_starts_announcing() {
+    if netns::skip() {
+        return;
+    }
+    let ns = Netns::new("announce");
+    ns.ip(&["addr", "add", &format!("{VIP}/32"), "dev", "lo"]);
+    let node = Node::launch(ns, &format!("{VIP}:80"), &[]);
+    assert!(node.request().unwrap().contains("200"));
+    assert!(!node.announced(), "{}", node.routes());
+    ctl_ok(&node.ctl(), "announce_table 100");
+    wait_until(IO_TIMEOUT, "the route in table 100", || node.announced());
+    ctl_ok(&node.ctl(), "no announce_table");
+    wait_until(IO_TIMEOUT, "the route withdrawn", || !node.announced());
+}
+
 #[test]
 fn a_stopping_node_withdraws_first_and_serves_on_for_the_grace() {
     if netns::skip() {

@@ -255,11 +255,8 @@ pub async fn supervise(
     let mut failed = false;
     let mut tick = tokio::time::interval(TICK);
     tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
+    let mut generation = state.generation.subscribe();
     loop {
-        tokio::select! {
-            _ = tick.tick() => {}
-            _ = stop.changed() => break,
-        }
         if announcer.is_none() && !failed && state.settings().announce_table.is_some() {
             match Announcer::new().await {
                 Ok(a) => announcer = Some(a),
@@ -274,6 +271,19 @@ pub async fn supervise(
         }
         if let Some(d) = decided.take() {
             let _ = d.send(());
+        }
+        // Nothing to announce: wait for settings that may ask for it instead of waking
+        // the process five times a second for nothing.
+        if announcer.is_some() {
+            tokio::select! {
+                _ = tick.tick() => {}
+                _ = stop.changed() => break,
+            }
+        } else {
+            tokio::select! {
+                r = generation.changed() => if r.is_err() { break },
+                _ = stop.changed() => break,
+            }
         }
     }
     let had = match &mut announcer {
