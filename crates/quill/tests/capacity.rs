@@ -190,6 +190,68 @@ fn ten_thousand_connections_leak_no_descriptors() {
     );
 }
 
+/// Voluntary context switches (sleeps that ended) of each of the process's threads.
+fn wake_ups(pid: u32) -> Vec<(String, u64)> {
+    let Ok(tasks) = std::fs::read_dir(format!("/proc/{pid}/task")) else {
+        return vec![];
+    };
+    tasks
+        .flatten()
+        .filter_map(|t| {
+            let status = std::fs::read_to_string(t.path().join("status")).ok()?;
+            let field = |key: &str| {
+                status
+                    .lines()
+                    .find_map(|l| l.strip_prefix(key))
+                    .map(|v| v.trim().to_string())
+            };
+            let name = field("Name:")?;
+            let switches = field("voluntary_ctxt_switches:")?.parse().ok()?;
+            Some((
+                format!("{name} ({})", t.file_name().to_string_lossy()),
+                switches,
+            ))
+        })
+        .collect()
+}
+
+/// An idle balancer costs its host next to nothing: with no client, no thread wakes more
+/// than a couple of times a second (on a virtual machine each wake-up of an idle CPU is an
+/// interrupt and an exit to the hypervisor). Each try counts every thread's wake-ups over
+/// four seconds of wall time; the first tries may still see the start-up's measurements.
+#[test]
+fn an_idle_balancer_wakes_its_threads_rarely() {
+    const WINDOW: Duration = Duration::from_secs(4);
+    const MAX_PER_WINDOW: u64 = 10;
+    let a = IdentityBackend::start("a");
+    let q = Quill::start(&["-r", "127.0.0.1:{port}", &a.spec()]);
+    q.started_fd_count();
+    assert_eq!(q.name_from("127.0.0.1").0, "a");
+    wait_until(
+        Duration::from_secs(30),
+        "no thread of an idle quill wakes more than 10 times in 4 s",
+        || {
+            let (before, wall) = (wake_ups(q.pid()), Instant::now());
+            while wall.elapsed() < WINDOW {
+                thread::sleep(Duration::from_millis(250)); // a measuring window, not a wait
+            }
+            let after = wake_ups(q.pid());
+            let woke: Vec<_> = after
+                .iter()
+                .map(|(name, n)| {
+                    let was = before
+                        .iter()
+                        .find(|(b, _)| b == name)
+                        .map_or(0, |(_, b)| *b);
+                    (name.clone(), n.saturating_sub(was))
+                })
+                .collect();
+            eprintln!("wake-ups in {:?}: {woke:?}", wall.elapsed());
+            !woke.is_empty() && woke.iter().all(|(_, n)| *n <= MAX_PER_WINDOW)
+        },
+    );
+}
+
 #[test]
 fn conn_max_closes_connections_beyond_the_limit() {
     let _turn = one_at_a_time();

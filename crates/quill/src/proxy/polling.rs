@@ -473,8 +473,15 @@ impl Drop for Load {
 /// scheduler's bookkeeping) takes about a microsecond; a longer one ran connections.
 const EMPTY_TURN: Duration = Duration::from_micros(4);
 /// While a TCP loop is not polling, how often its load is measured (from the thread's CPU
-/// time, so an idle loop wakes only this often).
+/// time, so a loop with work wakes only this often for it).
 const COLD_WINDOW: Duration = Duration::from_millis(100);
+/// How far the cold window grows, doubling each time, while the loop stays idle: an idle
+/// process wakes about once a second per loop instead of ten times, and a loop whose load
+/// rises from nothing starts polling at most this much later.
+const IDLE_WINDOW: Duration = Duration::from_millis(1600);
+/// The share of a cold window (a thousandth) below which the loop counts as idle: the
+/// measurement's own wake-up costs about a hundredth of that.
+const IDLE_PER_MILLE: u32 = 1;
 /// While a TCP loop polls but has had nothing to do for [`SPIN`], how long it sleeps
 /// before it polls again (the loop still wakes at once for any event meanwhile).
 const PAUSE: Duration = Duration::from_millis(1);
@@ -483,24 +490,26 @@ const PAUSE: Duration = Duration::from_millis(1);
 /// polling, it yields on every turn, so the runtime polls epoll with a zero timeout between
 /// the connections' work instead of sleeping in it; a turn that took longer than
 /// [`EMPTY_TURN`] counts as work. When not polling, it measures the loop's CPU time over
-/// [`COLD_WINDOW`]s and starts polling once [`TCP_SHARE`] of a window was spent working
+/// [`COLD_WINDOW`]s (growing to [`IDLE_WINDOW`] while the loop is idle) and starts polling once [`TCP_SHARE`] of a window was spent working
 /// and its [`Judge`] finds that polling pays.
 pub(crate) async fn poll_while_busy() {
     if !allowed() {
         return;
     }
     let mut load = Load::new(TCP_SHARE);
+    let mut cold = COLD_WINDOW;
     loop {
         if !load.hot {
             let (start, cpu) = (Instant::now(), thread_cpu());
             // During a trial, look again when its window ends: the next one may poll.
             let wake = match load.judge.window_end(start) {
                 Some(end) => end.min(start + COLD_WINDOW),
-                None => start + COLD_WINDOW,
+                None => start + cold,
             };
             tokio::time::sleep_until(wake.into()).await;
             let now = Instant::now();
             load.busy = thread_cpu().saturating_sub(cpu);
+            cold = next_cold_window(cold, load.busy, now.saturating_duration_since(start));
             load.last = now;
             load.decide(now, now.saturating_duration_since(start));
             continue;
@@ -525,9 +534,38 @@ pub(crate) async fn poll_while_busy() {
     }
 }
 
+/// The cold window after one of `length` in which the loop worked `busy`: twice as long
+/// (up to [`IDLE_WINDOW`]) if the loop was idle, else back to [`COLD_WINDOW`].
+fn next_cold_window(cold: Duration, busy: Duration, length: Duration) -> Duration {
+    if busy * 1000 < length * IDLE_PER_MILLE {
+        (cold * 2).min(IDLE_WINDOW)
+    } else {
+        COLD_WINDOW
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn an_idle_loop_measures_its_load_less_often_and_a_busy_one_at_once_again() {
+        let ms = Duration::from_millis;
+        let us = Duration::from_micros;
+        let mut cold = COLD_WINDOW;
+        let mut seen = vec![];
+        for _ in 0..6 {
+            // 20 µs of a wake-up in a whole window: idle.
+            cold = next_cold_window(cold, us(20), cold);
+            seen.push(cold.as_millis());
+        }
+        assert_eq!(seen, [200, 400, 800, 1600, 1600, 1600]);
+        // Two requests' worth of work (2 ms) in 1.6 s is more than a thousandth: busy again.
+        assert_eq!(
+            next_cold_window(IDLE_WINDOW, ms(2), IDLE_WINDOW),
+            COLD_WINDOW
+        );
+    }
 
     /// What one window of each kind does: bytes moved, machine ticks.
     #[derive(Clone, Copy)]
