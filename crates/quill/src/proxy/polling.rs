@@ -15,6 +15,7 @@
 use std::cell::Cell;
 use std::sync::atomic::{AtomicU64, Ordering::Relaxed};
 use std::sync::OnceLock;
+use std::task::{Poll, Waker};
 use std::time::{Duration, Instant};
 
 /// What `QUILL_BUSY_POLL` in the environment asks for.
@@ -476,8 +477,9 @@ const EMPTY_TURN: Duration = Duration::from_micros(4);
 /// time, so a loop with work wakes only this often for it).
 const COLD_WINDOW: Duration = Duration::from_millis(100);
 /// How far the cold window grows, doubling each time, while the loop stays idle: an idle
-/// process wakes about once a second per loop instead of ten times, and a loop whose load
-/// rises from nothing starts polling at most this much later.
+/// process wakes about once a second per loop instead of ten times. A new client
+/// connection ends such a window at once ([`stir`]); load that rises on connections already
+/// open is seen at most this much later.
 const IDLE_WINDOW: Duration = Duration::from_millis(1600);
 /// The share of a cold window (a thousandth) below which the loop counts as idle: the
 /// measurement's own wake-up costs about a hundredth of that.
@@ -485,6 +487,48 @@ const IDLE_PER_MILLE: u32 = 1;
 /// While a TCP loop polls but has had nothing to do for [`SPIN`], how long it sleeps
 /// before it polls again (the loop still wakes at once for any event meanwhile).
 const PAUSE: Duration = Duration::from_millis(1);
+
+thread_local! {
+    /// The waker of this loop's [`poll_while_busy`] while it sleeps through a grown idle
+    /// window.
+    static DOZING: Cell<Option<Waker>> = const { Cell::new(None) };
+}
+
+/// A client connection came to this event loop: if the loop's load measurement is dozing
+/// through a long idle window, a short window starts now, so that a loop going from idle
+/// to busy is judged as soon as one going from busy to busier. A thread-local read per
+/// connection.
+pub(crate) fn stir() {
+    if let Some(w) = DOZING.take() {
+        w.wake();
+    }
+}
+
+/// Sleeps until `deadline`, or until [`stir`] is called first: whether it was.
+async fn doze_until(deadline: Instant) -> bool {
+    let sleep = tokio::time::sleep_until(deadline.into());
+    tokio::pin!(sleep);
+    let mut dozing = false;
+    let stirred = std::future::poll_fn(|cx| {
+        if std::future::Future::poll(sleep.as_mut(), cx).is_ready() {
+            return Poll::Ready(false);
+        }
+        // `stir` takes the waker; the timer's own wake-ups before the deadline leave it.
+        let waker = DOZING.take();
+        if dozing && waker.is_none() {
+            return Poll::Ready(true);
+        }
+        DOZING.set(Some(match waker {
+            Some(w) if w.will_wake(cx.waker()) => w,
+            _ => cx.waker().clone(),
+        }));
+        dozing = true;
+        Poll::Pending
+    })
+    .await;
+    DOZING.set(None);
+    stirred
+}
 
 /// Keeps a TCP event loop polling while it is busy. Run as one task on each loop: when
 /// polling, it yields on every turn, so the runtime polls epoll with a zero timeout between
@@ -506,7 +550,14 @@ pub(crate) async fn poll_while_busy() {
                 Some(end) => end.min(start + COLD_WINDOW),
                 None => start + cold,
             };
-            tokio::time::sleep_until(wake.into()).await;
+            if cold > COLD_WINDOW && load.judge.window_end(start).is_none() {
+                if doze_until(wake).await {
+                    cold = COLD_WINDOW;
+                    continue;
+                }
+            } else {
+                tokio::time::sleep_until(wake.into()).await;
+            }
             let now = Instant::now();
             load.busy = thread_cpu().saturating_sub(cpu);
             cold = next_cold_window(cold, load.busy, now.saturating_duration_since(start));

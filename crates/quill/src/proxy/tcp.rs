@@ -161,6 +161,7 @@ async fn accept_loop<L: Accept>(
             Some(next) = relisten.recv() => return Some(next),
             r = listener.accept_one() => match r {
                 Ok((sock, peer)) => {
+                    super::polling::stir();
                     spawn_connection(state, sock, peer, local_port);
                     budget = yield_when_spent(budget, state).await;
                 }
