@@ -476,14 +476,16 @@ const EMPTY_TURN: Duration = Duration::from_micros(4);
 /// While a TCP loop is not polling, how often its load is measured (from the thread's CPU
 /// time, so a loop with work wakes only this often for it).
 const COLD_WINDOW: Duration = Duration::from_millis(100);
-/// How far the cold window grows, doubling each time, while the loop stays idle: an idle
-/// process wakes about once a second per loop instead of ten times. A new client
-/// connection ends such a window at once ([`stir`]); load that rises on connections already
-/// open is seen at most this much later.
-const IDLE_WINDOW: Duration = Duration::from_millis(1600);
-/// The share of a cold window (a thousandth) below which the loop counts as idle: the
-/// measurement's own wake-up costs about a hundredth of that.
-const IDLE_PER_MILLE: u32 = 1;
+/// How far the cold window grows, doubling each time, while the loop stays idle: the
+/// loop of an idle process wakes for it about once in two seconds instead of ten times a
+/// second. A new client connection ends such a window at once ([`stir`]); load that rises
+/// on connections already open is seen at most this much later.
+const IDLE_WINDOW: Duration = Duration::from_millis(3200);
+/// The share of a cold window (a hundredth) below which the loop counts as idle: far
+/// below [`TCP_SHARE`], and above what the measurement's own wake-up costs (on the 2-core
+/// virtual machines of bench/RESULTS.md any thread's return from a sleeping epoll_wait is
+/// charged 80–130 µs, most of a thousandth of a 100 ms window).
+const IDLE_PERCENT: u32 = 1;
 /// While a TCP loop polls but has had nothing to do for [`SPIN`], how long it sleeps
 /// before it polls again (the loop still wakes at once for any event meanwhile).
 const PAUSE: Duration = Duration::from_millis(1);
@@ -534,8 +536,9 @@ async fn doze_until(deadline: Instant) -> bool {
 /// polling, it yields on every turn, so the runtime polls epoll with a zero timeout between
 /// the connections' work instead of sleeping in it; a turn that took longer than
 /// [`EMPTY_TURN`] counts as work. When not polling, it measures the loop's CPU time over
-/// [`COLD_WINDOW`]s (growing to [`IDLE_WINDOW`] while the loop is idle) and starts polling once [`TCP_SHARE`] of a window was spent working
-/// and its [`Judge`] finds that polling pays.
+/// [`COLD_WINDOW`]s (growing to [`IDLE_WINDOW`] while the loop is idle) and starts polling
+/// once [`TCP_SHARE`] of a window was spent working and its [`Judge`] finds that polling
+/// pays.
 pub(crate) async fn poll_while_busy() {
     if !allowed() {
         return;
@@ -588,7 +591,7 @@ pub(crate) async fn poll_while_busy() {
 /// The cold window after one of `length` in which the loop worked `busy`: twice as long
 /// (up to [`IDLE_WINDOW`]) if the loop was idle, else back to [`COLD_WINDOW`].
 fn next_cold_window(cold: Duration, busy: Duration, length: Duration) -> Duration {
-    if busy * 1000 < length * IDLE_PER_MILLE {
+    if busy * 100 < length * IDLE_PERCENT {
         (cold * 2).min(IDLE_WINDOW)
     } else {
         COLD_WINDOW
@@ -606,14 +609,14 @@ mod tests {
         let mut cold = COLD_WINDOW;
         let mut seen = vec![];
         for _ in 0..6 {
-            // 20 µs of a wake-up in a whole window: idle.
-            cold = next_cold_window(cold, us(20), cold);
+            // 100 µs of a wake-up in a whole window: idle.
+            cold = next_cold_window(cold, us(100), cold);
             seen.push(cold.as_millis());
         }
-        assert_eq!(seen, [200, 400, 800, 1600, 1600, 1600]);
-        // Two requests' worth of work (2 ms) in 1.6 s is more than a thousandth: busy again.
+        assert_eq!(seen, [200, 400, 800, 1600, 3200, 3200]);
+        // 40 ms of work in 3.2 s is more than a hundredth: measured often again.
         assert_eq!(
-            next_cold_window(IDLE_WINDOW, ms(2), IDLE_WINDOW),
+            next_cold_window(IDLE_WINDOW, ms(40), IDLE_WINDOW),
             COLD_WINDOW
         );
     }
