@@ -482,9 +482,9 @@ const COLD_WINDOW: Duration = Duration::from_millis(100);
 /// on connections already open is seen at most this much later.
 const IDLE_WINDOW: Duration = Duration::from_millis(3200);
 /// The share of a cold window (a hundredth) below which the loop counts as idle: far
-/// below [`TCP_SHARE`], and above what the measurement's own wake-up costs (on the 2-core
-/// virtual machines of bench/RESULTS.md any thread's return from a sleeping epoll_wait is
-/// charged 80–130 µs, most of a thousandth of a 100 ms window).
+/// below [`TCP_SHARE`], and above what the measurement's own wake-up costs: on the 2-core
+/// virtual machines of bench/RESULTS.md a return from a sleeping epoll_wait is charged
+/// 40–130 µs of the thread's run time (`bench/wakeup`), most of a thousandth of 100 ms.
 const IDLE_PERCENT: u32 = 1;
 /// While a TCP loop polls but has had nothing to do for [`SPIN`], how long it sleeps
 /// before it polls again (the loop still wakes at once for any event meanwhile).
@@ -548,18 +548,21 @@ pub(crate) async fn poll_while_busy() {
     loop {
         if !load.hot {
             let (start, cpu) = (Instant::now(), thread_cpu());
-            // During a trial, look again when its window ends: the next one may poll.
-            let wake = match load.judge.window_end(start) {
-                Some(end) => end.min(start + COLD_WINDOW),
-                None => start + cold,
-            };
-            if cold > COLD_WINDOW && load.judge.window_end(start).is_none() {
-                if doze_until(wake).await {
-                    cold = COLD_WINDOW;
-                    continue;
+            let stirred = match load.judge.window_end(start) {
+                // During a trial, look again when its window ends: the next one may poll.
+                Some(end) => {
+                    tokio::time::sleep_until(end.min(start + COLD_WINDOW).into()).await;
+                    false
                 }
-            } else {
-                tokio::time::sleep_until(wake.into()).await;
+                None if cold > COLD_WINDOW => doze_until(start + cold).await,
+                None => {
+                    tokio::time::sleep_until((start + cold).into()).await;
+                    false
+                }
+            };
+            if stirred {
+                cold = COLD_WINDOW;
+                continue;
             }
             let now = Instant::now();
             load.busy = thread_cpu().saturating_sub(cpu);
