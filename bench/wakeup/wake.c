@@ -78,6 +78,10 @@ int main(int argc, char **argv) {
         printf("sleep %d ms: %.1f us per wake-up (%ld)\n", ms, (us1 - us0) / (sw1 - sw0), sw1 - sw0);
         return 0;
     }
+    if (strcmp(argv[1], "pingpong") || argc != 3) {
+        fprintf(stderr, "usage: wake sleep MS N | wake pingpong N\n");
+        return 2;
+    }
     rounds = atoi(argv[2]);
     to_peer = eventfd(0, 0);
     to_main = eventfd(0, 0);

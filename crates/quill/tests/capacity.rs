@@ -225,6 +225,7 @@ fn an_idle_balancer_wakes_its_threads_rarely() {
     const MAX_PER_WINDOW: u64 = 10;
     let a = IdentityBackend::start("a");
     let q = Quill::start(&["-r", "127.0.0.1:{port}", &a.spec()]);
+    // Every event loop is up before the wake-ups are counted.
     q.started_fd_count();
     assert_eq!(q.name_from("127.0.0.1").0, "a");
     wait_until(
