@@ -250,9 +250,14 @@ pub fn spawn_loops(
             .spawn(move || {
                 let local = tokio::task::LocalSet::new();
                 local.block_on(&rt, async move {
-                    if let Err(e) = serve(state, listener, stop).await {
-                        tracing::error!("udp event loop {i}: {e}");
-                    }
+                    // A task of its own, as the TCP loops' accept loop (see `daemon`): the
+                    // future given to `block_on` is polled again at every flow task's
+                    // wake-up.
+                    tokio::task::spawn_local(async move {
+                        if let Err(e) = serve(state, listener, stop).await {
+                            tracing::error!("udp event loop {i}: {e}");
+                        }
+                    });
                     // Let the flows still waiting for an answer finish (bounded by main).
                     std::future::pending::<()>().await;
                 });
