@@ -41,11 +41,13 @@
 
 use std::cell::{Cell, RefCell};
 use std::collections::HashMap;
+use std::future::Future;
 use std::io::{self, ErrorKind};
 use std::net::{IpAddr, SocketAddr};
 use std::rc::Rc;
 use std::sync::atomic::Ordering::Relaxed;
 use std::sync::Arc;
+use std::task::Poll;
 use std::time::{Duration, Instant};
 
 use tokio::io::unix::{AsyncFd, AsyncFdReadyGuard};
@@ -292,18 +294,20 @@ pub async fn serve(
     // The listener's reserved reader slot, not a waiter queued and unqueued each turn.
     let readable = || std::future::poll_fn(|cx| worker.listener.poll_read_ready(cx));
     loop {
+        // The listener first: `stop` is then looked at only when there is nothing to read,
+        // once a query instead of twice (≈ 125 of 7,300 instructions a query at low rates).
         let mut guard = if load.spinning() {
             tokio::select! {
                 biased;
-                _ = &mut stop => break,
                 g = readable() => g?,
+                _ = &mut stop => break,
                 () = tokio::task::yield_now() => continue,
             }
         } else {
             tokio::select! {
                 biased;
-                _ = &mut stop => break,
                 g = readable() => g?,
+                _ = &mut stop => break,
             }
         };
         let woke = Instant::now();
@@ -341,6 +345,14 @@ pub async fn serve(
         if more {
             // Let the flows relay their replies before reading on.
             tokio::task::yield_now().await;
+            // A flood keeps the listener readable, and the selects above would never
+            // come to `stop`: look at it once a full batch.
+            let stopped =
+                std::future::poll_fn(|cx| Poll::Ready(Future::poll(stop.as_mut(), cx).is_ready()))
+                    .await;
+            if stopped {
+                break;
+            }
         }
     }
     worker.stop();
