@@ -40,6 +40,7 @@ use super::pool_h2::{self, Take};
 use super::tcp::{open_upstream, Preamble, Server};
 use crate::accesslog::{AccessLog, Record};
 use crate::balance::ServerState;
+use crate::command::Hsts;
 use crate::net::connect::{is_local_failure, SocketOptions};
 use crate::settings::Settings;
 use crate::state::State;
@@ -397,6 +398,28 @@ pub(super) async fn supervise<G: Graceful>(
         tunnel.await;
     }
     Ended::Closed(timed_out)
+}
+
+thread_local! {
+    /// The last `hsts` policy's header value on this event loop: made once per policy, not
+    /// formatted and validated for every response (a clone shares its bytes).
+    static HSTS: std::cell::RefCell<Option<(Hsts, HeaderValue)>> =
+        const { std::cell::RefCell::new(None) };
+}
+
+/// The `Strict-Transport-Security` value of `hsts`.
+fn hsts_value(hsts: Hsts) -> Option<HeaderValue> {
+    HSTS.with(|cached| {
+        let mut cached = cached.borrow_mut();
+        match &*cached {
+            Some((policy, value)) if *policy == hsts => Some(value.clone()),
+            _ => {
+                let value = HeaderValue::try_from(hsts.header_value().to_string()).ok()?;
+                *cached = Some((hsts, value.clone()));
+                Some(value)
+            }
+        }
+    })
 }
 
 /// How a client connection ended for want of a request head.
@@ -1162,7 +1185,7 @@ fn reply(
                 .headers
                 .contains_key(header::STRICT_TRANSPORT_SECURITY)
             {
-                if let Ok(v) = HeaderValue::try_from(h.header_value().to_string()) {
+                if let Some(v) = hsts_value(h) {
                     parts.headers.insert(header::STRICT_TRANSPORT_SECURITY, v);
                 }
             }
@@ -1522,5 +1545,26 @@ mod tests {
         let mut out = Vec::new();
         push_client(&mut out, "::ffff:10.0.0.7".parse().unwrap());
         assert_eq!(out, b"10.0.0.7");
+    }
+
+    #[test]
+    fn the_hsts_value_follows_the_policy_it_was_made_for() {
+        let year = Hsts {
+            max_age: 31_536_000,
+            include_subdomains: true,
+            preload: false,
+        };
+        let short = Hsts {
+            max_age: 600,
+            include_subdomains: false,
+            preload: true,
+        };
+        for _ in 0..2 {
+            assert_eq!(
+                hsts_value(year).unwrap(),
+                "max-age=31536000; includeSubDomains"
+            );
+            assert_eq!(hsts_value(short).unwrap(), "max-age=600; preload");
+        }
     }
 }
