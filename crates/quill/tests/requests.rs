@@ -1911,6 +1911,55 @@ fn a_server_that_closes_ends_its_own_connection_not_the_clients() {
     assert_eq!(resp.status, 200, "{}", resp.head);
 }
 
+/// The fields about the client's connection to quill (`Keep-Alive`, `Proxy-Connection`,
+/// what its `Connection` names) do not reach the server, pooled or one-to-one; the others
+/// do, and a named field that frames the body still frames it.
+#[test]
+fn hop_by_hop_fields_of_a_request_stay_behind() {
+    let Some((_nginx, port)) = nginx(
+        "",
+        "",
+        "  location /hop { default_type text/plain; return 200 \
+         \"$http_keep_alive|$http_proxy_connection|$http_x_drop|$http_x_keep\\n\"; }",
+        &[],
+    ) else {
+        return;
+    };
+    for pool in ["32", "0"] {
+        let q = Quill::start(&[
+            "-H",
+            "-O",
+            &format!("upstream_keepalive {pool}"),
+            "{port}",
+            &format!("127.0.0.1:{port}"),
+        ]);
+        let url = format!("http://127.0.0.1:{}/hop", q.port);
+        let Some(out) = curl(&[
+            "--http1.1",
+            "-s",
+            "-H",
+            "Connection: keep-alive, X-Drop, Content-Length",
+            "-H",
+            "Keep-Alive: timeout=5",
+            "-H",
+            "Proxy-Connection: keep-alive",
+            "-H",
+            "X-Drop: 1",
+            "-H",
+            "X-Keep: 2",
+            "--data-binary",
+            "body",
+            &url,
+            &url,
+        ]) else {
+            return;
+        };
+        // The second request on the same connection is answered too: the server found the
+        // first one's end.
+        assert_eq!(out, "|||2\n|||2\n", "upstream_keepalive {pool}");
+    }
+}
+
 /// An HTTP/1.1 `Upgrade` relayed by the byte pump after a plain request: its head gets the
 /// forwarding fields, the `101` passes, and the connection is a tunnel both ways from then
 /// on (bytes that look like HTTP included).

@@ -620,8 +620,13 @@ impl Exchange {
 
     /// Writes the request head as the server will see it: the client's request line and
     /// fields, except `X-Forwarded-For` (merged into one, the client appended),
-    /// `X-Forwarded-Proto` (replaced: a client cannot claim `https` over plain HTTP) and
-    /// the `Connection` options `towards` changes.
+    /// `X-Forwarded-Proto` (replaced: a client cannot claim `https` over plain HTTP), the
+    /// fields about the client's connection only (RFC 9110 7.6.1: `Keep-Alive`,
+    /// `Proxy-Connection` and the fields its `Connection` names, unless they frame or
+    /// route the request) and the `Connection` options `towards` changes. Of the
+    /// client's `Connection` options only those about the message pass (`close`,
+    /// `keep-alive`, `upgrade`, `te`: the server's connection carries the same request and
+    /// the same framing).
     fn write_request_head(
         &self,
         method: &str,
@@ -639,9 +644,24 @@ impl Exchange {
         } else {
             b" HTTP/1.1\r\n"
         });
+        // Most requests name nothing (no `Connection`, or `keep-alive`): no allocation.
+        let named: Vec<&[u8]> = headers
+            .iter()
+            .filter(|h| h.name.eq_ignore_ascii_case("connection"))
+            .flat_map(|h| list(h.value))
+            .filter(|t| !is_message_option(t))
+            .take(MAX_HEADERS)
+            .collect();
         let mut xff: Vec<&[u8]> = Vec::new();
         for h in headers {
             let name = h.name.as_bytes();
+            if is_hop_field(name)
+                || (!named.is_empty()
+                    && named.iter().any(|n| n.eq_ignore_ascii_case(name))
+                    && !frames_or_routes(name))
+            {
+                continue;
+            }
             if name.eq_ignore_ascii_case(b"x-forwarded-for") {
                 let v = h.value.trim_ascii();
                 if !v.is_empty() {
@@ -652,8 +672,11 @@ impl Exchange {
             if name.eq_ignore_ascii_case(b"x-forwarded-proto") {
                 continue;
             }
-            if towards.drop_close && name.eq_ignore_ascii_case(b"connection") {
-                let mut rest = list(h.value).filter(|t| !t.eq_ignore_ascii_case(b"close"));
+            if name.eq_ignore_ascii_case(b"connection") {
+                let mut rest = list(h.value).filter(|t| {
+                    is_message_option(t)
+                        && !(towards.drop_close && t.eq_ignore_ascii_case(b"close"))
+                });
                 if let Some(first) = rest.next() {
                     out.extend_from_slice(name);
                     out.extend_from_slice(b": ");
@@ -1012,6 +1035,23 @@ impl ConnectionOptions {
 /// `Connection` names them.
 fn is_hop_field(name: &[u8]) -> bool {
     name.eq_ignore_ascii_case(b"keep-alive") || name.eq_ignore_ascii_case(b"proxy-connection")
+}
+
+/// The `Connection` options a request's forwarded head keeps: about the connection's
+/// end (quill's relay follows them) or about the message itself (an upgrade, trailers).
+fn is_message_option(token: &[u8]) -> bool {
+    [b"close".as_slice(), b"keep-alive", b"upgrade", b"te"]
+        .iter()
+        .any(|o| token.eq_ignore_ascii_case(o))
+}
+
+/// Fields a `Connection` option may name but that quill forwards all the same: the server
+/// must find the request's end where quill did (a body framed by a field the server never
+/// saw would be read as the next request) and its `Host`.
+fn frames_or_routes(name: &[u8]) -> bool {
+    [b"content-length".as_slice(), b"transfer-encoding", b"host"]
+        .iter()
+        .any(|f| name.eq_ignore_ascii_case(f))
 }
 
 /// Writes a response head as the server sent it, with HSTS inserted before its empty line
@@ -1836,6 +1876,40 @@ mod tests {
             "HTTP/1.1 200 OK\r\nConnection: close\r\n\r\nto the end"
         );
         assert!(!ex.client_keeps());
+    }
+
+    #[test]
+    fn hop_by_hop_fields_of_a_request_stay_behind() {
+        // The fields about the client's connection to quill do not reach the server
+        // (RFC 9110 7.6.1), in either mode; a named field that frames the body or routes
+        // the request passes all the same, or the server would read its body as the next
+        // request.
+        let req = b"POST / HTTP/1.1\r\nHost: a\r\nConnection: keep-alive, X-Drop, Content-Length, Host\r\nX-Drop: 1\r\nKeep-Alive: timeout=5\r\nProxy-Connection: keep-alive\r\nX-Keep: 2\r\nContent-Length: 2\r\n\r\nok";
+        for by_request in [false, true] {
+            let mut ex = exchange();
+            if by_request {
+                ex.request_by_request();
+            }
+            assert_eq!(
+                String::from_utf8_lossy(&client(&mut ex, req, 1000)),
+                format!(
+                    "POST / HTTP/1.1\r\nHost: a\r\nConnection: keep-alive\r\nX-Keep: 2\r\nContent-Length: 2\r\n{XFF}ok"
+                )
+            );
+        }
+        // An upgrade keeps its `Upgrade` and the option that names it; what else the
+        // client's connection carried stays behind.
+        let mut ex = exchange();
+        ex.request_by_request();
+        let sent = client(
+            &mut ex,
+            b"GET / HTTP/1.1\r\nConnection: Upgrade, HTTP2-Settings, close\r\nUpgrade: websocket\r\nHTTP2-Settings: AAA\r\n\r\n",
+            7,
+        );
+        assert_eq!(
+            String::from_utf8_lossy(&sent),
+            format!("GET / HTTP/1.1\r\nConnection: Upgrade\r\nUpgrade: websocket\r\n{XFF}")
+        );
     }
 
     #[test]
