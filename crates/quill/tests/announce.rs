@@ -183,7 +183,8 @@ fn the_route_follows_whether_any_server_can_serve() {
 }
 
 /// A node started without `announce_table` has nothing to look at (it does not wake for
-/// it); the command given later starts the announcement all the same.
+/// it); the command given later starts the announcement all the same, and `no
+/// announce_table` ends it, device and all, until the next `announce_table`.
 #[test]
 fn announce_table_given_at_run_time_starts_announcing() {
     if netns::skip() {
@@ -196,8 +197,17 @@ fn announce_table_given_at_run_time_starts_announcing() {
     assert!(!node.announced(), "{}", node.routes());
     ctl_ok(&node.ctl(), "announce_table 100");
     wait_until(IO_TIMEOUT, "the route in table 100", || node.announced());
+    assert!(has_link(&node.ns, "quill0"));
     ctl_ok(&node.ctl(), "no announce_table");
     wait_until(IO_TIMEOUT, "the route withdrawn", || !node.announced());
+    // Nothing left to announce: the device goes, and the node stops looking.
+    wait_until(IO_TIMEOUT, "the TUN device gone", || {
+        !has_link(&node.ns, "quill0")
+    });
+    ctl_ok(&node.ctl(), "announce_table 100");
+    wait_until(IO_TIMEOUT, "the route in table 100 again", || {
+        node.announced()
+    });
 }
 
 #[test]

@@ -268,6 +268,12 @@ pub async fn supervise(
         }
         if let Some(a) = &mut announcer {
             a.update(&state).await;
+            // `no announce_table` withdrew the route: the tether and the netlink
+            // connection go too, and the loop waits for settings again instead of
+            // ticking for nothing (a later `announce_table` starts anew).
+            if a.current.is_none() && state.settings().announce_table.is_none() {
+                announcer = None;
+            }
         }
         if let Some(d) = decided.take() {
             let _ = d.send(());
