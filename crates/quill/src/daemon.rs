@@ -449,8 +449,9 @@ pub fn run(inv: Invocation) -> Result<(), StartError> {
                 local.block_on(&rt, async move {
                     // Under load the loop polls instead of sleeping (`proxy::polling`).
                     tokio::task::spawn_local(crate::proxy::polling::poll_while_busy());
-                    // Connections waiting for their clients' next request close at stop.
-                    tokio::task::spawn_local(crate::proxy::signals::ring_at_stop(Arc::clone(
+                    // Connections waiting for their clients' next request close at stop;
+                    // hyper's connections hear of stops, reloads and drains.
+                    tokio::task::spawn_local(crate::proxy::signals::ring_on_change(Arc::clone(
                         &state,
                     )));
                     // The accept loop is a task of its own, not this future: the runtime

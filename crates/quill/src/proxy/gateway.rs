@@ -333,12 +333,11 @@ pub(super) async fn supervise<G: Graceful>(
     parkable: &dyn Fn(Instant) -> bool,
 ) -> Ended {
     let started = Instant::now();
-    let mut stopping = state.stopping.subscribe();
-    let mut recycled = state.recycled.subscribe();
-    recycled.mark_unchanged();
+    // Read at every wake-up of the connection: one load, not two watch channels' locks.
+    let mut asked = super::signals::Watcher::new(state);
     let mut shut: Option<Instant> = None;
     let mut timed_out = None;
-    if *stopping.borrow_and_update() {
+    if asked.seen().stopping() {
         conn.as_mut().shut();
         shut = Some(Instant::now());
     }
@@ -347,12 +346,12 @@ pub(super) async fn supervise<G: Graceful>(
         let tick = tokio::time::sleep(Duration::from_secs(1));
         tokio::select! {
             _ = conn.as_mut() => break,
-            _ = stopping.changed(), if shut.is_none() => {
-                conn.as_mut().shut();
-                shut = Some(Instant::now());
-            }
-            _ = recycled.changed(), if shut.is_none() => {
-                if conn.as_mut().recycle(activity) {
+            now = asked.changed(), if shut.is_none() => {
+                // A stop outranks a reload or a drain that came with it.
+                if now.stopping() {
+                    conn.as_mut().shut();
+                    shut = Some(Instant::now());
+                } else if conn.as_mut().recycle(activity) {
                     shut = Some(Instant::now());
                 }
             }

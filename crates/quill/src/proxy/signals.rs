@@ -1,16 +1,24 @@
-//! What quill asks of client connections served request by request (`h1_pump`): to stop,
-//! or to move on to a new connection after a reload or a drain. They read it from
-//! [`State::asked`] with one load per turn instead of registering with the process-wide
-//! watch channels per request (≈ 2.4 k instructions a request, and a lock that both
-//! event loops' cores fought over).
+//! What quill asks of client connections: to stop, or to move on to a new connection
+//! after a reload or a drain. They read it from [`State::asked`] with one load per turn
+//! instead of registering with the process-wide watch channels (≈ 2.4 k instructions a
+//! request served by the byte pump, ≈ 650 an HTTP/2 request, and a lock that both event
+//! loops' cores fought over).
 //!
-//! Only a connection waiting for its client must be woken, and only when quill stops: each
-//! event loop keeps one [`bell`] for that, rung by one task per loop ([`ring_at_stop`]).
-//! Invariant: the bell rings only after [`State::stop`] is visible, so a waiter woken by
-//! it, or one that starts waiting after it, sees `stopping`.
+//! Two kinds of sleeper must be woken. A connection served request by request (`h1_pump`)
+//! waiting for its client's next request only when quill stops: each event loop keeps one
+//! [`bell`] for that. A connection under `gateway::supervise` (hyper's HTTP/1.x and
+//! HTTP/2 servers) at stop and at every reload or drain: it keeps its task's waker in the
+//! loop's table of [`Watcher`]s. One task per event loop ([`ring_on_change`]) rings both.
+//! Invariant: they are rung only after [`State::stop`] or [`State::recycle`] changed the
+//! word, so a sleeper woken by them, or one that starts waiting after them, sees the
+//! change.
 
+use std::cell::RefCell;
+use std::future::poll_fn;
 use std::sync::Arc;
+use std::task::{Context, Poll, Waker};
 
+use slab::Slab;
 use tokio::sync::Notify;
 
 use super::pump::{Ask, Asks};
@@ -19,6 +27,8 @@ use crate::state::{Asked, State};
 thread_local! {
     /// The event loop's bell: one per thread, alive as long as the process.
     static BELL: &'static Notify = Box::leak(Box::new(Notify::new()));
+    /// The wakers of the event loop's [`Watcher`]s (none until a watcher first waits).
+    static WATCHERS: RefCell<Slab<Option<Waker>>> = const { RefCell::new(Slab::new()) };
 }
 
 /// This event loop's bell, rung when quill stops.
@@ -26,12 +36,98 @@ pub fn bell() -> &'static Notify {
     BELL.with(|b| *b)
 }
 
-/// Rings this event loop's bell once quill stops. One task per event loop runs it.
-pub async fn ring_at_stop(state: Arc<State>) {
+/// Rings this event loop's bell once quill stops, and wakes its watchers then and at every
+/// reload or drain before. One task per event loop runs it.
+pub async fn ring_on_change(state: Arc<State>) {
     let mut stopping = state.stopping.subscribe();
-    // `State::stop` sets the word before it sends on the channel.
-    if stopping.wait_for(|s| *s).await.is_ok() {
-        bell().notify_waiters();
+    let mut recycled = state.recycled.subscribe();
+    // `State::stop` and `State::recycle` change the word before they send on the channels.
+    loop {
+        tokio::select! {
+            r = stopping.wait_for(|s| *s) => {
+                if r.is_ok() {
+                    bell().notify_waiters();
+                    wake_watchers();
+                }
+                return;
+            }
+            r = recycled.changed() => {
+                if r.is_err() {
+                    return;
+                }
+                wake_watchers();
+            }
+        }
+    }
+}
+
+fn wake_watchers() {
+    // Taken out first: a waker must not run while the table is borrowed.
+    let wakers: Vec<Waker> = WATCHERS.with(|w| {
+        w.borrow_mut()
+            .iter_mut()
+            .filter_map(|(_, k)| k.take())
+            .collect()
+    });
+    for waker in wakers {
+        waker.wake();
+    }
+}
+
+/// One connection's watch on what quill asks, from its event loop's task: [`changed`]
+/// resolves at each change (a stop, a reload or a drain) since the last one it returned,
+/// or since the watcher was made. Polling it reads one word; its waker is kept in the
+/// loop's table while it waits, and leaves the table with the watcher.
+///
+/// [`changed`]: Watcher::changed
+pub struct Watcher<'a> {
+    state: &'a State,
+    seen: Asked,
+    key: usize,
+}
+
+impl<'a> Watcher<'a> {
+    /// Watches from now on; [`Watcher::seen`] is what quill asks now.
+    pub fn new(state: &'a State) -> Watcher<'a> {
+        Watcher {
+            state,
+            seen: state.asked(),
+            key: WATCHERS.with(|w| w.borrow_mut().insert(None)),
+        }
+    }
+
+    /// The reading the last change was seen in.
+    pub fn seen(&self) -> Asked {
+        self.seen
+    }
+
+    /// What quill asks once it changed since the last reading.
+    pub async fn changed(&mut self) -> Asked {
+        poll_fn(|cx| self.poll_changed(cx)).await
+    }
+
+    fn poll_changed(&mut self, cx: &mut Context<'_>) -> Poll<Asked> {
+        let now = self.state.asked();
+        if now != self.seen {
+            self.seen = now;
+            return Poll::Ready(now);
+        }
+        WATCHERS.with(|w| {
+            if let Some(slot) = w.borrow_mut().get_mut(self.key) {
+                if !slot.as_ref().is_some_and(|k| k.will_wake(cx.waker())) {
+                    *slot = Some(cx.waker().clone());
+                }
+            }
+        });
+        Poll::Pending
+    }
+}
+
+impl Drop for Watcher<'_> {
+    fn drop(&mut self) {
+        WATCHERS.with(|w| {
+            w.borrow_mut().try_remove(self.key);
+        });
     }
 }
 
