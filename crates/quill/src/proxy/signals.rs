@@ -161,3 +161,51 @@ impl Asks for Since<'_> {
         }
     }
 }
+
+#[cfg(test)]
+mod tests {
+    use std::time::Duration;
+
+    use super::*;
+    use crate::settings::Settings;
+
+    /// A watcher whose task sleeps is woken by the event loop's ringer at each reload and
+    /// at the stop, and leaves no waker behind when it goes.
+    #[test]
+    fn a_sleeping_watcher_hears_every_reload_and_the_stop() {
+        let state = State::new(Settings::default(), false);
+        let rt = tokio::runtime::Builder::new_current_thread()
+            .enable_all()
+            .build()
+            .unwrap();
+        let local = tokio::task::LocalSet::new();
+        local.block_on(&rt, async {
+            tokio::task::spawn_local(ring_on_change(Arc::clone(&state)));
+            let watched = Arc::clone(&state);
+            let watcher = tokio::task::spawn_local(async move {
+                let mut w = Watcher::new(&watched);
+                let start = w.seen();
+                let first = w.changed().await;
+                let second = w.changed().await;
+                (start, first, second)
+            });
+            // Both tasks run until they wait: the watcher's only way on is a wake-up.
+            for _ in 0..4 {
+                tokio::task::yield_now().await;
+            }
+            assert_eq!(WATCHERS.with(|w| w.borrow().len()), 1);
+            state.recycle();
+            for _ in 0..4 {
+                tokio::task::yield_now().await;
+            }
+            state.stop();
+            let (start, first, second) = tokio::time::timeout(Duration::from_secs(5), watcher)
+                .await
+                .expect("the watcher was woken")
+                .unwrap();
+            assert!(first.recycled_since(start) && !first.stopping());
+            assert!(second.stopping());
+            assert_eq!(WATCHERS.with(|w| w.borrow().len()), 0);
+        });
+    }
+}
