@@ -930,25 +930,27 @@ where
 }
 
 /// Runs an `http` relay, telling it through `ask` when quill stops, or when a reload or a
-/// drain wants clients to move on to new connections.
+/// drain wants clients to move on to new connections (read from one word at each wake-up
+/// of the connection, not from two watch channels).
 pub(super) async fn telling<F: std::future::Future>(
     state: &State,
     relay: F,
     ask: &Cell<pump::Ask>,
 ) -> F::Output {
-    let mut stopping = state.stopping.subscribe();
-    let mut recycled = state.recycled.subscribe();
-    recycled.mark_unchanged();
-    if *stopping.borrow_and_update() {
+    let mut asked = super::signals::Watcher::new(state);
+    if asked.seen().stopping() {
         ask.set(pump::Ask::Stop);
     }
     tokio::pin!(relay);
     loop {
         tokio::select! {
             out = &mut relay => return out,
-            _ = stopping.changed(), if ask.get() != pump::Ask::Stop => ask.set(pump::Ask::Stop),
-            _ = recycled.changed(), if ask.get() == pump::Ask::Nothing => {
-                ask.set(pump::Ask::MoveOn);
+            now = asked.changed(), if ask.get() != pump::Ask::Stop => {
+                if now.stopping() {
+                    ask.set(pump::Ask::Stop);
+                } else {
+                    ask.set(pump::Ask::MoveOn);
+                }
             }
         }
     }
