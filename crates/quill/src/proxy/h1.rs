@@ -144,10 +144,8 @@ async fn park<IO: Parkable>(
     activity: &Activity,
     timers: Timers,
 ) -> Option<Option<HeadTimeout>> {
-    let mut stopping = state.stopping.subscribe();
-    let mut recycled = state.recycled.subscribe();
-    recycled.mark_unchanged();
-    if *stopping.borrow_and_update() {
+    let mut asked = super::signals::Watcher::new(state);
+    if asked.seen().stopping() {
         return Some(None);
     }
     state.parked.fetch_add(1, Relaxed);
@@ -165,8 +163,12 @@ async fn park<IO: Parkable>(
         tokio::select! {
             _ = poll_fn(|cx| io.poll_read_ready(cx)) => return None,
             () = &mut overdue => return Some(Some(HeadTimeout::Silent)),
-            _ = stopping.changed() => return Some(None),
-            _ = recycled.changed() => activity.close_next.set(true),
+            now = asked.changed() => {
+                if now.stopping() {
+                    return Some(None);
+                }
+                activity.close_next.set(true);
+            }
         }
     }
 }
