@@ -7,8 +7,9 @@
 //! Two kinds of sleeper must be woken. A connection served request by request (`h1_pump`)
 //! waiting for its client's next request only when quill stops: each event loop keeps one
 //! [`bell`] for that. A connection under `gateway::supervise` (hyper's HTTP/1.x and
-//! HTTP/2 servers) or relayed whole by the byte pump (`tcp::telling`) at stop and at every
-//! reload or drain: it keeps its task's waker in the loop's table of [`Watcher`]s. One task per event loop ([`ring_on_change`]) rings both.
+//! HTTP/2 servers), parked out of hyper (`h1::park`) or relayed whole by the byte pump
+//! (`tcp::telling`) at stop and at every reload or drain: it keeps its task's waker in the
+//! loop's table of [`Watcher`]s. One task per event loop ([`ring_on_change`]) rings both.
 //! Invariant: they are rung only after [`State::stop`] or [`State::recycle`] changed the
 //! word, so a sleeper woken by them, or one that starts waiting after them, sees the
 //! change.
