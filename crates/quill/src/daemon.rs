@@ -450,7 +450,8 @@ pub fn run(inv: Invocation) -> Result<(), StartError> {
                     // Under load the loop polls instead of sleeping (`proxy::polling`).
                     tokio::task::spawn_local(crate::proxy::polling::poll_while_busy());
                     // Connections waiting for their clients' next request close at stop;
-                    // hyper's connections hear of stops, reloads and drains.
+                    // the watching ones (`signals::Watcher`) hear of stops, reloads and
+                    // drains.
                     tokio::task::spawn_local(crate::proxy::signals::ring_on_change(Arc::clone(
                         &state,
                     )));
