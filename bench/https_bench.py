@@ -271,15 +271,32 @@ def summarize(runs: list[dict[str, Any]]) -> list[dict[str, Any]]:
                         over.append(r["machine_us_per_req"] - base[0]["machine_us_per_req"])
                 entry["overhead_us"] = statistics.median(over) if over else None
                 row[bal] = entry
+            row["cpu_ratios"] = cpu_ratios(runs, sc, paced)
             rows.append(row)
     return rows
+
+
+def cpu_ratios(runs: list[dict[str, Any]], scenario: str, paced: bool) -> list[float]:
+    """quill's balancer CPU a request over the best anchor's, round by round (issue 17's
+    yardstick: rounds move together on a noisy host, medians of each side do not)."""
+    def cpu(bal: str, rnd: Any) -> float | None:
+        return next((r["balancer_cpu_us_per_req"] for r in runs
+                     if r["balancer"] == bal and r["scenario"] == scenario and r["paced"] == paced
+                     and r.get("round") == rnd and r.get("balancer_cpu_us_per_req")), None)
+    out = []
+    for rnd in sorted({r.get("round") for r in runs if r.get("round") is not None}):
+        q = cpu("quill", rnd)
+        anchors = [x for x in (cpu("nginx", rnd), cpu("haproxy", rnd)) if x]
+        if q and anchors:
+            out.append(q / min(anchors))
+    return out
 
 
 def fmt(rows: list[dict[str, Any]]) -> str:
     base = any("quill-base" in r for r in rows)
     out = ["| scenario | load | quill |" + (" quill (base) |" if base else "")
-           + " NGINX | HAProxy | backend | quill / best anchor |",
-           "|---|---|---|" + ("---|" if base else "") + "---|---|---|---|"]
+           + " NGINX | HAProxy | backend | quill / best anchor | balancer CPU a request, quill / best anchor, per round |",
+           "|---|---|---|" + ("---|" if base else "") + "---|---|---|---|---|"]
     for r in rows:
         field, better = ("overhead_us", min) if r["paced"] else ("rps", max)
         unit = "machine µs/req over backend" if r["paced"] else "req/s"
@@ -294,7 +311,8 @@ def fmt(rows: list[dict[str, Any]]) -> str:
         ratio = f"{q / better(anchors):.2f}" if q is not None and anchors and better(anchors) else "–"
         out.append(f"| {r['scenario']} | {'paced' if r['paced'] else 'saturated'} ({unit}) | {v('quill')} "
                    + (f"| {v('quill-base')} " if base else "")
-                   + f"| {v('nginx')} | {v('haproxy')} | {v('backend')} | {ratio} |")
+                   + f"| {v('nginx')} | {v('haproxy')} | {v('backend')} | {ratio} "
+                   + f"| {', '.join(f'{x:.2f}' for x in r.get('cpu_ratios', [])) or '–'} |")
     return "\n".join(out)
 
 
