@@ -219,14 +219,17 @@ pub struct Exchange {
     replayable: bool,
 }
 
-/// How the `Connection` field of a request forwarded request by request differs from the
-/// client's: the server's connection is quill's, kept for the next request of any client.
+/// How the `Connection` field of a forwarded request differs from the client's: request
+/// by request the server's connection is quill's, kept for the next request of any client.
 #[derive(Debug, Clone, Copy)]
 struct Towards {
     /// The client's `close` option is left out (the field too when it named nothing else).
     drop_close: bool,
     /// `Connection: keep-alive` is added (an HTTP/1.0 request that did not ask for it).
     add_keep_alive: bool,
+    /// The client's `Connection` has options beyond `close` and `keep-alive` (fields it
+    /// names, to leave behind): most requests have none, and skip looking for them.
+    names: bool,
 }
 
 /// The result of looking for the end of a message head.
@@ -582,6 +585,7 @@ impl Exchange {
         let towards = Towards {
             drop_close: self.one_at_a_time && options.close,
             add_keep_alive: self.one_at_a_time && version == 0 && !options.keep_alive,
+            names: options.names,
         };
         // One allocation: growing from empty field by field reallocated four times.
         out.reserve(n + self.client_text.len() + REWRITE_EXTRA);
@@ -644,22 +648,15 @@ impl Exchange {
         } else {
             b" HTTP/1.1\r\n"
         });
-        // Most requests name nothing (no `Connection`, or `keep-alive`): no allocation.
-        let named: Vec<&[u8]> = headers
-            .iter()
-            .filter(|h| h.name.eq_ignore_ascii_case("connection"))
-            .flat_map(|h| list(h.value))
-            .filter(|t| !is_message_option(t))
-            .take(MAX_HEADERS)
-            .collect();
+        let named = if towards.names {
+            connection_names(headers, is_message_option)
+        } else {
+            Vec::new()
+        };
         let mut xff: Vec<&[u8]> = Vec::new();
         for h in headers {
             let name = h.name.as_bytes();
-            if is_hop_field(name)
-                || (!named.is_empty()
-                    && named.iter().any(|n| n.eq_ignore_ascii_case(name))
-                    && !frames_or_routes(name))
-            {
+            if is_hop_field(name) || (names(&named, name) && !frames_or_routes(name)) {
                 continue;
             }
             if name.eq_ignore_ascii_case(b"x-forwarded-for") {
@@ -1037,6 +1034,27 @@ fn is_hop_field(name: &[u8]) -> bool {
     name.eq_ignore_ascii_case(b"keep-alive") || name.eq_ignore_ascii_case(b"proxy-connection")
 }
 
+/// The options of a head's `Connection` fields that `passes` does not let through: the
+/// fields they name are about this hop only. More names than a head has fields can only
+/// repeat or name nothing: bounded.
+fn connection_names<'h>(
+    headers: &[httparse::Header<'h>],
+    passes: fn(&[u8]) -> bool,
+) -> Vec<&'h [u8]> {
+    headers
+        .iter()
+        .filter(|h| h.name.eq_ignore_ascii_case("connection"))
+        .flat_map(|h| list(h.value))
+        .filter(|t| !passes(t))
+        .take(MAX_HEADERS)
+        .collect()
+}
+
+/// Whether `name` is among the fields `named` (by [`connection_names`]).
+fn names(named: &[&[u8]], name: &[u8]) -> bool {
+    named.iter().any(|n| n.eq_ignore_ascii_case(name))
+}
+
 /// The `Connection` options a request's forwarded head keeps: about the connection's
 /// end (quill's relay follows them) or about the message itself (an upgrade, trailers).
 fn is_message_option(token: &[u8]) -> bool {
@@ -1092,23 +1110,16 @@ fn write_own_connection(
     hsts: Option<Hsts>,
     out: &mut Vec<u8>,
 ) {
-    // More names than a head has fields can only repeat or name nothing: bounded.
-    let named: Vec<&[u8]> = headers
-        .iter()
-        .filter(|h| h.name.eq_ignore_ascii_case("connection"))
-        .flat_map(|h| list(h.value))
-        .filter(|t| !t.eq_ignore_ascii_case(b"close") && !t.eq_ignore_ascii_case(b"keep-alive"))
-        .take(MAX_HEADERS)
-        .collect();
+    let named = connection_names(headers, |t| {
+        t.eq_ignore_ascii_case(b"close") || t.eq_ignore_ascii_case(b"keep-alive")
+    });
     let hop = |name: &[u8]| {
         if name.eq_ignore_ascii_case(b"content-length")
             || name.eq_ignore_ascii_case(b"transfer-encoding")
         {
             return false;
         }
-        name.eq_ignore_ascii_case(b"connection")
-            || is_hop_field(name)
-            || named.iter().any(|n| n.eq_ignore_ascii_case(name))
+        name.eq_ignore_ascii_case(b"connection") || is_hop_field(name) || names(&named, name)
     };
     let mut lines = head.split_inclusive(|&b| b == b'\n');
     let Some(status) = lines.next() else {
