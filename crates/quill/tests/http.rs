@@ -497,10 +497,17 @@ fn moved_on_by_a_drain(pump: Pump) {
         .unwrap();
     let before = read_response(&mut s).expect("an answer before the drain");
     assert_eq!(before.field("connection"), None, "{}", before.head);
-    support::ctl::ctl_ok(&ctl, "drain");
+    drain_moves_on(&mut s, &ctl);
+}
+
+/// `drain` on the control socket `ctl`: the client's next answer over `s` (asked with
+/// `Connection: keep-alive`) says `Connection: close`, and quill closes the connection
+/// after it. The node is undrained again.
+fn drain_moves_on(s: &mut std::net::TcpStream, ctl: &str) {
+    support::ctl::ctl_ok(ctl, "drain");
     s.write_all(b"GET /after HTTP/1.1\r\nHost: x\r\nConnection: keep-alive\r\n\r\n")
         .unwrap();
-    let after = read_response(&mut s).expect("an answer after the drain");
+    let after = read_response(s).expect("an answer after the drain");
     assert_eq!(after.status, 200);
     assert_eq!(after.seen().request_line(), "GET /after HTTP/1.1");
     assert_eq!(
@@ -509,8 +516,8 @@ fn moved_on_by_a_drain(pump: Pump) {
         "{}",
         after.head
     );
-    expect_closed(&mut s, Duration::from_secs(10));
-    support::ctl::ctl_ok(&ctl, "drain 0");
+    expect_closed(s, Duration::from_secs(10));
+    support::ctl::ctl_ok(ctl, "drain 0");
 }
 
 /// With `access_log` quill serves HTTP/1.x clients through hyper, and an idle one leaves
@@ -544,18 +551,7 @@ fn clients_parked_out_of_hyper_hear_a_drain_and_the_stop() {
         .unwrap();
     assert_eq!(read_response(&mut s).expect("an answer").status, 200);
     parked(1);
-    support::ctl::ctl_ok(&ctl, "drain");
-    s.write_all(b"GET /after HTTP/1.1\r\nHost: x\r\n\r\n")
-        .unwrap();
-    let after = read_response(&mut s).expect("an answer after the drain");
-    assert_eq!(
-        after.field("connection").as_deref(),
-        Some("close"),
-        "{}",
-        after.head
-    );
-    expect_closed(&mut s, Duration::from_secs(10));
-    support::ctl::ctl_ok(&ctl, "drain 0");
+    drain_moves_on(&mut s, &ctl);
 
     let mut idle = q.connect();
     idle.set_read_timeout(Some(Duration::from_secs(10)))
