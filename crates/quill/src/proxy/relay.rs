@@ -211,6 +211,9 @@ pub struct Totals {
     pub first: Option<Vec<u8>>,
     /// How long both directions had been silent when the relay stopped.
     pub silent: Duration,
+    /// The relay stopped quiet before (it was parked) and resumes now: either socket may
+    /// be the one that woke it.
+    pub resumed: bool,
 }
 
 impl Totals {
@@ -552,6 +555,11 @@ pub async fn relay<C: Stream + ?Sized, S: Stream + ?Sized>(
     up.first = from.first;
     let mut down = Pipe::default();
     down.bytes = from.down;
+    // A server just connected to has had no time to answer a request sent in the same
+    // turn (nor, on a LAN, to greet): reading it before the event loop says so finds
+    // nothing (one wasted system call per connection, measured at 0.86). A resumed relay
+    // reads both: either socket may hold what woke it.
+    down.speculated = !from.resumed;
     let mut active = false;
     let mut idle = IdleTimer::new(opts.idle_timeout, opts.park_after);
     // `None`: stopped quiet; `Some`: ended.
@@ -614,6 +622,7 @@ pub async fn relay<C: Stream + ?Sized, S: Stream + ?Sized>(
             down: down.bytes,
             first: up.first.take(),
             silent: idle.as_ref().map_or(Duration::ZERO, IdleTimer::silent),
+            resumed: true,
         }),
     }
 }
