@@ -271,31 +271,48 @@ def summarize(runs: list[dict[str, Any]]) -> list[dict[str, Any]]:
                         over.append(r["machine_us_per_req"] - base[0]["machine_us_per_req"])
                 entry["overhead_us"] = statistics.median(over) if over else None
                 row[bal] = entry
-            row["cpu_ratios"] = cpu_ratios(runs, sc, paced)
+            row["cpu_ratios"] = round_ratios(runs, sc, paced, "cpu")
+            row["ratios"] = round_ratios(runs, sc, paced, "main")
             rows.append(row)
     return rows
 
 
-def cpu_ratios(runs: list[dict[str, Any]], scenario: str, paced: bool) -> list[float]:
-    """quill's balancer CPU a request over the best anchor's, round by round (issue 17's
-    yardstick: rounds move together on a noisy host, medians of each side do not)."""
-    def cpu(bal: str, rnd: Any) -> float | None:
-        return next((r["balancer_cpu_us_per_req"] for r in runs
-                     if r["balancer"] == bal and r["scenario"] == scenario and r["paced"] == paced
-                     and r.get("round") == rnd and r.get("balancer_cpu_us_per_req")), None)
+def round_ratios(runs: list[dict[str, Any]], scenario: str, paced: bool, measure: str) -> list[float]:
+    """quill's figure over the best anchor's, round by round: `measure` is "cpu" (balancer
+    CPU a request: issue 17's yardstick) or "main" (the rate at saturation, the machine's
+    µs a request over the backend alone's when paced). Rounds move together on a noisy
+    host (this one drifts by half between them); medians of each side do not."""
+    def run(bal: str, rnd: Any) -> dict[str, Any] | None:
+        return next((r for r in runs if r["balancer"] == bal and r["scenario"] == scenario
+                     and r["paced"] == paced and r.get("round") == rnd and "rps" in r), None)
+
+    def value(bal: str, rnd: Any) -> float | None:
+        r = run(bal, rnd)
+        if r is None:
+            return None
+        if measure == "cpu":
+            return r.get("balancer_cpu_us_per_req") or None
+        if not paced:
+            return r["rps"] or None
+        base = run("backend", rnd)
+        if base is None or "machine_us_per_req" not in r or "machine_us_per_req" not in base:
+            return None
+        return r["machine_us_per_req"] - base["machine_us_per_req"]
+    better = min if (paced or measure == "cpu") else max
     out = []
     for rnd in sorted({r.get("round") for r in runs if r.get("round") is not None}):
-        q = cpu("quill", rnd)
-        anchors = [x for x in (cpu("nginx", rnd), cpu("haproxy", rnd)) if x]
-        if q and anchors:
-            out.append(q / min(anchors))
+        q = value("quill", rnd)
+        anchors = [x for x in (value("nginx", rnd), value("haproxy", rnd)) if x is not None]
+        if q is not None and anchors and better(anchors) > 0:
+            out.append(q / better(anchors))
     return out
 
 
 def fmt(rows: list[dict[str, Any]]) -> str:
     base = any("quill-base" in r for r in rows)
     out = ["| scenario | load | quill |" + (" quill (base) |" if base else "")
-           + " NGINX | HAProxy | backend | quill / best anchor | balancer CPU a request, quill / best anchor, per round |",
+           + " NGINX | HAProxy | backend | quill / best anchor (medians; per round) |"
+           + " balancer CPU a request, quill / best anchor, per round |",
            "|---|---|---|" + ("---|" if base else "") + "---|---|---|---|---|"]
     for r in rows:
         field, better = ("overhead_us", min) if r["paced"] else ("rps", max)
@@ -309,6 +326,8 @@ def fmt(rows: list[dict[str, Any]]) -> str:
         anchors = [r[b][field] for b in ("nginx", "haproxy") if b in r and r[b].get(field) is not None]
         q = r.get("quill", {}).get(field)
         ratio = f"{q / better(anchors):.2f}" if q is not None and anchors and better(anchors) else "–"
+        if r.get("ratios"):
+            ratio += f" ({', '.join(f'{x:.2f}' for x in r['ratios'])})"
         out.append(f"| {r['scenario']} | {'paced' if r['paced'] else 'saturated'} ({unit}) | {v('quill')} "
                    + (f"| {v('quill-base')} " if base else "")
                    + f"| {v('nginx')} | {v('haproxy')} | {v('backend')} | {ratio} "
@@ -348,11 +367,7 @@ def main(argv: list[str]) -> int:
     missing = sorted({pkg for tool, pkg in packages.items() if tb.which(tool) is None})
     if missing:
         tb.apt_install(missing)
-    if not args.no_build:
-        for what, cwd, extra in (("quill", tb.REPO_ROOT, ["-p", "quill"]), ("tlsload", tls.TLSLOAD_DIR, [])):
-            err = tb.cargo_build(what, cwd, extra)
-            if err:
-                raise tb.BenchError(err)
+    tls.build_tools(args.no_build)
     procs = tb.Procs()
     runs: list[dict[str, Any]] = []
     with tempfile.TemporaryDirectory(prefix="quill-https-bench-") as d:
