@@ -4,10 +4,11 @@
 //! receive outstanding per socket; each send is queued in the same `io_uring_enter` that
 //! reaps the receive that filled it (`multishot.rs` adds what this leaves out).
 //!
-//! Usage: uring-probe LISTEN_ADDR BACKEND_ADDR [tuned|plain|multishot]
+//! Usage: uring-probe LISTEN_ADDR BACKEND_ADDR [tuned|plain|multishot|udp]
 //! (`tuned`: SINGLE_ISSUER + DEFER_TASKRUN + COOP_TASKRUN; `plain`: none of them;
 //! `multishot`: the tuned ring with multishot receives, provided buffers and registered
-//! descriptors, in `multishot.rs`).
+//! descriptors, in `multishot.rs`; `udp`: a UDP relay with a flow per client, as quill's
+//! `-U`, in `udp.rs`).
 //!
 //! Invariant: a connection (and so each buffer an operation points into) is freed only when
 //! no operation of it is in flight.
@@ -17,6 +18,7 @@ use std::os::fd::{AsRawFd, IntoRawFd, RawFd};
 use io_uring::{cqueue, opcode, squeue, types, IoUring};
 
 mod multishot;
+mod udp;
 
 const BUF: usize = 16 * 1024;
 const ACCEPT: u64 = u64::MAX;
@@ -81,13 +83,15 @@ fn set_nodelay(fd: RawFd) {
 fn main() -> std::io::Result<()> {
     let args: Vec<String> = std::env::args().collect();
     if args.len() < 3 {
-        eprintln!("usage: uring-probe LISTEN_ADDR BACKEND_ADDR [tuned|plain|multishot]");
+        eprintln!("usage: uring-probe LISTEN_ADDR BACKEND_ADDR [tuned|plain|multishot|udp]");
         std::process::exit(2);
     }
     let listen: SocketAddr = args[1].parse().map_err(std::io::Error::other)?;
     let backend: SocketAddr = args[2].parse().map_err(std::io::Error::other)?;
-    if args.get(3).map(String::as_str) == Some("multishot") {
-        return multishot::run(listen, backend);
+    match args.get(3).map(String::as_str) {
+        Some("multishot") => return multishot::run(listen, backend),
+        Some("udp") => return udp::run(listen, backend),
+        _ => {}
     }
     let tuned = args.get(3).map(String::as_str) != Some("plain");
     let mut builder = IoUring::builder();
