@@ -626,3 +626,115 @@ pub async fn relay<C: Stream + ?Sized, S: Stream + ?Sized>(
         }),
     }
 }
+
+#[cfg(test)]
+mod tests {
+    use std::cell::Cell;
+
+    use tokio::io::{AsyncReadExt, AsyncWriteExt};
+    use tokio::net::TcpListener;
+
+    use super::*;
+
+    /// A socket of the relay that counts its reads made without asking the event loop.
+    struct Counted {
+        socket: TcpStream,
+        unasked: Cell<u32>,
+    }
+
+    impl Stream for Counted {
+        fn poll_read_ready(&self, cx: &mut Context<'_>) -> Poll<io::Result<()>> {
+            Stream::poll_read_ready(&self.socket, cx)
+        }
+        fn poll_write_ready(&self, cx: &mut Context<'_>) -> Poll<io::Result<()>> {
+            Stream::poll_write_ready(&self.socket, cx)
+        }
+        fn try_read(&self, buf: &mut [u8]) -> io::Result<usize> {
+            Stream::try_read(&self.socket, buf)
+        }
+        fn read_now(&self, buf: &mut [u8]) -> io::Result<usize> {
+            self.unasked.set(self.unasked.get() + 1);
+            self.socket.read_now(buf)
+        }
+        fn try_write(&self, buf: &[u8]) -> io::Result<usize> {
+            Stream::try_write(&self.socket, buf)
+        }
+        fn shutdown_write(&self) -> io::Result<()> {
+            self.socket.shutdown_write()
+        }
+        fn try_peek(
+            &self,
+            buf: &mut [u8],
+            more: &mut dyn FnMut(&[u8]) -> bool,
+        ) -> io::Result<usize> {
+            self.socket.try_peek(buf, more)
+        }
+        fn try_splice_out(&self, pipe: &KernelPipe, len: usize) -> io::Result<usize> {
+            self.socket.try_splice_out(pipe, len)
+        }
+        fn try_splice_in(&self, pipe: &KernelPipe, len: usize) -> io::Result<usize> {
+            self.socket.try_splice_in(pipe, len)
+        }
+    }
+
+    /// Two connected sockets: the far end (a client or a server) and quill's end.
+    async fn pair() -> (TcpStream, Counted) {
+        let listener = TcpListener::bind("127.0.0.1:0").await.unwrap();
+        let far = TcpStream::connect(listener.local_addr().unwrap())
+            .await
+            .unwrap();
+        let (near, _) = listener.accept().await.unwrap();
+        let near = Counted {
+            socket: near,
+            unasked: Cell::new(0),
+        };
+        (far, near)
+    }
+
+    /// Relays one request and its answer from `from`; returns how many reads of the client
+    /// and of the server were made without the event loop saying they were readable.
+    async fn first_reads(from: Totals) -> (u32, u32) {
+        let (mut client, quill_client) = pair().await;
+        let (mut server, quill_server) = pair().await;
+        client.write_all(b"request").await.unwrap();
+        client.shutdown().await.unwrap();
+        let opts = RelayOptions {
+            fastclose: FastClose::Off,
+            idle_timeout: None,
+            park_after: None,
+            capture: false,
+        };
+        let serve = async {
+            let mut request = Vec::new();
+            server.read_to_end(&mut request).await.unwrap();
+            assert_eq!(request, b"request");
+            server.write_all(b"answer").await.unwrap();
+            server.shutdown().await.unwrap();
+            // Not to its end: once both sides have closed the relay ends, and the EOF
+            // reaches the client when quill's sockets close, after it.
+            let mut answer = [0; 6];
+            client.read_exact(&mut answer).await.unwrap();
+            assert_eq!(&answer, b"answer");
+        };
+        let (stop, ()) = tokio::join!(relay(&quill_client, &quill_server, opts, from), serve);
+        assert!(matches!(stop, Stop::Ended(Outcome { up: 7, down: 6, .. })));
+        (quill_client.unasked.get(), quill_server.unasked.get())
+    }
+
+    #[tokio::test]
+    async fn a_new_relay_reads_the_client_at_once_and_the_server_when_it_is_readable() {
+        // The client's first bytes are usually there when the relay starts; a server sent
+        // the request in the same turn has not answered yet.
+        assert_eq!(first_reads(Totals::new(false)).await, (1, 0));
+    }
+
+    #[tokio::test]
+    async fn a_resumed_relay_reads_both_sides_at_once() {
+        // Either socket may hold what woke a parked connection.
+        let resumed = Totals {
+            resumed: true,
+            ..Totals::new(false)
+        };
+        assert_eq!(first_reads(resumed).await, (1, 1));
+    }
+}
