@@ -16,6 +16,7 @@ use std::net::{SocketAddr, UdpSocket};
 use std::os::fd::{AsRawFd, RawFd};
 
 use io_uring::{opcode, squeue, types, IoUring};
+use slab::Slab;
 
 const BUF: usize = 2048;
 /// Marks a send's token.
@@ -59,46 +60,20 @@ struct Flow {
     client: libc::sockaddr_in,
 }
 
-struct Ops {
-    slots: Vec<Option<Op>>,
-    free: Vec<usize>,
-}
-
-impl Ops {
-    fn put(&mut self, op: Op) -> u64 {
-        match self.free.pop() {
-            Some(i) => {
-                self.slots[i] = Some(op);
-                i as u64
-            }
-            None => {
-                self.slots.push(Some(op));
-                (self.slots.len() - 1) as u64
-            }
-        }
-    }
-
-    fn take(&mut self, token: u64) -> Option<Op> {
-        let op = self.slots.get_mut(token as usize)?.take()?;
-        self.free.push(token as usize);
-        Some(op)
-    }
-}
-
-fn recv_query(ops: &mut Ops, lfd: RawFd) -> squeue::Entry {
+fn recv_query(ops: &mut Slab<Op>, lfd: RawFd) -> squeue::Entry {
     let mut m = Msg::new();
     let hdr: *mut libc::msghdr = &mut m.hdr;
     opcode::RecvMsg::new(types::Fd(lfd), hdr)
         .build()
-        .user_data(ops.put(Op::Query(m)))
+        .user_data(ops.insert(Op::Query(m)) as u64)
 }
 
-fn recv_answer(ops: &mut Ops, flow: usize, fd: RawFd) -> squeue::Entry {
+fn recv_answer(ops: &mut Slab<Op>, flow: usize, fd: RawFd) -> squeue::Entry {
     let mut buf = Box::new([0u8; BUF]);
     let ptr = buf.as_mut_ptr();
     opcode::Recv::new(types::Fd(fd), ptr, BUF as u32)
         .build()
-        .user_data(ops.put(Op::Answer { flow, buf }))
+        .user_data(ops.insert(Op::Answer { flow, buf }) as u64)
 }
 
 pub fn run(listen: SocketAddr, backend: SocketAddr) -> std::io::Result<()> {
@@ -109,10 +84,7 @@ pub fn run(listen: SocketAddr, backend: SocketAddr) -> std::io::Result<()> {
         .build(4096)?;
     let listener = UdpSocket::bind(listen)?;
     let lfd = listener.as_raw_fd();
-    let mut ops = Ops {
-        slots: Vec::new(),
-        free: Vec::new(),
-    };
+    let mut ops: Slab<Op> = Slab::new();
     let mut flows: Vec<Flow> = Vec::new();
     let mut by_client: HashMap<(u32, u16), usize> = HashMap::new();
     let mut pending = vec![recv_query(&mut ops, lfd)];
@@ -147,7 +119,7 @@ pub fn run(listen: SocketAddr, backend: SocketAddr) -> std::io::Result<()> {
             .map(|c| (c.user_data(), c.result()))
             .collect();
         for (token, res) in done {
-            match ops.take(token & !SEND) {
+            match ops.try_remove((token & !SEND) as usize) {
                 Some(Op::Query(mut m)) => {
                     pending.push(recv_query(&mut ops, lfd));
                     if res <= 0 {
@@ -178,7 +150,7 @@ pub fn run(listen: SocketAddr, backend: SocketAddr) -> std::io::Result<()> {
                     pending.push(
                         opcode::SendMsg::new(types::Fd(fd), hdr)
                             .build()
-                            .user_data(ops.put(Op::Sent { _held: m }) | SEND),
+                            .user_data(ops.insert(Op::Sent { _held: m }) as u64 | SEND),
                     );
                 }
                 Some(Op::Answer { flow, buf }) => {
@@ -194,7 +166,7 @@ pub fn run(listen: SocketAddr, backend: SocketAddr) -> std::io::Result<()> {
                     pending.push(
                         opcode::SendMsg::new(types::Fd(lfd), hdr)
                             .build()
-                            .user_data(ops.put(Op::Sent { _held: m }) | SEND),
+                            .user_data(ops.insert(Op::Sent { _held: m }) as u64 | SEND),
                     );
                 }
                 Some(Op::Sent { .. }) | None => {}
