@@ -6,7 +6,8 @@
 //! makes go in with the next wait: about one kernel entry per wake-up.
 //!
 //! Like quill: a flow per client address, with its own socket connected to the backend;
-//! answers go back from the listening socket. Not like quill: no expiry, no failover, no
+//! answers go back from the listening socket. Not like quill: no expiry (the flow table only
+//! grows), no failover (a receive error on a flow socket is re-armed at once), no
 //! batching of several datagrams per system call, IPv4 only.
 //!
 //! Invariant: every buffer, `msghdr` and address an operation points into is owned by its
