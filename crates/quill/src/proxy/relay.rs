@@ -52,8 +52,9 @@ pub trait Stream {
     fn poll_write_ready(&self, cx: &mut Context<'_>) -> Poll<io::Result<()>>;
     fn try_read(&self, buf: &mut [u8]) -> io::Result<usize>;
     /// Reads without consulting the event loop's readiness: used once, speculatively, on
-    /// a new connection whose first bytes are usually already there. A short read clears
-    /// the readiness the event loop may have cached, as [`Stream::try_read`] does.
+    /// a new connection whose first bytes are usually already there. A short read, or one
+    /// that finds nothing, clears the readiness the event loop may have cached, as
+    /// [`Stream::try_read`] does.
     fn read_now(&self, buf: &mut [u8]) -> io::Result<usize>;
     fn try_write(&self, buf: &[u8]) -> io::Result<usize>;
     fn shutdown_write(&self) -> io::Result<()>;
@@ -98,18 +99,25 @@ macro_rules! impl_stream {
                 }
             }
             fn read_now(&self, buf: &mut [u8]) -> io::Result<usize> {
-                let n = rustix::io::read(self, &mut *buf).map_err(io::Error::from)?;
-                if n > 0 && n < buf.len() {
-                    // The queue is empty now, but the readiness of the event that announced
-                    // these bytes may still be cached: without this, the next read would
-                    // only return EAGAIN (one wasted system call per connection). No await
-                    // separates the read from this, so no later event is lost: tokio
-                    // keeps a readiness that arrived with a newer tick.
+                let read = rustix::io::read(self, &mut *buf).map_err(io::Error::from);
+                let drained = match &read {
+                    Ok(n) => *n > 0 && *n < buf.len(),
+                    Err(e) => e.kind() == ErrorKind::WouldBlock,
+                };
+                if drained {
+                    // The queue is empty now, but a readiness may still be cached: the
+                    // event that announced these bytes, or the one tokio assumes for an
+                    // accepted socket (readable and writable until a read says otherwise).
+                    // Without this, the next read would only return EAGAIN (one wasted
+                    // system call a connection; the second case came once per connection
+                    // under wrk opening a connection per request). No await separates the
+                    // read from this, so no later event is lost: tokio keeps a readiness
+                    // that arrived with a newer tick.
                     let _ = self.try_io(Interest::READABLE, || {
                         Err::<(), _>(io::Error::from(ErrorKind::WouldBlock))
                     });
                 }
-                Ok(n)
+                read
             }
             fn try_write(&self, buf: &[u8]) -> io::Result<usize> {
                 <$t>::try_write(self, buf)
@@ -636,10 +644,24 @@ mod tests {
 
     use super::*;
 
-    /// A socket of the relay that counts its reads made without asking the event loop.
+    /// A socket of the relay that counts its reads made without asking the event loop, and
+    /// the reads that found nothing.
     struct Counted {
         socket: TcpStream,
         unasked: Cell<u32>,
+        empty: Cell<u32>,
+    }
+
+    impl Counted {
+        fn count_empty(&self, read: io::Result<usize>) -> io::Result<usize> {
+            if read
+                .as_ref()
+                .is_err_and(|e| e.kind() == ErrorKind::WouldBlock)
+            {
+                self.empty.set(self.empty.get() + 1);
+            }
+            read
+        }
     }
 
     impl Stream for Counted {
@@ -650,11 +672,12 @@ mod tests {
             Stream::poll_write_ready(&self.socket, cx)
         }
         fn try_read(&self, buf: &mut [u8]) -> io::Result<usize> {
-            Stream::try_read(&self.socket, buf)
+            // The relay asks only after the event loop said readable: this is a read(2).
+            self.count_empty(Stream::try_read(&self.socket, buf))
         }
         fn read_now(&self, buf: &mut [u8]) -> io::Result<usize> {
             self.unasked.set(self.unasked.get() + 1);
-            self.socket.read_now(buf)
+            self.count_empty(self.socket.read_now(buf))
         }
         fn try_write(&self, buf: &[u8]) -> io::Result<usize> {
             Stream::try_write(&self.socket, buf)
@@ -687,9 +710,17 @@ mod tests {
         let near = Counted {
             socket: near,
             unasked: Cell::new(0),
+            empty: Cell::new(0),
         };
         (far, near)
     }
+
+    const OPTIONS: RelayOptions = RelayOptions {
+        fastclose: FastClose::Off,
+        idle_timeout: None,
+        park_after: None,
+        capture: false,
+    };
 
     /// Relays one request and its answer from `from`; returns how many reads of the client
     /// and of the server were made without the event loop saying they were readable.
@@ -698,12 +729,6 @@ mod tests {
         let (mut server, quill_server) = pair().await;
         client.write_all(b"request").await.unwrap();
         client.shutdown().await.unwrap();
-        let opts = RelayOptions {
-            fastclose: FastClose::Off,
-            idle_timeout: None,
-            park_after: None,
-            capture: false,
-        };
         let serve = async {
             let mut request = Vec::new();
             server.read_to_end(&mut request).await.unwrap();
@@ -716,9 +741,44 @@ mod tests {
             client.read_exact(&mut answer).await.unwrap();
             assert_eq!(&answer, b"answer");
         };
-        let (stop, ()) = tokio::join!(relay(&quill_client, &quill_server, opts, from), serve);
+        let (stop, ()) = tokio::join!(relay(&quill_client, &quill_server, OPTIONS, from), serve);
         assert!(matches!(stop, Stop::Ended(Outcome { up: 7, down: 6, .. })));
         (quill_client.unasked.get(), quill_server.unasked.get())
+    }
+
+    #[tokio::test]
+    async fn a_speculative_read_that_finds_nothing_is_not_made_twice() {
+        // A readiness the event loop cached though the queue is empty (tokio assumes one
+        // for every accepted socket; here: the byte it announced was taken behind its
+        // back). The speculative read finds nothing, and the relay then waits for the next
+        // event instead of reading again at once.
+        let (mut client, quill_client) = pair().await;
+        let (mut server, quill_server) = pair().await;
+        client.write_all(b"x").await.unwrap();
+        quill_client.socket.readable().await.unwrap();
+        assert_eq!(
+            rustix::io::read(&quill_client.socket, &mut [0; 1]).unwrap(),
+            1
+        );
+        let talk = async {
+            // Polled after the relay's first turn.
+            client.write_all(b"request").await.unwrap();
+            client.shutdown().await.unwrap();
+            let mut request = [0; 7];
+            server.read_exact(&mut request).await.unwrap();
+            assert_eq!(&request, b"request");
+            server.shutdown().await.unwrap();
+        };
+        let (stop, ()) = tokio::join!(
+            relay(&quill_client, &quill_server, OPTIONS, Totals::new(false)),
+            talk
+        );
+        assert!(matches!(stop, Stop::Ended(Outcome { up: 7, down: 0, .. })));
+        assert_eq!(
+            quill_client.empty.get(),
+            1,
+            "reads of the client that found nothing"
+        );
     }
 
     #[tokio::test]
