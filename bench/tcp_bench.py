@@ -10,7 +10,7 @@ Layout of one benchmark:
     waited for (connect poll with a deadline) and verified with one request that must
     return the exact 1 KiB body;
   * the load on core 1: wrk (throughput scenarios) or quill-loadgen (bench/loadgen:
-    constant-rate latency, fixed-count requests for strace, idle connections);
+    constant-rate latency, fixed-count requests for the system-call count, idle connections);
   * rounds are interleaved (A B C D A B C D ...), medians and spreads are reported, with
     the ratio quill / each anchor.
 """
@@ -103,7 +103,7 @@ def scenarios(args: argparse.Namespace) -> list[Scenario]:
                           not_best_why="Pen allocates its connection table (-x slots) at start, so "
                                        "holding connections costs it no new memory"))
     s.append(Scenario("syscalls", "syscalls",
-                      f"system calls per request (strace -c -f, {args.syscall_requests:,} keep-alive requests)",
+                      f"system calls per request (perf stat, {args.syscall_requests:,} keep-alive requests)",
                       "syscalls_per_req", "calls/req", higher_is_better=False, with_backend=False,
                       once=True))
     s += efficiency_scenarios(args)
@@ -154,7 +154,7 @@ ENV["LC_ALL"] = "C"
 
 # tool command -> Debian package
 TOOL_PACKAGES = {"pen": "pen", "haproxy": "haproxy", "nginx": "nginx-light", "wrk": "wrk",
-                 "taskset": "util-linux", "strace": "strace", "openssl": "openssl"}
+                 "taskset": "util-linux", "perf": "linux-perf", "openssl": "openssl"}
 NGINX_STREAM_MODULE = Path("/usr/lib/nginx/modules/ngx_stream_module.so")
 # Services the packages start on installation; the benchmark starts its own processes.
 AUTOSTARTED = ("pen", "haproxy", "nginx", "dnsdist", "nsd")
@@ -463,29 +463,51 @@ def parse_wrk(out: str) -> WrkResult:
     return r
 
 
-def parse_strace_total(out: str) -> int | None:
-    """The 'calls' column of strace -c's total line."""
-    for line in out.splitlines()[::-1]:
-        parts = line.split()
-        if parts and parts[-1] == "total":
-            nums = [p for p in parts[:-1] if re.fullmatch(r"[\d.]+", p)]
-            # % time, seconds, usecs/call, calls, [errors]
-            if len(nums) >= 4:
-                return int(nums[3])
-    return None
+# What `perf stat` counts for the syscalls scenario: every system call, the calls a relay
+# makes most (each its own tracepoint, so the count does not depend on the event loop's
+# kind), reads that found nothing, and the process's context switches. Counted on the
+# tracepoints because strace slows the traced process enough that its reads find more
+# bytes each and its event loop more events per wake-up (at a paced load strace showed
+# 0.001 empty reads a connection where the tracepoints count 1.96: bench/RESULTS.md).
+SYSCALL_NAMES = ("read", "recvfrom", "readv", "recvmsg", "write", "writev", "sendto", "sendmsg",
+                 "epoll_wait", "epoll_pwait", "epoll_ctl", "accept4", "connect", "close",
+                 "shutdown", "setsockopt", "getsockopt", "splice", "clock_gettime", "futex")
+PERF_EVENTS: tuple[tuple[str, str, str | None], ...] = (
+    ("calls", "raw_syscalls:sys_enter", None),
+    *((name, f"syscalls:sys_enter_{name}", None) for name in SYSCALL_NAMES),
+    ("empty_read", "syscalls:sys_exit_read", "ret == -11"),
+    ("empty_recvfrom", "syscalls:sys_exit_recvfrom", "ret == -11"),
+    ("context_switches", "context-switches", None),
+)
 
 
-def parse_strace_top(out: str, n: int = 6) -> list[tuple[str, int]]:
-    rows = []
-    for line in out.splitlines():
-        parts = line.split()
-        if len(parts) >= 5 and re.fullmatch(r"[\d.]+", parts[0]) and parts[-1] != "total":
-            try:
-                rows.append((parts[-1], int(parts[3])))
-            except ValueError:
-                continue
-    rows.sort(key=lambda r: -r[1])
-    return rows[:n]
+def perf_stat_argv(pid: int, out: Path) -> list[str]:
+    """perf stat of every event of PERF_EVENTS on process PID (all its threads), CSV into OUT."""
+    argv = ["perf", "stat", "-x", ",", "-o", str(out), "-p", str(pid)]
+    for _, event, filt in PERF_EVENTS:
+        argv += ["-e", event] + (["--filter", filt] if filt else [])
+    return argv
+
+
+def parse_perf_stat(out: str) -> dict[str, int]:
+    """perf stat's CSV (`-x ,`: count, unit, event, ...) as {PERF_EVENTS name: count}, in
+    PERF_EVENTS' order (perf prints them in the order given). Events perf could not count
+    (`<not supported>`, `<not counted>`) are left out."""
+    rows = [line.split(",") for line in out.splitlines() if line and not line.startswith("#")]
+    counts = {}
+    for (name, event, _), row in zip(PERF_EVENTS, rows):
+        if len(row) >= 3 and row[2] == event and row[0].isdigit():
+            counts[name] = int(row[0])
+    return counts
+
+
+def perf_events_open(pid: int) -> int:
+    """How many perf events process PID holds open (perf stat has attached when it holds all)."""
+    try:
+        return sum(1 for fd in Path(f"/proc/{pid}/fd").iterdir()
+                   if os.readlink(fd) == "anon_inode:[perf_event]")
+    except OSError:
+        return 0
 
 
 # --------------------------------------------------------------------------- configs
@@ -666,10 +688,10 @@ def apt_install(pkgs: list[str]) -> None:
             run_capture(["systemctl", "stop", svc])
 
 
-def ensure_tools(selected: list[str], needs_strace: bool) -> None:
+def ensure_tools(selected: list[str], needs_perf: bool) -> None:
     needed = ["taskset", "nginx", "wrk", "openssl"] + [b for b in ("pen", "haproxy") if b in selected]
-    if needs_strace:
-        needed.append("strace")
+    if needs_perf:
+        needed.append("perf")
     pkgs = sorted({TOOL_PACKAGES[t] for t in needed if which(t) is None})
     if "nginx" in selected and not NGINX_STREAM_MODULE.exists():
         pkgs.append("libnginx-mod-stream")
@@ -1186,18 +1208,17 @@ class Bench:
     def measure_syscalls(self, run: Run, sc: Scenario, port: int, proc: subprocess.Popen[bytes] | None) -> None:
         assert proc is not None
         n = self.args.syscall_requests
-        out_path = self.tmp / f"strace-{run.balancer}-{port}.txt"
-        # Attach to the process that serves: for nginx the worker (child of the master).
+        out_path = self.tmp / f"perf-{run.balancer}-{port}.txt"
+        # Count the process that serves: for nginx the worker (child of the master).
         tree = proc_tree(proc.pid)
         target = tree[-1] if run.balancer == "nginx" and len(tree) > 1 else proc.pid
-        strace = self.procs.start("strace", ["strace", "-c", "-f", "-o", str(out_path), "-p", str(target)],
-                                  self.tmp / "strace.log")
+        perf = self.procs.start("perf", perf_stat_argv(target, out_path), self.tmp / "perf.log")
         try:
-            # strace prints nothing when it has attached; wait for the tracer to show up.
+            # perf stat prints nothing until it ends; it counts once it holds every event.
             deadline = time.monotonic() + 10
-            while tracer_of(target) != strace.pid:
-                if time.monotonic() > deadline or strace.poll() is not None:
-                    raise StartError(f"strace did not attach: {tail(self.tmp / 'strace.log')}")
+            while perf_events_open(perf.pid) < len(PERF_EVENTS):
+                if time.monotonic() > deadline or perf.poll() is not None:
+                    raise StartError(f"perf stat did not attach: {tail(self.tmp / 'perf.log')}")
                 time.sleep(0.02)
             argv = self.load_pin(sc) + [str(loadgen_bin()), "count", "--addr", f"127.0.0.1:{port}",
                                         "--path", sc.path, "--requests", str(n),
@@ -1206,22 +1227,30 @@ class Bench:
             out = run_load(self.procs, argv, 300)
             r = last_json(out)
         finally:
-            if strace.poll() is None:
-                strace.send_signal(signal.SIGINT)
+            if perf.poll() is None:
+                perf.send_signal(signal.SIGINT)
                 try:
-                    strace.wait(30)
+                    perf.wait(30)
                 except subprocess.TimeoutExpired:
                     pass
-            self.procs.stop(strace)
+            self.procs.stop(perf)
         text = out_path.read_text("utf-8", "replace") if out_path.exists() else ""
-        total = parse_strace_total(text)
-        if total is None or r["ok"] == 0:
-            raise StartError(f"no strace total: {text[-300:]}")
+        counts = parse_perf_stat(text)
+        ok = r["ok"]
+        if "calls" not in counts or ok == 0:
+            raise StartError(f"no system-call count from perf stat: {text[-300:]}")
         run.load_output = text
-        run.metrics["requests"] = r["ok"]
-        run.metrics["syscalls"] = total
-        run.metrics["syscalls_per_req"] = round(total / r["ok"], 2)
-        run.metrics["top"] = parse_strace_top(text)
+        run.metrics["requests"] = ok
+        run.metrics["syscalls"] = counts["calls"]
+        run.metrics["syscalls_per_req"] = round(counts["calls"] / ok, 2)
+        run.metrics["empty_reads_per_req"] = round(
+            (counts.get("empty_read", 0) + counts.get("empty_recvfrom", 0)) / ok, 3)
+        if "context_switches" in counts:
+            run.metrics["context_switches_per_req"] = round(counts["context_switches"] / ok, 3)
+        # The calls made most, per request.
+        calls = sorted(((name, round(c / ok, 2)) for name, c in counts.items()
+                        if name in SYSCALL_NAMES and c), key=lambda nc: -nc[1])
+        run.metrics["top"] = calls[:6]
 
     def run_all(self, scs: list[Scenario]) -> None:
         self.start_backend()
@@ -1271,16 +1300,6 @@ def last_json(out: str) -> dict[str, Any]:
     raise StartError(f"no JSON result in: {out.strip()[-300:]}")
 
 
-def tracer_of(pid: int) -> int | None:
-    try:
-        for line in Path(f"/proc/{pid}/status").read_text().splitlines():
-            if line.startswith("TracerPid:"):
-                return int(line.split()[1])
-    except (OSError, ValueError):
-        return None
-    return None
-
-
 # --------------------------------------------------------------------------- summary
 
 
@@ -1310,7 +1329,8 @@ def summarize(runs: list[Run], scs: list[Scenario], selected: list[str],
                 })
                 # Secondary figures: medians of whatever else the runs measured.
                 for key in ("cpu_us_per_req", "cpu_s_per_gb", "p50_ms", "p99_ms", "p999_ms", "accept_s",
-                            "achieved_rate", "machine_us_per_req"):
+                            "achieved_rate", "machine_us_per_req", "empty_reads_per_req",
+                            "context_switches_per_req"):
                     xs = [r.metrics[key] for r in ok if r.metrics.get(key) is not None]
                     if xs:
                         row[key] = round(statistics.median(xs), 3)
@@ -1388,6 +1408,9 @@ def fmt_table(summary: dict[str, Any], args: argparse.Namespace) -> str:
                 other.append(f"all held after {row['accept_s']:.2f} s")
             if row.get("top_syscalls"):
                 other.append(", ".join(f"{n} {c}" for n, c in row["top_syscalls"][:4]))
+            if row.get("empty_reads_per_req") is not None:
+                other.append(f"empty reads {row['empty_reads_per_req']:.3f}, context switches "
+                             f"{row.get('context_switches_per_req', 0):.3f} a request")
             lines.append(f"{bal:<9} {_fmt(row['median']):>12} {mm:>23} {spread:>7} {row['errors']:>7} "
                          f"{_fmt(row.get('cpu_us_per_req')):>11} {pct:>10}  {'; '.join(other)}")
             if row["failed_runs"]:
