@@ -106,6 +106,13 @@ def scenarios(args: argparse.Namespace) -> list[Scenario]:
                       f"system calls per request (perf stat, {args.syscall_requests:,} keep-alive requests)",
                       "syscalls_per_req", "calls/req", higher_is_better=False, with_backend=False,
                       once=True))
+    # A balancer's reads of a new connection find nothing when they come before the
+    # client's request: only a connection-per-request load shows them.
+    s.append(Scenario("syscalls-close", "syscalls",
+                      "system calls per request, a new connection per request (Connection: close) "
+                      "paced 5 ms (perf stat)",
+                      "syscalls_per_req", "calls/req", higher_is_better=False, with_backend=False,
+                      once=True, pace_ms=5, wrk_extra=close))
     s += efficiency_scenarios(args)
     if args.efficiency:
         return [x for x in s if x.kind == "paced"]
@@ -1220,12 +1227,19 @@ class Bench:
                 if time.monotonic() > deadline or perf.poll() is not None:
                     raise StartError(f"perf stat did not attach: {tail(self.tmp / 'perf.log')}")
                 time.sleep(0.02)
-            argv = self.load_pin(sc) + [str(loadgen_bin()), "count", "--addr", f"127.0.0.1:{port}",
-                                        "--path", sc.path, "--requests", str(n),
-                                        "--connections", str(self.args.connections)]
-            run.load_command = argv
-            out = run_load(self.procs, argv, 300)
-            r = last_json(out)
+            if sc.pace_ms:
+                script = self.tmp / f"pace{sc.pace_ms}.lua"
+                script.write_text(f"function delay() return {sc.pace_ms} end\n")
+                argv = self.load_pin(sc) + ["wrk", f"-t{WRK_THREADS}", f"-c{self.args.connections}",
+                                            f"-d{self.args.duration}s", "-s", str(script),
+                                            *sc.wrk_extra, f"http://127.0.0.1:{port}{sc.path}"]
+                ok = self.run_wrk(run, proc, argv).requests
+            else:
+                argv = self.load_pin(sc) + [str(loadgen_bin()), "count", "--addr", f"127.0.0.1:{port}",
+                                            "--path", sc.path, "--requests", str(n),
+                                            "--connections", str(self.args.connections)]
+                run.load_command = argv
+                ok = last_json(run_load(self.procs, argv, 300))["ok"]
         finally:
             if perf.poll() is None:
                 perf.send_signal(signal.SIGINT)
@@ -1236,10 +1250,9 @@ class Bench:
             self.procs.stop(perf)
         text = out_path.read_text("utf-8", "replace") if out_path.exists() else ""
         counts = parse_perf_stat(text)
-        ok = r["ok"]
         if "calls" not in counts or ok == 0:
             raise StartError(f"no system-call count from perf stat: {text[-300:]}")
-        run.load_output = text
+        run.load_output = (run.load_output or "") + text
         run.metrics["requests"] = ok
         run.metrics["syscalls"] = counts["calls"]
         run.metrics["syscalls_per_req"] = round(counts["calls"] / ok, 2)
