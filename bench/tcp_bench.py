@@ -1110,9 +1110,14 @@ class Bench:
             m["cpu_us_per_req"] = round(run.balancer_cpu_s * 1e6 / w.requests, 3)
         return w
 
-    def measure_paced(self, run: Run, sc: Scenario, port: int, proc: subprocess.Popen[bytes] | None) -> None:
+    def pace_script(self, sc: Scenario) -> Path:
+        """A wrk script that makes each connection wait sc.pace_ms after every answer."""
         script = self.tmp / f"pace{sc.pace_ms}.lua"
         script.write_text(f"function delay() return {sc.pace_ms} end\n")
+        return script
+
+    def measure_paced(self, run: Run, sc: Scenario, port: int, proc: subprocess.Popen[bytes] | None) -> None:
+        script = self.pace_script(sc)
         # The backend alone is plain HTTP whatever the scenario.
         scheme = "https" if sc.tls and run.balancer != "backend" else "http"
         url = f"{scheme}://127.0.0.1:{port}{sc.path}"
@@ -1228,8 +1233,7 @@ class Bench:
                     raise StartError(f"perf stat did not attach: {tail(self.tmp / 'perf.log')}")
                 time.sleep(0.02)
             if sc.pace_ms:
-                script = self.tmp / f"pace{sc.pace_ms}.lua"
-                script.write_text(f"function delay() return {sc.pace_ms} end\n")
+                script = self.pace_script(sc)
                 argv = self.load_pin(sc) + ["wrk", f"-t{WRK_THREADS}", f"-c{self.args.connections}",
                                             f"-d{self.args.duration}s", "-s", str(script),
                                             *sc.wrk_extra, f"http://127.0.0.1:{port}{sc.path}"]

@@ -105,14 +105,13 @@ macro_rules! impl_stream {
                     Err(e) => e.kind() == ErrorKind::WouldBlock,
                 };
                 if drained {
-                    // The queue is empty now, but a readiness may still be cached: the
-                    // event that announced these bytes, or the one tokio assumes for an
-                    // accepted socket (readable and writable until a read says otherwise).
-                    // Without this, the next read would only return EAGAIN (one wasted
-                    // system call a connection; the second case came once per connection
-                    // under wrk opening a connection per request). No await separates the
-                    // read from this, so no later event is lost: tokio keeps a readiness
-                    // that arrived with a newer tick.
+                    // The queue is empty now, but a readiness may still be cached (the
+                    // event that announced these bytes, or an older one): without this,
+                    // the next read would only return EAGAIN, as it did once a connection
+                    // while tokio's assumed readiness of accepted sockets was kept (the
+                    // accept loop now drops it). No await separates the read from this,
+                    // so no later event is lost: tokio keeps a readiness that arrived
+                    // with a newer tick.
                     let _ = self.try_io(Interest::READABLE, || {
                         Err::<(), _>(io::Error::from(ErrorKind::WouldBlock))
                     });
