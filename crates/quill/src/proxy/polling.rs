@@ -348,23 +348,49 @@ const MAX_PREEMPTIONS: i64 = 10;
 /// tries polling again.
 const CONTENDED_BACKOFF: Duration = Duration::from_secs(1);
 
-/// The share of a window a loop must spend working before it polls, as a fraction.
+/// The share of a window a loop must spend working before it polls (`num / den`), and the
+/// share below which a polling loop goes back to sleeping (`stay_num / den`).
 #[derive(Debug, Clone, Copy)]
 pub(crate) struct Share {
     pub(crate) num: u32,
+    pub(crate) stay_num: u32,
     pub(crate) den: u32,
+}
+
+impl Share {
+    /// Whether `busy` of a `window` is enough to poll, for a loop that is `polling` now
+    /// (then the lower share to go on counts) or sleeping.
+    fn exceeded(self, busy: Duration, window: Duration, polling: bool) -> bool {
+        let num = if polling { self.stay_num } else { self.num };
+        busy * self.den > window * num
+    }
 }
 
 /// UDP loops: a quarter (measured: polling saves a third of the machine CPU per query at
 /// 20,000 queries/s).
-pub(crate) const UDP_SHARE: Share = Share { num: 1, den: 4 };
-/// TCP loops: three quarters. At a quarter, a TCP loop polled at every paced load of the
-/// efficiency bench and cost more than it saved (2026-11-24, 3 rounds, machine µs per
-/// request over the backend, polling against `QUILL_BUSY_POLL=off`: +0.7 at 1 ms, +2.4 at
-/// 5 ms, +1.4 at 20 ms, +10.6 (15 %) for a connection per request at 5 ms, +20 per 1 MiB
-/// response); the busiest of those loops worked about half of each window. At saturation,
-/// where polling pays (+19 % keep-alive requests/s), the loop works all the time.
-pub(crate) const TCP_SHARE: Share = Share { num: 3, den: 4 };
+pub(crate) const UDP_SHARE: Share = Share {
+    num: 1,
+    stay_num: 1,
+    den: 4,
+};
+/// TCP loops: half a window to start polling, a quarter to go on. Before the [`Judge`]
+/// tried polling against sleeping, the share alone decided, and it was three quarters: at
+/// a quarter a TCP loop polled at every paced load of the efficiency bench and cost more
+/// than it saved (2026-11-24). With the judge deciding, the share only says which loops
+/// are worth a trial, and three quarters left out the case polling is for: at saturated
+/// keep-alive with the load generator and the server on the other core, the loop works
+/// 0.52–0.76 of its time (the other core is the bottleneck; polling spares it the loop's
+/// wake-ups), so it seldom polled, even with `QUILL_BUSY_POLL=always` (2026-11-28, AMD
+/// host: 0.64–0.75 of the time busy, 13–19 k context switches a second either way). At
+/// the 5 ms pace the loop works a quarter of its time, at the 1 ms pace 0.46, with a new
+/// connection per request at 5 ms 0.78. Once polling, the loop measures its work by its
+/// turns, which take less time without the wake-ups: it goes on at a quarter, so that a
+/// loop the judge found polling pays for does not drop out of it at the next window.
+pub(crate) const TCP_SHARE: Share = Share {
+    num: 2,
+    stay_num: 1,
+    den: 4,
+};
 
 /// The load of one event loop. Once the loop has spent more than its [`Share`] of the last
 /// window working, and its [`Judge`] finds that polling pays, it keeps polling, without
@@ -436,8 +462,8 @@ impl Load {
             self.calm_until = now + CONTENDED_BACKOFF;
         }
         self.preempted = preempted;
-        let busy = self.busy * self.share.den > window * self.share.num;
         let was = self.hot;
+        let busy = self.share.exceeded(self.busy, window, was);
         self.hot = (busy || self.judge.trying())
             && now >= self.calm_until
             && match mode() {
@@ -604,6 +630,20 @@ fn next_cold_window(cold: Duration, busy: Duration, length: Duration) -> Duratio
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn a_tcp_loop_starts_polling_at_half_its_time_busy_and_goes_on_down_to_a_quarter() {
+        let ms = Duration::from_millis;
+        let window = ms(100);
+        assert!(TCP_SHARE.exceeded(ms(60), window, false));
+        assert!(!TCP_SHARE.exceeded(ms(45), window, false));
+        assert!(TCP_SHARE.exceeded(ms(45), window, true));
+        assert!(TCP_SHARE.exceeded(ms(30), window, true));
+        assert!(!TCP_SHARE.exceeded(ms(20), window, true));
+        // UDP loops start and go on at the same quarter.
+        assert!(UDP_SHARE.exceeded(ms(30), window, false));
+        assert!(!UDP_SHARE.exceeded(ms(20), window, true));
+    }
 
     #[test]
     fn an_idle_loop_measures_its_load_less_often_and_a_busy_one_at_once_again() {
