@@ -56,6 +56,11 @@ pub trait Stream {
     /// known to be there (a peeked PROXY header). A short read, or one that finds nothing,
     /// clears the readiness the event loop may have cached, as [`Stream::try_read`] does.
     fn read_now(&self, buf: &mut [u8]) -> io::Result<usize>;
+    /// Clears the readiness for reading the event loop may have cached, without a system
+    /// call: the next wait for readability waits for an event it has not yet taken. Safe
+    /// only where no await separates it from the last look at the socket (tokio keeps a
+    /// readiness that arrived with a newer tick).
+    fn forget_readable(&self);
     fn try_write(&self, buf: &[u8]) -> io::Result<usize>;
     fn shutdown_write(&self) -> io::Result<()>;
     /// Copies received bytes without consuming them. When `more(peeked)` says more bytes
@@ -112,11 +117,15 @@ macro_rules! impl_stream {
                     // accept loop now drops it). No await separates the read from this,
                     // so no later event is lost: tokio keeps a readiness that arrived
                     // with a newer tick.
-                    let _ = self.try_io(Interest::READABLE, || {
-                        Err::<(), _>(io::Error::from(ErrorKind::WouldBlock))
-                    });
+                    Stream::forget_readable(self);
                 }
                 read
+            }
+            fn forget_readable(&self) {
+                // Saying "would block" from inside `try_io` is how tokio is told.
+                let _ = self.try_io(Interest::READABLE, || {
+                    Err::<(), _>(io::Error::from(ErrorKind::WouldBlock))
+                });
             }
             fn try_write(&self, buf: &[u8]) -> io::Result<usize> {
                 <$t>::try_write(self, buf)
@@ -681,6 +690,9 @@ mod tests {
         fn read_now(&self, buf: &mut [u8]) -> io::Result<usize> {
             self.unasked.set(self.unasked.get() + 1);
             self.count_empty(self.socket.read_now(buf))
+        }
+        fn forget_readable(&self) {
+            Stream::forget_readable(&self.socket);
         }
         fn try_write(&self, buf: &[u8]) -> io::Result<usize> {
             Stream::try_write(&self.socket, buf)

@@ -125,11 +125,6 @@ impl Accept for UnixListener {
     }
 }
 
-/// Says "would block" without a system call, so that tokio clears the readiness it cached.
-fn would_block() -> io::Result<()> {
-    Err(io::ErrorKind::WouldBlock.into())
-}
-
 /// Accepts until shutdown (returns `None`) or until a new listener arrives (returns it).
 async fn accept_loop<L: Accept>(
     state: &'static State,
@@ -166,7 +161,15 @@ async fn accept_loop<L: Accept>(
             Some(next) = relisten.recv() => return Some(next),
             r = listener.accept_one() => match r {
                 Ok((sock, peer)) => {
-                    sock.forget_assumed_readable();
+                    // tokio takes an accepted socket for readable before any event (its
+                    // first read tries the socket), but a client's first bytes have mostly
+                    // not arrived when its connection is accepted: that read would find
+                    // nothing (one EAGAIN a connection under wrk's connection-per-request
+                    // load; NGINX and Pen make none). Here, before any await, no event of
+                    // the socket has been taken yet, and the first `epoll_wait` after its
+                    // registration reports bytes already there: the client is read when
+                    // the event loop says so and nothing is missed.
+                    Stream::forget_readable(&sock);
                     super::polling::stir();
                     spawn_connection(state, sock, peer, local_port);
                     budget = yield_when_spent(budget, state).await;
@@ -222,14 +225,6 @@ trait ClientStream:
     fn into_std(self) -> io::Result<Self::Std>;
     /// Puts a socket back into this thread's reactor.
     fn from_std(socket: Self::Std) -> io::Result<Self>;
-    /// tokio takes an accepted socket for readable before any event (its first read tries
-    /// the socket), but a client's first bytes have mostly not arrived when its connection
-    /// is accepted: that read would find nothing (one EAGAIN a connection under wrk's
-    /// connection-per-request load; NGINX and Pen make none). Called right after the
-    /// accept, before any await: no event of the socket has been taken yet, and the first
-    /// `epoll_wait` after its registration reports bytes already there, so the client is
-    /// read when the event loop says so and nothing is missed.
-    fn forget_assumed_readable(&self);
 }
 
 impl ClientStream for TcpStream {
@@ -248,9 +243,6 @@ impl ClientStream for TcpStream {
     fn from_std(socket: std::net::TcpStream) -> io::Result<TcpStream> {
         TcpStream::from_std(socket)
     }
-    fn forget_assumed_readable(&self) {
-        let _ = self.try_io(tokio::io::Interest::READABLE, would_block);
-    }
 }
 
 impl ClientStream for tokio::net::UnixStream {
@@ -264,9 +256,6 @@ impl ClientStream for tokio::net::UnixStream {
     }
     fn from_std(socket: Self::Std) -> io::Result<Self> {
         tokio::net::UnixStream::from_std(socket)
-    }
-    fn forget_assumed_readable(&self) {
-        let _ = self.try_io(tokio::io::Interest::READABLE, would_block);
     }
 }
 
@@ -1216,7 +1205,7 @@ mod tests {
 
     async fn accepted(listener: &TcpListener) -> TcpStream {
         let (sock, _) = listener.accept().await.unwrap();
-        sock.forget_assumed_readable();
+        Stream::forget_readable(&sock);
         sock
     }
 
