@@ -12,7 +12,7 @@ _quillctl_sockets_glob='/run/quill/*.ctl'
 # The configuration commands of the command language (crates/quill/src/command.rs).
 _quillctl_settings='server roundrobin hash hash_only stubborn weight prio tracking blacklist
 timeout conn_max clients_max acl client_acl tcp_nodelay tcp_fastclose keepalive idle_timeout
-idle_park pending_max source dummy debug epoll poll select kqueue block delayed_forward ascii
+idle_park defer_accept pending_max source dummy debug epoll poll select kqueue block delayed_forward ascii
 emergency abuse multi_accept backlog workers udp_idle_timeout listen control_acl
 metrics_listen log web_stats abort_on_error geoip_db ssl_cert ssl_key ssl_ca ssl_ca_dir
 ssl_verify_client ssl_protocol ssl_option ssl_ciphers ssl_sni_path ssl_ocsp_response
@@ -170,6 +170,7 @@ _quillctl_complete() {
     1,status) _quillctl_compgen -W 'html json' -- "$cur" ;;
     1,tcp_fastclose) _quillctl_compgen -W 'up down both off' -- "$cur" ;;
     1,dsr_path) _quillctl_compgen -W 'auto xdp packet' -- "$cur" ;;
+    1,defer_accept) _quillctl_compgen -W 'auto' -- "$cur" ;;
     1,ssl_protocol) _quillctl_compgen -W "$_quillctl_protocols" -- "$cur" ;;
     1,ssl_option) _quillctl_compgen -W "$_quillctl_ssl_options" -- "$cur" ;;
     1,proxy_protocol) _quillctl_compgen -W 'v1 v2' -- "$cur" ;;

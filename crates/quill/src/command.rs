@@ -68,6 +68,10 @@ pub enum Command {
     Keepalive(bool),
     /// `idle_timeout N`: close connections silent for N seconds (0 = never).
     IdleTimeout(u64),
+    /// `defer_accept auto|N` (extension): how long the kernel holds a new TCP connection
+    /// until its client's first bytes arrive (TCP_DEFER_ACCEPT), so that quill is woken
+    /// once for both; `0` = never.
+    DeferAccept(DeferAccept),
     /// `idle_park N` (extension): after N seconds of silence, an idle raw TCP connection
     /// is parked: it keeps only its session, out of the event loop's tasks and reactor,
     /// until a byte or a close arrives (0 = never park); an HTTP/1.x client served request
@@ -735,6 +739,38 @@ impl FastClose {
     }
 }
 
+/// `defer_accept`: whether, and how long, new TCP connections wait in the kernel for their
+/// client's first bytes before quill accepts them.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+pub enum DeferAccept {
+    /// [`DeferAccept::AUTO_SECONDS`] where every client speaks first (`http`, or TLS
+    /// terminated by quill), never for a raw TCP relay: a server may speak first there
+    /// (SMTP, FTP, MySQL), and its silent clients would wait out the delay.
+    #[default]
+    Auto,
+    /// This many seconds (0: accept at once).
+    Seconds(u32),
+}
+
+impl DeferAccept {
+    /// What `auto` holds a connection for where clients speak first. A client's first bytes
+    /// follow its handshake within a round trip; one whose bytes come later is accepted
+    /// after this (one SYN-ACK retransmitted) and served as any other.
+    pub const AUTO_SECONDS: u32 = 1;
+    /// The largest delay accepted: the kernel counts it in SYN-ACK retransmissions, and a
+    /// client that silent is better timed out by quill than held unseen.
+    pub const MAX_SECONDS: u32 = 600;
+
+    /// The seconds to ask of the kernel, given whether this listener's clients speak first.
+    pub fn seconds(self, clients_speak_first: bool) -> u32 {
+        match self {
+            DeferAccept::Auto if clients_speak_first => Self::AUTO_SECONDS,
+            DeferAccept::Auto => 0,
+            DeferAccept::Seconds(n) => n,
+        }
+    }
+}
+
 /// How the DSR plane forwards frames (`dsr_path`).
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
 pub enum DsrPath {
@@ -978,6 +1014,7 @@ pub const NAMES: &[&str] = &[
     "keepalive",
     "idle_timeout",
     "idle_park",
+    "defer_accept",
     "pending_max",
     "source",
     "dummy",
@@ -1187,6 +1224,20 @@ fn parse_positive(command: &'static str, w: &mut Words<'_>) -> Result<Command, P
         "keepalive" => Command::Keepalive(true),
         "idle_timeout" => Command::IdleTimeout(w.number("number of seconds")?),
         "idle_park" => Command::IdlePark(w.number("number of seconds")?),
+        "defer_accept" => Command::DeferAccept(match w.next("auto or a number of seconds")? {
+            "auto" => DeferAccept::Auto,
+            n => {
+                let n: u32 = parse_number(command, "number of seconds", n)?;
+                if n > DeferAccept::MAX_SECONDS {
+                    return Err(ParseError::Invalid {
+                        command,
+                        what: "number of seconds (at most 600)",
+                        value: n.to_string(),
+                    });
+                }
+                DeferAccept::Seconds(n)
+            }
+        }),
         "pending_max" => {
             let n: usize = w.number("number of connections")?;
             if n == 0 {
@@ -1707,6 +1758,8 @@ impl fmt::Display for Command {
             Command::Keepalive(on) => on_off(f, *on, "keepalive"),
             Command::IdleTimeout(n) => write!(f, "idle_timeout {n}"),
             Command::IdlePark(n) => write!(f, "idle_park {n}"),
+            Command::DeferAccept(DeferAccept::Auto) => write!(f, "defer_accept auto"),
+            Command::DeferAccept(DeferAccept::Seconds(n)) => write!(f, "defer_accept {n}"),
             Command::PendingMax(n) => write!(f, "pending_max {n}"),
             Command::Source(ip) => write!(f, "source {ip}"),
             Command::NoSource => f.write_str("no source"),
@@ -1901,6 +1954,11 @@ mod tests {
         assert_eq!(parse("   "), Err(ParseError::Empty));
         assert!(parse("server 0 address 300.1.1.1").is_err());
         assert!(parse("no timeout").is_err());
+        assert!(parse("defer_accept 601")
+            .unwrap_err()
+            .to_string()
+            .contains("601"));
+        assert!(parse("defer_accept soon").is_err());
     }
 
     #[test]
@@ -2053,6 +2111,11 @@ mod roundtrip {
             any::<bool>().prop_map(Command::Keepalive),
             any::<u64>().prop_map(Command::IdleTimeout),
             any::<u64>().prop_map(Command::IdlePark),
+            prop_oneof![
+                Just(DeferAccept::Auto),
+                (0..=DeferAccept::MAX_SECONDS).prop_map(DeferAccept::Seconds)
+            ]
+            .prop_map(Command::DeferAccept),
             (1usize..).prop_map(Command::PendingMax),
             any::<IpAddr>().prop_map(Command::Source),
             Just(Command::NoSource),

@@ -12,8 +12,8 @@ use std::sync::Arc;
 
 use crate::acl::{Acl, AclId, GeoRef, ACL_LISTS};
 use crate::command::{
-    parse_port, split_host_port, Command, DsrPath, FastClose, Host, HostPort, Hsts, Millis, Probe,
-    ProxyVersion, ServerCheck, ServerField, ServerProxy, Word, MAX_SERVERS,
+    parse_port, split_host_port, Command, DeferAccept, DsrPath, FastClose, Host, HostPort, Hsts,
+    Millis, Probe, ProxyVersion, ServerCheck, ServerField, ServerProxy, Word, MAX_SERVERS,
 };
 use crate::geoip::GeoIp;
 use crate::net::ListenAddr;
@@ -112,6 +112,15 @@ impl Settings {
             ServerCheck::Probe(p) => Some(p),
         }
     }
+
+    /// The seconds a new TCP connection waits in the kernel for its client's first bytes
+    /// (TCP_DEFER_ACCEPT; 0 = none). Under `defer_accept auto`, clients speak first where
+    /// quill speaks HTTP (`http`), terminates TLS (a ClientHello comes first) or expects a
+    /// PROXY protocol header (`accept_proxy`).
+    pub fn defer_accept_seconds(&self) -> u32 {
+        let clients_speak_first = self.http || self.tls_built.server.is_some() || self.accept_proxy;
+        self.defer_accept.seconds(clients_speak_first)
+    }
 }
 
 /// A resolved upstream that is not part of the server table (emergency, abuse servers).
@@ -162,6 +171,9 @@ pub struct Settings {
     pub keepalive: bool,
     /// Seconds of silence after which a connection is closed (0 = never).
     pub idle_timeout: u64,
+    /// How long new TCP connections wait in the kernel for their client's first bytes
+    /// (`defer_accept`; see [`Settings::defer_accept_seconds`]).
+    pub defer_accept: DeferAccept,
     /// Seconds of silence after which a raw TCP connection is parked, or an HTTP/1.x client
     /// served request by request leaves hyper (0 = never).
     pub idle_park: u64,
@@ -291,6 +303,7 @@ impl Default for Settings {
             keepalive: false,
             idle_timeout: 0,
             idle_park: 1,
+            defer_accept: DeferAccept::Auto,
             source: None,
             dummy: false,
             debug: 0,
@@ -516,6 +529,7 @@ impl Settings {
             Command::Keepalive(on) => set(&mut self.keepalive, *on),
             Command::IdleTimeout(n) => set(&mut self.idle_timeout, *n),
             Command::IdlePark(n) => set(&mut self.idle_park, *n),
+            Command::DeferAccept(d) => set(&mut self.defer_accept, *d),
             Command::PendingMax(n) => set(&mut self.pending_max, *n),
             Command::Source(ip) => set(&mut self.source, Some(*ip)),
             Command::NoSource => set(&mut self.source, None),
@@ -746,6 +760,9 @@ impl Settings {
         out.push(Command::PendingMax(self.pending_max));
         out.push(Command::IdleTimeout(self.idle_timeout));
         out.push(Command::IdlePark(self.idle_park));
+        if self.defer_accept != d.defer_accept {
+            out.push(Command::DeferAccept(self.defer_accept));
+        }
         if self.fastclose != d.fastclose {
             out.push(Command::TcpFastclose(self.fastclose));
         }
@@ -1072,6 +1089,36 @@ mod tests {
         assert!(on.upstream_h2);
         assert!(lines(&on).contains(&"upstream_h2".to_string()));
         assert!(!apply_all(&["upstream_h2", "no upstream_h2"]).upstream_h2);
+    }
+
+    #[test]
+    fn defer_accept_follows_whether_clients_speak_first_unless_chosen() {
+        let lines = |s: &Settings| -> Vec<String> {
+            s.to_commands().iter().map(|c| c.to_string()).collect()
+        };
+        // A raw relay's server may speak first: accepted at once.
+        assert_eq!(Settings::default().defer_accept_seconds(), 0);
+        for first in ["http", "accept_proxy"] {
+            assert_eq!(
+                apply_all(&[first]).defer_accept_seconds(),
+                DeferAccept::AUTO_SECONDS,
+                "{first}"
+            );
+        }
+        assert!(!lines(&apply_all(&["http"]))
+            .iter()
+            .any(|l| l.contains("defer_accept")));
+        let chosen = apply_all(&["defer_accept 3"]);
+        assert_eq!(chosen.defer_accept_seconds(), 3);
+        assert!(lines(&chosen).contains(&"defer_accept 3".to_string()));
+        assert_eq!(
+            apply_all(&["http", "defer_accept 0"]).defer_accept_seconds(),
+            0
+        );
+        assert_eq!(
+            apply_all(&["defer_accept 3", "defer_accept auto"]).defer_accept,
+            DeferAccept::Auto
+        );
     }
 
     #[test]

@@ -627,3 +627,45 @@ fn stopping_closes_idle_clients(pump: Pump) {
         "quill still runs, waiting out shutdown_grace"
     );
 }
+
+/// With `http` every client speaks first, so `defer_accept auto` lets the kernel hold a new
+/// connection until its first bytes: quill does not even see a client that stays silent,
+/// and is woken once for a connection and its request. `defer_accept 0`, given at run
+/// time, has the next connections accepted at once.
+#[test]
+fn an_http_listener_takes_a_connection_with_its_first_bytes_unless_told_otherwise() {
+    if skip_on_pen("defer_accept is a quill extension") {
+        return;
+    }
+    let backend = EchoServer::start();
+    let spec = backend.spec();
+    let mut args = vec!["-H", "-C", "127.0.0.1:{ctl}"];
+    args.extend(support::ctl::run_as_args());
+    args.extend([
+        "-O",
+        "metrics_listen 127.0.0.1:{metrics}",
+        "127.0.0.1:{port}",
+        &spec,
+    ]);
+    let (q, metrics) = support::http::start_with_metrics(&args);
+    let accepted = || support::http::metric(metrics, "quill_connections_accepted_total");
+    let mut s = q.connect();
+    assert!(
+        !poll_until(Duration::from_millis(500), || accepted() > 0),
+        "a client that has sent nothing was accepted"
+    );
+    s.write_all(b"GET /first HTTP/1.1\r\nHost: example.test\r\n\r\n")
+        .unwrap();
+    let resp = read_response(&mut s).expect("a response");
+    assert_eq!(resp.status, 200);
+    assert_eq!(accepted(), 1);
+
+    let ctl = q.args()[q.args().iter().position(|a| a == "-C").unwrap() + 1].clone();
+    support::ctl::ctl_ok(&ctl, "defer_accept 0");
+    let _silent = q.connect();
+    wait_until(
+        Duration::from_secs(2),
+        "a silent client accepted at once after `defer_accept 0`",
+        || accepted() == 2,
+    );
+}

@@ -20,6 +20,7 @@ use std::time::Duration;
 
 use support::browser::{browser_tools, run_script, CHROMIUM};
 use support::daemon::{nginx, Daemon};
+use support::http::metric;
 use support::http_echo::read_response;
 use support::*;
 
@@ -1147,15 +1148,6 @@ fn streams_beyond_h2_max_streams_are_refused() {
         return;
     };
     assert_eq!(out.trim(), "refused [(15, 7)]", "{out}");
-}
-
-/// One value of `/metrics` (the Prometheus text format), e.g. `quill_server_pool_idle`.
-fn metric(addr: std::net::SocketAddr, name: &str) -> u64 {
-    let text = support::http::get(addr, "/metrics").text();
-    text.lines()
-        .find(|l| l.starts_with(name) && l[name.len()..].starts_with(['{', ' ']))
-        .and_then(|l| l.split_whitespace().last()?.parse().ok())
-        .unwrap_or_else(|| panic!("no {name} in:\n{text}"))
 }
 
 /// A burst of 20 clients at once leaves up to 20 idle server connections; within about two

@@ -448,3 +448,44 @@ fn a_client_that_does_not_read_is_held_back_not_buffered() {
     }
     assert_eq!(echoed, sent, "echoed bytes differ from bytes sent");
 }
+
+// `defer_accept`: a raw relay cannot know that its clients speak first (SMTP, FTP and
+// MySQL servers greet), so by default it accepts every connection at once; asked to, it
+// lets the kernel hold each one until the client's first bytes.
+
+#[test]
+fn a_raw_relay_accepts_a_silent_client_at_once_so_its_server_can_greet_it() {
+    let a = IdentityBackend::start("greeter");
+    let q = Quill::start(&["-r", "127.0.0.1:{port}", &a.spec()]);
+    let started = Instant::now();
+    let mut s = q.connect();
+    // The kernel would hold a deferred connection for at least a second (its first
+    // SYN-ACK retransmission); the greeting comes well before that.
+    assert_eq!(backend_name(&mut s).as_deref(), Some("greeter"));
+    assert!(
+        started.elapsed() < Duration::from_millis(900),
+        "greeted after {:?}",
+        started.elapsed()
+    );
+}
+
+#[test]
+fn with_defer_accept_a_silent_client_is_not_accepted_until_it_speaks() {
+    if skip_on_pen("defer_accept is a quill extension") {
+        return;
+    }
+    let a = IdentityBackend::start("held");
+    let q = Quill::start(&["-r", "-O", "defer_accept 5", "127.0.0.1:{port}", &a.spec()]);
+    let mut s = q.connect();
+    // quill never saw the connection, so it connected nowhere.
+    assert!(
+        !poll_until(Duration::from_millis(500), || a.accepted() > 0),
+        "a silent client was accepted and relayed"
+    );
+    s.write_all(b"ping").unwrap();
+    a.wait_accepted(1, Duration::from_secs(2));
+    assert_eq!(backend_name(&mut s).as_deref(), Some("held"));
+    let mut echo = [0u8; 4];
+    s.read_exact(&mut echo).unwrap();
+    assert_eq!(&echo, b"ping", "the first bytes were relayed");
+}

@@ -3,6 +3,7 @@
 pub mod connect;
 pub mod listen;
 pub mod services;
+pub mod sockopt;
 pub mod udp;
 
 pub use listen::{ListenAddr, Listener};

@@ -109,6 +109,9 @@ pub async fn serve(
 trait Accept {
     type Stream: ClientStream;
     async fn accept_one(&self) -> io::Result<(Self::Stream, SocketAddr)>;
+    /// Asks that new connections wait in the kernel for their client's first bytes, up to
+    /// `seconds` (`defer_accept`); returns the seconds in effect.
+    fn defer_accept(&self, seconds: u32) -> io::Result<u32>;
 }
 
 impl Accept for TcpListener {
@@ -116,12 +119,35 @@ impl Accept for TcpListener {
     async fn accept_one(&self) -> io::Result<(TcpStream, SocketAddr)> {
         self.accept().await
     }
+    fn defer_accept(&self, seconds: u32) -> io::Result<u32> {
+        crate::net::sockopt::set_defer_accept(self, seconds).map(|()| seconds)
+    }
 }
 
 impl Accept for UnixListener {
     type Stream = tokio::net::UnixStream;
     async fn accept_one(&self) -> io::Result<(tokio::net::UnixStream, SocketAddr)> {
         self.accept().await.map(|(s, _)| (s, UNIX_CLIENT))
+    }
+    /// A Unix socket has no handshake to hold a connection at: accepted at once.
+    fn defer_accept(&self, _: u32) -> io::Result<u32> {
+        Ok(0)
+    }
+}
+
+/// Gives the listener the settings' `defer_accept` when it has another (`current`: what
+/// it was given, `None` at first); returns the seconds in effect.
+fn defer_accept<L: Accept>(listener: &L, state: &State, current: Option<u32>) -> u32 {
+    let wanted = state.settings().defer_accept_seconds();
+    if current == Some(wanted) {
+        return wanted;
+    }
+    match listener.defer_accept(wanted) {
+        Ok(seconds) => seconds,
+        Err(e) => {
+            tracing::warn!("cannot set defer_accept {wanted} on the listener: {e}");
+            current.unwrap_or(0)
+        }
     }
 }
 
@@ -135,6 +161,10 @@ async fn accept_loop<L: Accept>(
 ) -> Option<Listener> {
     // Accepts left before yielding; the settings are read once per batch, not per accept.
     let mut budget = state.settings().multi_accept;
+    // `defer_accept` follows the settings (`http`, TLS and the setting itself can change
+    // at run time), given to the listener before the first accept and at each change.
+    let mut settings_changed = state.generation.subscribe();
+    let mut deferred = defer_accept(&listener, state, None);
     loop {
         // Pen's pending_max: while that many connections are still connecting to their
         // server, stop accepting and let the kernel's backlog hold the next clients, rather
@@ -159,17 +189,24 @@ async fn accept_loop<L: Accept>(
             biased;
             _ = shutdown.changed() => return None,
             Some(next) = relisten.recv() => return Some(next),
+            Ok(()) = settings_changed.changed() => {
+                deferred = defer_accept(&listener, state, Some(deferred));
+            }
             r = listener.accept_one() => match r {
                 Ok((sock, peer)) => {
                     // tokio takes an accepted socket for readable before any event (its
-                    // first read tries the socket), but a client's first bytes have mostly
-                    // not arrived when its connection is accepted: that read would find
-                    // nothing (one EAGAIN a connection under wrk's connection-per-request
-                    // load; NGINX and Pen make none). Here, before any await, no event of
-                    // the socket has been taken yet, and the first `epoll_wait` after its
-                    // registration reports bytes already there: the client is read when
-                    // the event loop says so and nothing is missed.
-                    Stream::forget_readable(&sock);
+                    // first read tries the socket). With `defer_accept` the client's first
+                    // bytes are there (the kernel held the connection for them), and that
+                    // read takes them without a turn of the event loop. Without it they
+                    // have mostly not arrived, and that read would find nothing (one
+                    // EAGAIN a connection under wrk's connection-per-request load; NGINX
+                    // and Pen make none): here, before any await, no event of the socket
+                    // has been taken yet, and the first `epoll_wait` after its
+                    // registration reports bytes already there, so the client is read
+                    // when the event loop says so and nothing is missed.
+                    if deferred == 0 {
+                        Stream::forget_readable(&sock);
+                    }
                     super::polling::stir();
                     spawn_connection(state, sock, peer, local_port);
                     budget = yield_when_spent(budget, state).await;

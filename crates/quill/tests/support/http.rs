@@ -39,6 +39,15 @@ pub fn start_with_metrics(args: &[&str]) -> (Quill, SocketAddr) {
     );
 }
 
+/// One value of `/metrics` (the Prometheus text format), e.g. `quill_server_pool_idle`.
+pub fn metric(addr: SocketAddr, name: &str) -> u64 {
+    let text = get(addr, "/metrics").text();
+    text.lines()
+        .find(|l| l.starts_with(name) && l[name.len()..].starts_with(['{', ' ']))
+        .and_then(|l| l.split_whitespace().last()?.parse().ok())
+        .unwrap_or_else(|| panic!("no {name} in:\n{text}"))
+}
+
 /// A parsed HTTP response.
 #[derive(Debug)]
 pub struct Response {
