@@ -214,6 +214,11 @@ def measure(procs: tb.Procs, tmp: Path, args: argparse.Namespace, backend: tls.B
                 break
         else:
             raise tb.StartError(f"{bal}: no HTTPS request served ({check}); log:\n{tb.tail(logf)}")
+        if paced and args.warmup > 0:
+            # Unmeasured, the same load first: the figure is then a steady state (server
+            # pools filled, TLS sessions made, a quill event loop's trial of busy polling over).
+            tb.run_load(procs, load_argv(scenario, port, args.warmup, paced, args.pace_ms, args.h2_rps),
+                        args.warmup + 60)
         before_cpu = tls.cpu_snapshot(p, backend)
         before = tb.machine_idle()
         out = tb.run_load(procs, load_argv(scenario, port, args.duration, paced, args.pace_ms, args.h2_rps),
@@ -349,6 +354,9 @@ def main(argv: list[str]) -> int:
     ap.add_argument("--pace-ms", type=int, default=PACE_MS,
                     help="paced h1 and reconnect10: each connection waits this long after an answer")
     ap.add_argument("--h2-rps", type=int, default=H2_RPS, help="paced h2: requests/s per h2load client")
+    ap.add_argument("--warmup", type=int, default=None,
+                    help="seconds of the same load before each paced measurement, unmeasured "
+                         "(default 3, --quick: 1; 0: none)")
     ap.add_argument("--quill-bin", type=Path, default=tb.REPO_ROOT / "target" / "release" / "quill")
     ap.add_argument("--base-bin", type=Path, default=None,
                     help="also measure this quill binary, as `quill-base` (an A/B of two builds)")
@@ -356,6 +364,8 @@ def main(argv: list[str]) -> int:
     args = ap.parse_args(argv)
     if args.quick:
         args.rounds, args.duration = 1, 3.0
+    if args.warmup is None:
+        args.warmup = 1 if args.quick else 3
     # quill-base runs exactly when there is a base binary to run.
     selected = [b for b in BALANCERS
                 if (b in args.only.split(",") and b != "quill-base") or (b == "quill-base" and args.base_bin)]

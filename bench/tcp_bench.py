@@ -48,14 +48,17 @@ REPO_ROOT = BENCH_DIR.parent
 RESULTS_DIR = BENCH_DIR / "results"
 LOADGEN_DIR = BENCH_DIR / "loadgen"
 
-ALL_BALANCERS = ("quill", "pen", "haproxy", "nginx", "backend", "quill-nopoll", "quill-poll")
+ALL_BALANCERS = ("quill", "pen", "haproxy", "nginx", "backend", "quill-nopoll", "quill-poll",
+                 "quill-defer")
 # Measured only when named in --only: quill with busy polling off (QUILL_BUSY_POLL=off) and
 # quill polling whenever busy, without trying whether it pays (QUILL_BUSY_POLL=always): the
-# A/B of what polling costs or saves, and of the default that tries both.
-OPTIONAL_BALANCERS = ("quill-nopoll", "quill-poll")
-# The environment each quill variant runs with.
+# A/B of what polling costs or saves, and of the default that tries both; quill-defer is
+# the raw relay told that its clients speak first (`defer_accept 1`, off by default there).
+OPTIONAL_BALANCERS = ("quill-nopoll", "quill-poll", "quill-defer")
+# The environment each quill variant runs with, and its own arguments.
 QUILL_VARIANTS = {"quill": [], "quill-nopoll": ["env", "QUILL_BUSY_POLL=off"],
-                  "quill-poll": ["env", "QUILL_BUSY_POLL=always"]}
+                  "quill-poll": ["env", "QUILL_BUSY_POLL=always"], "quill-defer": []}
+QUILL_VARIANT_ARGS = {"quill-defer": ["-O", "defer_accept 1"]}
 ANCHORS = ("pen", "haproxy", "nginx")
 
 
@@ -664,7 +667,7 @@ def balancer_argv(name: str, port: int, backend_port: int, tmp: Path, quill_bin:
     if name in QUILL_VARIANTS:
         # No worker-count option: quill sizes itself from the cores it may use.
         return QUILL_VARIANTS[name] + pin + [str(quill_bin), "-f", "-r", "-x", MAX_CONNS, *tls_args,
-                                             listen, target]
+                                             *QUILL_VARIANT_ARGS.get(name, []), listen, target]
     if name == "pen":
         return pin + ["pen", "-f", "-r", "-x", MAX_CONNS, *tls_args, listen, target]
     if name == "haproxy":
@@ -1122,8 +1125,18 @@ class Bench:
         scheme = "https" if sc.tls and run.balancer != "backend" else "http"
         url = f"{scheme}://127.0.0.1:{port}{sc.path}"
         conns = sc.connections or self.args.connections
-        argv = self.load_pin(sc) + ["wrk", f"-t{WRK_THREADS}", f"-c{conns}", f"-d{self.args.duration}s",
-                                    "--latency", "-s", str(script), *sc.wrk_extra, url]
+
+        def wrk(seconds: int, *extra: str) -> list[str]:
+            return self.load_pin(sc) + ["wrk", f"-t{WRK_THREADS}", f"-c{conns}", f"-d{seconds}s", *extra,
+                                        "-s", str(script), *sc.wrk_extra, url]
+
+        if self.args.warmup > 0:
+            # The same load first, unmeasured, so that the figure is a steady state: quill's
+            # event loops try busy polling (a trial of 0.6-2 s) when a load starts, server
+            # pools fill, TLS sessions are made; in a run of a few seconds that start-up
+            # would be a fifth of the figure for one balancer and not for another.
+            run_load(self.procs, wrk(self.args.warmup), self.args.warmup + 60)
+        argv = wrk(self.args.duration, "--latency")
         idle0 = machine_idle()
         w = self.run_wrk(run, proc, argv)
         busy = machine_busy_s(idle0, machine_idle())
@@ -1451,7 +1464,8 @@ def fmt_table(summary: dict[str, Any], args: argparse.Namespace) -> str:
 
 
 COLOURS = {"quill": "#2b6cb0", "pen": "#a0aec0", "haproxy": "#ed8936", "nginx": "#48bb78",
-           "backend": "#4a5568", "quill-nopoll": "#90cdf4", "quill-poll": "#1a365d"}
+           "backend": "#4a5568", "quill-nopoll": "#90cdf4", "quill-poll": "#1a365d",
+           "quill-defer": "#805ad5"}
 
 
 def svg_chart(summary: dict[str, Any], title: str) -> str:
@@ -1513,6 +1527,9 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     p.add_argument("--efficiency", action="store_true",
                    help="only the efficiency yardstick: machine CPU per request over the backend "
                         "alone at paced loads (1, 5, 20 ms per connection; also in the full run)")
+    p.add_argument("--warmup", type=int, default=None,
+                   help="seconds of the same paced load before each measured paced run, unmeasured "
+                        "(default 3, --quick: 1; 0: none)")
     p.add_argument("--quill-bin", type=Path, default=None,
                    help="quill binary (default: <repo>/target/release/quill; giving it skips the build)")
     p.add_argument("--no-build", action="store_true", help="do not build quill and the load generator")
@@ -1522,10 +1539,13 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     a = p.parse_args(argv)
     a.rounds = a.rounds if a.rounds is not None else (1 if a.quick else 3)
     a.duration = a.duration if a.duration is not None else (3 if a.quick else 10)
+    a.warmup = a.warmup if a.warmup is not None else (1 if a.quick else 3)
     if a.quick and a.syscall_requests == 20000:
         a.syscall_requests = 5000
     if a.rounds < 1 or a.duration < 1 or a.latency_rate < 1 or a.syscall_requests < 1:
         p.error("--rounds, --duration, --latency-rate and --syscall-requests must be >= 1")
+    if a.warmup < 0:
+        p.error("--warmup must be >= 0")
     sel = [s.strip() for s in a.only.split(",") if s.strip()]
     bad = [s for s in sel if s not in ALL_BALANCERS]
     if bad or not sel:
@@ -1631,7 +1651,7 @@ def main(argv: list[str]) -> int:
         "machine": machine,
         "versions": versions,
         "config": {
-            "rounds": args.rounds, "duration_s": args.duration, "wrk_threads": WRK_THREADS,
+            "rounds": args.rounds, "duration_s": args.duration, "warmup_s": args.warmup, "wrk_threads": WRK_THREADS,
             "connections": args.connections, "quick": args.quick, "balancers": selected,
             "balancer_core_one_core_layout": int(BALANCER_CORE), "load_and_backend_core": int(LOAD_CORE),
             "latency_rate": args.latency_rate, "syscall_requests": args.syscall_requests,
