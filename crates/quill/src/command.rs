@@ -743,9 +743,9 @@ impl FastClose {
 /// client's first bytes before quill accepts them.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
 pub enum DeferAccept {
-    /// [`DeferAccept::AUTO_SECONDS`] where every client speaks first (`http`, or TLS
-    /// terminated by quill), never for a raw TCP relay: a server may speak first there
-    /// (SMTP, FTP, MySQL), and its silent clients would wait out the delay.
+    /// [`DeferAccept::AUTO_SECONDS`] where every client speaks first (`http`, TLS
+    /// terminated by quill, `accept_proxy`), never for a raw TCP relay: a server may speak
+    /// first there (SMTP, FTP, MySQL), and its silent clients would wait out the delay.
     #[default]
     Auto,
     /// This many seconds (0: accept at once).
