@@ -743,7 +743,7 @@ impl FastClose {
 /// client's first bytes before quill accepts them.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
 pub enum DeferAccept {
-    /// [`DeferAccept::AUTO_SECONDS`] where every client speaks first (`http`, TLS
+    /// [`DeferAccept::AUTO_SECONDS`] where every client speaks first (`http`, `dummy`, TLS
     /// terminated by quill, `accept_proxy`), never for a raw TCP relay: a server may speak
     /// first there (SMTP, FTP, MySQL), and its silent clients would wait out the delay.
     #[default]

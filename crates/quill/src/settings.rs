@@ -115,10 +115,11 @@ impl Settings {
 
     /// The seconds a new TCP connection waits in the kernel for its client's first bytes
     /// (TCP_DEFER_ACCEPT; 0 = none). Under `defer_accept auto`, clients speak first where
-    /// quill speaks HTTP (`http`), terminates TLS (a ClientHello comes first) or expects a
-    /// PROXY protocol header (`accept_proxy`).
+    /// quill speaks HTTP (`http`, or its own `dummy` server), terminates TLS (a ClientHello
+    /// comes first) or expects a PROXY protocol header (`accept_proxy`).
     pub fn defer_accept_seconds(&self) -> u32 {
-        let clients_speak_first = self.http || self.tls_built.server.is_some() || self.accept_proxy;
+        let clients_speak_first =
+            self.http || self.dummy || self.tls_built.server.is_some() || self.accept_proxy;
         self.defer_accept.seconds(clients_speak_first)
     }
 }
@@ -1098,7 +1099,7 @@ mod tests {
         };
         // A raw relay's server may speak first: accepted at once.
         assert_eq!(Settings::default().defer_accept_seconds(), 0);
-        for first in ["http", "accept_proxy"] {
+        for first in ["http", "dummy", "accept_proxy"] {
             assert_eq!(
                 apply_all(&[first]).defer_accept_seconds(),
                 DeferAccept::AUTO_SECONDS,
