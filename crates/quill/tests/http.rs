@@ -649,6 +649,8 @@ fn an_http_listener_takes_a_connection_with_its_first_bytes_unless_told_otherwis
     ]);
     let (q, metrics) = support::http::start_with_metrics(&args);
     let accepted = || support::http::metric(metrics, "quill_connections_accepted_total");
+    let deferred = || support::http::metric(metrics, "quill_listener_defer_accept_seconds");
+    assert_eq!(deferred(), 1, "`auto` with `-H` defers for a second");
     let mut s = q.connect();
     assert!(
         !poll_until(Duration::from_millis(500), || accepted() > 0),
@@ -660,8 +662,14 @@ fn an_http_listener_takes_a_connection_with_its_first_bytes_unless_told_otherwis
     assert_eq!(resp.status, 200);
     assert_eq!(accepted(), 1);
 
-    let ctl = q.args()[q.args().iter().position(|a| a == "-C").unwrap() + 1].clone();
+    let ctl = q.arg_after("-C").expect("-C in the arguments").to_owned();
     support::ctl::ctl_ok(&ctl, "defer_accept 0");
+    assert_eq!(deferred(), 0);
+    let status = support::ctl::ctl_ok(&ctl, "status json");
+    assert!(
+        status.contains("\"defer_accept_seconds\":0"),
+        "status json tells the value in force: {status}"
+    );
     let _silent = q.connect();
     wait_until(
         Duration::from_secs(2),

@@ -403,7 +403,7 @@ fn metrics_listen_moves_closes_and_is_written_back() {
     args.extend(run_as_args());
     args.extend(["-O", "metrics_listen {metrics}", "{port}", &spec]);
     let (q, m) = start_with_metrics(&args);
-    let ctl = ctl_address(&q);
+    let ctl = q.arg_after("-C").expect("-C in the arguments").to_owned();
     assert_eq!(ctl_ok(&ctl, "metrics_listen").trim(), m.to_string());
 
     // A port that is taken: an error, and the listener stays where it was.
@@ -442,20 +442,6 @@ fn metrics_listen_moves_closes_and_is_written_back() {
     wait_until(DEADLINE, "the metrics port is closed", || {
         TcpStream::connect(moved).is_err()
     });
-}
-
-/// The control address of a quill started with `-C 127.0.0.1:{ctl}` (from its arguments).
-fn ctl_address(q: &Quill) -> String {
-    let cmdline = std::fs::read(format!("/proc/{}/cmdline", q.pid())).unwrap();
-    let args: Vec<String> = cmdline
-        .split(|&b| b == 0)
-        .map(|a| String::from_utf8_lossy(a).into_owned())
-        .collect();
-    let i = args
-        .iter()
-        .position(|a| a == "-C")
-        .expect("-C in the arguments");
-    args[i + 1].clone()
 }
 
 #[test]

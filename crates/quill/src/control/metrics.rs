@@ -230,6 +230,14 @@ pub static FAMILIES: &[Family] = &[
         source: Source::Global(|s| s.settings().conn_max as u64),
     },
     Family {
+        name: "listener_defer_accept",
+        help: "How long the kernel holds a new client connection until its first bytes \
+               arrive before quill accepts it (defer_accept; 0: accepted at once).",
+        unit: Some(Unit::Seconds),
+        kind: Kind::Gauge,
+        source: Source::Global(|s| u64::from(s.settings().defer_accept_seconds())),
+    },
+    Family {
         name: "tls_certificate_expiry_timestamp",
         help: "When each certificate quill serves expires (its notAfter), in seconds since \
                the Unix epoch, as read at start-up or the last reload.",

@@ -215,6 +215,8 @@ pub fn json(ctx: &Context) -> String {
         "uptime_seconds": state.started.elapsed().as_secs(),
         "listen": settings.listen.as_ref().map(|l| l.to_string()),
         "control": ctx.control_addr,
+        // What `defer_accept` comes to for the listeners (`auto` resolved): 0 = none.
+        "defer_accept_seconds": settings.defer_accept_seconds(),
         "mode": { "hash": p.hash, "roundrobin": p.roundrobin, "stubborn": p.stubborn, "weight": p.weight, "prio": p.prio },
         "connections": {
             "open": state.active.load(Relaxed),

@@ -452,6 +452,12 @@ impl Quill {
         &self.args
     }
 
+    /// The value it was started with for `flag` (e.g. `-C`: the control address).
+    pub fn arg_after(&self, flag: &str) -> Option<&str> {
+        let i = self.args.iter().position(|a| a == flag)?;
+        self.args.get(i + 1).map(String::as_str)
+    }
+
     pub fn dir(&self) -> &Path {
         self.dir.path()
     }
