@@ -214,9 +214,11 @@ def measure(procs: tb.Procs, tmp: Path, args: argparse.Namespace, backend: tls.B
                 break
         else:
             raise tb.StartError(f"{bal}: no HTTPS request served ({check}); log:\n{tb.tail(logf)}")
-        if paced and args.warmup > 0:
+        if args.warmup > 0:
             # Unmeasured, the same load first: the figure is then a steady state (server
-            # pools filled, TLS sessions made, a quill event loop's trial of busy polling over).
+            # pools filled, TLS sessions made, a quill event loop's trial of busy polling over),
+            # saturated as well as paced: a fresh quill's first trial of busy polling (2 s, half
+            # of it spinning its core) would otherwise fall into a 6-s saturated run.
             tb.run_load(procs, load_argv(scenario, port, args.warmup, paced, args.pace_ms, args.h2_rps),
                         args.warmup + 60)
         before_cpu = tls.cpu_snapshot(p, backend)
@@ -355,7 +357,7 @@ def main(argv: list[str]) -> int:
                     help="paced h1 and reconnect10: each connection waits this long after an answer")
     ap.add_argument("--h2-rps", type=int, default=H2_RPS, help="paced h2: requests/s per h2load client")
     ap.add_argument("--warmup", type=int, default=None,
-                    help="seconds of the same load before each paced measurement, unmeasured "
+                    help="seconds of the same load before each measurement, unmeasured "
                          "(default 3, --quick: 1; 0: none)")
     ap.add_argument("--quill-bin", type=Path, default=tb.REPO_ROOT / "target" / "release" / "quill")
     ap.add_argument("--base-bin", type=Path, default=None,
