@@ -1083,9 +1083,16 @@ class Bench:
 
     def measure_wrk(self, run: Run, sc: Scenario, port: int, proc: subprocess.Popen[bytes] | None) -> None:
         url = f"http://127.0.0.1:{port}{sc.path}"
-        argv = self.load_pin(sc) + ["wrk", f"-t{WRK_THREADS}", f"-c{self.args.connections}",
-                                    f"-d{self.args.duration}s", *sc.wrk_extra, url]
-        w = self.run_wrk(run, proc, argv)
+
+        def wrk(seconds: int) -> list[str]:
+            return self.load_pin(sc) + ["wrk", f"-t{WRK_THREADS}", f"-c{self.args.connections}",
+                                        f"-d{seconds}s", *sc.wrk_extra, url]
+
+        if self.args.warmup > 0:
+            # As before a paced run (see measure_paced): a fresh quill's first trial of busy
+            # polling would otherwise fall into the measured seconds.
+            run_load(self.procs, wrk(self.args.warmup), self.args.warmup + 60)
+        w = self.run_wrk(run, proc, wrk(self.args.duration))
         m = run.metrics
         if sc.path == "/1m":
             mb = w.requests * BULK_SIZE / 1e6  # the body only, as the figure of merit
@@ -1528,7 +1535,7 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
                    help="only the efficiency yardstick: machine CPU per request over the backend "
                         "alone at paced loads (1, 5, 20 ms per connection; also in the full run)")
     p.add_argument("--warmup", type=int, default=None,
-                   help="seconds of the same paced load before each measured paced run, unmeasured "
+                   help="seconds of the same load before each measured wrk run (saturated or paced), unmeasured "
                         "(default 3, --quick: 1; 0: none)")
     p.add_argument("--quill-bin", type=Path, default=None,
                    help="quill binary (default: <repo>/target/release/quill; giving it skips the build)")
