@@ -525,8 +525,7 @@ impl UdpQuill {
 
     /// The (substituted) argument that followed `flag` on the command line.
     pub fn arg_after(&self, flag: &str) -> Option<&str> {
-        let i = self.args.iter().position(|a| a == flag)?;
-        self.args.get(i + 1).map(String::as_str)
+        super::arg_after(&self.args, flag)
     }
 
     /// A client flow from `src` to the balancer.

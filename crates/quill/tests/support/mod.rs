@@ -242,6 +242,13 @@ fn tcp_target(template: &str, port: u16) -> SocketAddr {
     SocketAddr::new(ip, port)
 }
 
+/// The argument that follows `flag` in a command line (`args` as started, placeholders
+/// substituted).
+pub fn arg_after<'a>(args: &'a [String], flag: &str) -> Option<&'a str> {
+    let i = args.iter().position(|a| a == flag)?;
+    args.get(i + 1).map(String::as_str)
+}
+
 impl Quill {
     /// Starts the daemon as `BIN -f ARGS...` and waits (at most START_DEADLINE) until it
     /// listens.  `{port}` in ARGS becomes a free port, `{sock}` a Unix socket
@@ -454,8 +461,7 @@ impl Quill {
 
     /// The value it was started with for `flag` (e.g. `-C`: the control address).
     pub fn arg_after(&self, flag: &str) -> Option<&str> {
-        let i = self.args.iter().position(|a| a == flag)?;
-        self.args.get(i + 1).map(String::as_str)
+        arg_after(&self.args, flag)
     }
 
     pub fn dir(&self) -> &Path {
