@@ -2,7 +2,8 @@
 //! HTTP/1.1 server may frame its answer (Content-Length, chunked with trailers, to the
 //! close, none for `HEAD`, 204 and 304, an interim `100` first, head and body in two
 //! writes), request bodies of known and unknown length, a server that answers before it
-//! has read the request, and kept-alive connections the server closed under quill.
+//! has read the request (an HTTP/1.1 client's upload refused that way too), and
+//! kept-alive connections the server closed under quill.
 //!
 //! The client is curl (HTTP/2 with prior knowledge on an `h2c` listener); the server is a
 //! scripted HTTP/1.1 server written here, raw bytes on a socket, that records what it
@@ -383,6 +384,36 @@ fn a_server_that_answers_before_reading_the_body_is_heard() {
     assert!(out.contains("too large"), "{}", tail(&out));
     // The connection it closed is not handed to the next request.
     assert_eq!(get(&q, "/next").unwrap(), "conn=2 len=0 sum=0[200]");
+}
+
+#[test]
+fn an_http11_upload_the_server_refused_early_is_answered_and_blacklists_nothing() {
+    let server = Scripted::start();
+    let q = quill(&server);
+    let mut client = TcpStream::connect(("127.0.0.1", q.port)).unwrap();
+    client
+        .set_read_timeout(Some(Duration::from_secs(20)))
+        .unwrap();
+    client
+        .write_all(b"POST /early HTTP/1.1\r\nHost: t\r\nContent-Length: 8388608\r\n\r\n")
+        .unwrap();
+    // The body keeps coming while the answer does (until quill stops taking it).
+    let mut body = client.try_clone().unwrap();
+    let uploading = std::thread::spawn(move || {
+        let chunk = vec![b'x'; 64 << 10];
+        for _ in 0..128 {
+            if body.write_all(&chunk).is_err() {
+                return;
+            }
+        }
+    });
+    let answer = http_echo::read_final_response(&mut client).expect("an answer to the upload");
+    assert_eq!(answer.status, 413, "{}", answer.head);
+    assert_eq!(answer.body, b"too large");
+    // The server went away after answering, as it said it would: it did its part, and
+    // stays in service (not blacklisted: the next request is its, not a 503).
+    assert_eq!(get(&q, "/next").unwrap(), "conn=2 len=0 sum=0[200]");
+    uploading.join().unwrap();
 }
 
 #[test]

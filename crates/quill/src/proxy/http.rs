@@ -366,6 +366,17 @@ impl Exchange {
             && self.resp_head.is_empty()
     }
 
+    /// Whether every request forwarded so far has its whole final answer (none pending, no
+    /// answer begun), whatever the client is still sending: a server may answer a request
+    /// before reading its body (413), and what it does with the connection afterwards is
+    /// no failure of its answer.
+    pub fn answered(&self) -> bool {
+        self.pending.is_empty()
+            && self.resp == Resp::Head
+            && self.resp_head.is_empty()
+            && matches!(self.req, Req::Head | Req::Body(_) | Req::Chunked(_))
+    }
+
     /// Asks the client to end the connection: the next final response that leaves no
     /// request pending, with no other request begun, gets `Connection: close` (the
     /// server's own `Connection` and the fields about its connection dropped), and the
@@ -1374,6 +1385,37 @@ mod tests {
     }
 
     const XFF: &str = "X-Forwarded-For: 127.0.0.9\r\nX-Forwarded-Proto: http\r\n\r\n";
+
+    #[test]
+    fn an_answer_that_comes_before_the_body_leaves_the_request_answered() {
+        let mut ex = exchange();
+        ex.request_by_request();
+        client(
+            &mut ex,
+            b"POST /up HTTP/1.1\r\nContent-Length: 100\r\n\r\nab",
+            1000,
+        );
+        assert!(!ex.answered(), "the request waits for its answer");
+        server(
+            &mut ex,
+            b"HTTP/1.1 413 Content Too Large\r\nContent-Length: 3\r\n",
+        );
+        assert!(!ex.answered(), "half a head is no answer");
+        server(&mut ex, b"\r\nto");
+        assert!(!ex.answered(), "nor is part of a body");
+        server(&mut ex, b"o");
+        assert!(ex.answered());
+        assert!(!ex.between(), "the client is still sending its body");
+        // An interim answer is not the request's.
+        let mut ex = exchange();
+        client(
+            &mut ex,
+            b"PUT /up HTTP/1.1\r\nContent-Length: 9\r\n\r\n",
+            1000,
+        );
+        server(&mut ex, b"HTTP/1.1 100 Continue\r\n\r\n");
+        assert!(!ex.answered());
+    }
 
     #[test]
     fn every_request_of_a_keep_alive_connection_gets_the_headers() {

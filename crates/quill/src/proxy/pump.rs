@@ -86,6 +86,18 @@ struct Shared<'a> {
 }
 
 impl Shared<'_> {
+    /// Request by request, the error being returned came from the server's stream after
+    /// it had answered whole every request it was given (it closed without TLS's
+    /// close_notify, or would not take the rest of a body it had answered early, as a
+    /// 413 does): the server's connection is of no further use, but the server did its
+    /// part, and the client has its answer.
+    fn failed_after_answering(&self, answer_bytes: u64) -> bool {
+        self.one_request
+            && self.server_failed
+            && answer_bytes > 0
+            && self.exchange.as_ref().is_some_and(|ex| ex.answered())
+    }
+
     fn accepts(&self, dir: Dir) -> bool {
         match (&self.exchange, dir) {
             (Some(ex), Dir::Up) => ex.accepts_client_bytes(),
@@ -597,6 +609,11 @@ where
     let mut ending = false;
     let mut idle = IdleTimer::new(opts.idle_timeout, None);
     let mut linger: Option<(Pin<Box<Sleep>>, usize)> = None;
+    // Request by request: writing the request to the server failed; its answer may come.
+    let mut server_refused: Option<io::Error> = None;
+    // The client's direction was stopped because the server took no more, not because the
+    // client finished: its side is still to be shut after the answer.
+    let mut up_stopped = false;
     let end = poll_fn(|cx| {
         if let Some((timer, drained)) = linger.as_mut() {
             return poll_linger(cx, client, timer.as_mut(), drained);
@@ -617,19 +634,68 @@ where
                 End::Error(e)
             }
         };
+        let mut server_gone = false;
         if !up.done {
             if let Poll::Ready(Err(e)) =
                 up.poll(Dir::Up, cx, client, server, down.done, &mut shared)
             {
-                return Poll::Ready(failed(e, &shared));
+                if shared.failed_after_answering(down.bytes) {
+                    server_gone = true;
+                } else if shared.one_request && shared.server_failed {
+                    // The server would not take the rest of the request: it may have
+                    // answered (and closed) before reading it. Its answer, or its end
+                    // without one, decides.
+                    up.done = true;
+                    up_stopped = true;
+                    up.out = Vec::new();
+                    up.unflushed = false;
+                    server_refused = Some(e);
+                } else {
+                    return Poll::Ready(failed(e, &shared));
+                }
             }
         }
-        if !down.done {
-            if let Poll::Ready(Err(e)) =
-                down.poll(Dir::Down, cx, server, client, up.done, &mut shared)
-            {
-                return Poll::Ready(failed(e, &shared));
+        if !down.done && !server_gone {
+            if let Poll::Ready(Err(e)) = down.poll(
+                Dir::Down,
+                cx,
+                server,
+                client,
+                up.done && !up_stopped,
+                &mut shared,
+            ) {
+                if !shared.failed_after_answering(down.bytes) {
+                    return Poll::Ready(failed(e, &shared));
+                }
+                server_gone = true;
             }
+        }
+        if server_refused.is_some() && !server_gone {
+            if down.bytes > 0 && shared.exchange.as_ref().is_some_and(|ex| ex.answered()) {
+                server_gone = true;
+            } else if down.done {
+                // Gone without an answer: the request's failure is the server's.
+                return Poll::Ready(End::ServerError(server_refused.take().unwrap_or_else(
+                    || io::Error::new(ErrorKind::UnexpectedEof, "the server closed"),
+                )));
+            }
+        }
+        if server_gone {
+            // Nothing more goes to the server. Its request complete, the client's
+            // connection goes on (the boundary below); with some of the request's body
+            // still to come, the connection ends as an asked-for end does: the answer
+            // written, the client's side shut, what it still sends drained.
+            up.out = Vec::new();
+            up.unflushed = false;
+            shared.server_left = true;
+            if !shared.exchange.as_ref().is_some_and(|ex| ex.between()) {
+                ending = true;
+                up.done = true;
+                up_stopped = true;
+                up.held = Vec::new();
+                down.eof = true;
+            }
+            cx.waker().wake_by_ref();
         }
         let server_left = shared.server_left;
         if blocked_before && shared.accepts(Dir::Up) && !up.done {
