@@ -390,6 +390,38 @@ fn a_server_that_answers_before_reading_the_body_is_heard() {
 fn an_http11_upload_the_server_refused_early_is_answered_and_blacklists_nothing() {
     let server = Scripted::start();
     let q = quill(&server);
+    let status = upload_refused_early(&q);
+    assert_eq!(status, 413);
+}
+
+#[test]
+fn through_hyper_for_the_access_log_such_an_upload_blacklists_nothing_either() {
+    let server = Scripted::start();
+    let dir = TempDir::new("h1-early-log");
+    let access_log = format!("access_log {}", dir.path().join("access.log").display());
+    let backend = format!("127.0.0.1:{}", server.port);
+    let q = Quill::start(&[
+        "-H",
+        "-O",
+        "h2c",
+        "-O",
+        "workers 1",
+        "-O",
+        &access_log,
+        "{port}",
+        &backend,
+    ]);
+    // hyper's HTTP/1.1 client fails the request when writing its body fails, and never
+    // reads the answer already sent: 502 then (413 when the write had not failed yet).
+    let status = upload_refused_early(&q);
+    assert!(status == 413 || status == 502, "{status}");
+}
+
+/// An HTTP/1.1 client uploads 8 MiB to `/early`, which the server answers 413 at once
+/// and closes, resetting the body it did not read; the client reads an answer while still
+/// sending (its status is returned), and the next request reaches the server over a new
+/// connection: the server was not blacklisted.
+fn upload_refused_early(q: &Quill) -> u16 {
     let mut client = TcpStream::connect(("127.0.0.1", q.port)).unwrap();
     client
         .set_read_timeout(Some(Duration::from_secs(20)))
@@ -408,12 +440,14 @@ fn an_http11_upload_the_server_refused_early_is_answered_and_blacklists_nothing(
         }
     });
     let answer = http_echo::read_final_response(&mut client).expect("an answer to the upload");
-    assert_eq!(answer.status, 413, "{}", answer.head);
-    assert_eq!(answer.body, b"too large");
+    if answer.status == 413 {
+        assert_eq!(answer.body, b"too large");
+    }
     // The server went away after answering, as it said it would: it did its part, and
     // stays in service (not blacklisted: the next request is its, not a 503).
-    assert_eq!(get(&q, "/next").unwrap(), "conn=2 len=0 sum=0[200]");
+    assert_eq!(get(q, "/next").unwrap(), "conn=2 len=0 sum=0[200]");
     uploading.join().unwrap();
+    answer.status
 }
 
 #[test]

@@ -76,6 +76,9 @@ impl Body for RequestBody {
             return Poll::Ready(None);
         };
         let polled = Pin::new(inner).poll_frame(cx);
+        if matches!(polled, Poll::Ready(None | Some(Err(_)))) || self.is_end_stream() {
+            self.activity.uploading.set(false);
+        }
         if let Poll::Ready(Some(Ok(frame))) = &polled {
             self.activity.progress();
             if let (Some(data), Some(server)) = (frame.data_ref(), self.server) {
@@ -209,6 +212,10 @@ pub(super) struct Activity {
     /// An HTTP/1.x connection's next response says `Connection: close` (see
     /// [`Graceful::recycle`]).
     pub(super) close_next: Cell<bool>,
+    /// An HTTP/1.x client's request body is on its way to the server and has not ended
+    /// (one request at a time there; HTTP/2 streams set it too, but it is read only for
+    /// HTTP/1.x connections).
+    uploading: Cell<bool>,
 }
 
 impl Activity {
@@ -683,9 +690,11 @@ async fn send(
             };
         let lease = Lease::take(server);
         let mut spare = None;
+        let activity = Rc::clone(&req.body().activity);
         let sent = match &mut conn {
             Upstream::H1(c) => {
                 c.uses += 1;
+                activity.uploading.set(!req.body().is_end_stream());
                 c.sender.try_send_request(req).await
             }
             Upstream::H2(s) => {
@@ -722,6 +731,13 @@ async fn send(
                     // A kept-alive connection closed under us: try a new one.
                     Some(back) if reused => req = back,
                     Some(back) => return Sent::Unsent(back, error),
+                    // Failed while the body was being written: the server may have
+                    // answered early (a 413) and reset the rest, and hyper's client
+                    // never reads that answer. Whatever it was, a client's upload is no
+                    // reason to take the server out of service.
+                    None if how.version != Version::HTTP_2 && activity.uploading.get() => {
+                        return Sent::Failed(error)
+                    }
                     None if refused => match spare {
                         // Processed by no server, and harmless if it were: once more.
                         Some(again) if !retried => {
