@@ -690,11 +690,13 @@ async fn send(
             };
         let lease = Lease::take(server);
         let mut spare = None;
+        // Per request, whichever connection it takes: a flag left from an earlier request
+        // must not excuse this one's failure.
         let activity = Rc::clone(&req.body().activity);
+        activity.uploading.set(!req.body().is_end_stream());
         let sent = match &mut conn {
             Upstream::H1(c) => {
                 c.uses += 1;
-                activity.uploading.set(!req.body().is_end_stream());
                 c.sender.try_send_request(req).await
             }
             Upstream::H2(s) => {
