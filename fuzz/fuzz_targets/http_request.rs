@@ -10,12 +10,15 @@ use libfuzzer_sys::fuzz_target;
 use quill::proxy::http::{Exchange, Fed, HttpParams, Scheme};
 
 fn exchange() -> Exchange {
-    Exchange::new(HttpParams {
+    let mut ex = Exchange::new(HttpParams {
         client: "192.0.2.1".parse().unwrap(),
         scheme: Scheme::Http,
         header_max: 512,
         hsts: None,
-    })
+    });
+    // What the access log keeps is taken from the same parse: it must change nothing.
+    ex.log_requests(true);
+    ex
 }
 
 /// Feeds `input` split at the sizes `steps` cycles through, re-feeding what the exchange

@@ -29,6 +29,7 @@ fn run(data: &[u8], split: bool, hsts: bool, closing: bool) -> Vec<u8> {
             preload: false,
         }),
     });
+    ex.log_requests(true);
     let (reqs, rest) = data.split_at(data.len().min(4));
     let mut sink = Vec::new();
     for r in reqs {

@@ -42,7 +42,8 @@ impl AccessLog {
 }
 
 /// One request on its way: filled in as it goes, written when the last holder (the
-/// response body, or the request's own handler for quill's answers) lets go.
+/// response body, or the request's own handler for quill's answers; on the byte pump, the
+/// request's relay at the answer's end) lets go.
 pub struct Record {
     log: Arc<AccessLog>,
     client: IpAddr,

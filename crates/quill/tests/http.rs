@@ -520,55 +520,6 @@ fn drain_moves_on(s: &mut std::net::TcpStream, ctl: &str) {
     support::ctl::ctl_ok(ctl, "drain 0");
 }
 
-/// With `access_log` quill serves HTTP/1.x clients through hyper, and an idle one leaves
-/// hyper after `idle_park` to wait on its socket alone: parked so, it still hears a drain
-/// (its next answer says `Connection: close`) and the stop (it is closed at once).
-#[test]
-fn clients_parked_out_of_hyper_hear_a_drain_and_the_stop() {
-    if skip_on_pen("idle_park and access_log are quill extensions") {
-        return;
-    }
-    let backend = EchoServer::start();
-    let extra = [
-        "-O",
-        "access_log {dir}/access.log",
-        "-O",
-        "idle_park 1",
-        "-O",
-        "shutdown_grace 60",
-        "-O",
-        "http_request_timeout 60",
-    ];
-    let (mut q, ctl) = start_pump(Pump::Request, &extra, &backend);
-    let parked = |n: u64| {
-        wait_until(Duration::from_secs(15), "the client parked", || {
-            support::ctl::status_json(&ctl)["connections"]["parked"] == n
-        })
-    };
-    let mut s = q.connect();
-    s.set_read_timeout(Some(Duration::from_secs(10))).unwrap();
-    s.write_all(b"GET /before HTTP/1.1\r\nHost: x\r\n\r\n")
-        .unwrap();
-    assert_eq!(read_response(&mut s).expect("an answer").status, 200);
-    parked(1);
-    drain_moves_on(&mut s, &ctl);
-
-    let mut idle = q.connect();
-    idle.set_read_timeout(Some(Duration::from_secs(10)))
-        .unwrap();
-    idle.write_all(b"GET /idle HTTP/1.1\r\nHost: x\r\n\r\n")
-        .unwrap();
-    assert_eq!(read_response(&mut idle).expect("an answer").status, 200);
-    parked(1);
-    q.signal("TERM");
-    expect_closed(&mut idle, Duration::from_secs(10));
-    drop(idle);
-    assert!(
-        q.wait_exit(Duration::from_secs(10)).is_some(),
-        "quill still runs, waiting out shutdown_grace"
-    );
-}
-
 /// Stopping, the byte pump closes a keep-alive client that is between requests at once,
 /// and lets a request in flight finish with `Connection: close`: quill is gone long before
 /// `shutdown_grace`.

@@ -407,6 +407,71 @@ fn a_server_sent_the_proxy_protocol_keeps_http11_with_a_connection_per_request()
     assert_eq!(used.len(), 5, "{used:?}");
 }
 
+/// With `upstream_h2` quill serves HTTP/1.x clients through hyper (each request a stream
+/// to the server), and an idle one leaves hyper after `idle_park` to wait on its socket
+/// alone: parked so, it still hears a drain (its next answer says `Connection: close`, and
+/// the connection ends after it) and the stop (it is closed at once).
+#[test]
+fn http11_clients_parked_out_of_hyper_hear_a_drain_and_the_stop() {
+    use support::http_echo::read_final_response;
+    let port = free_port();
+    let Some(_nginx) = nginx_on(port, " http2", None) else {
+        return;
+    };
+    let (mut q, ctl) = support::ctl::start_with_tcp_control(&[
+        "-H",
+        "-O",
+        "upstream_h2",
+        "-O",
+        "idle_park 1",
+        "-O",
+        "shutdown_grace 60",
+        "-O",
+        "http_request_timeout 60",
+        "{port}",
+        &format!("127.0.0.1:{port}"),
+    ]);
+    let parked = |n: u64| {
+        wait_until(Duration::from_secs(15), "the client parked", || {
+            support::ctl::status_json(&ctl)["connections"]["parked"] == n
+        })
+    };
+    let ask = |s: &mut TcpStream| {
+        s.write_all(b"GET /who HTTP/1.1\r\nHost: x\r\nConnection: keep-alive\r\n\r\n")
+            .unwrap();
+        let answer = read_final_response(s).expect("an answer");
+        assert_eq!(answer.status, 200);
+        answer
+    };
+    let mut s = q.connect();
+    s.set_read_timeout(Some(Duration::from_secs(10))).unwrap();
+    ask(&mut s);
+    parked(1);
+    support::ctl::ctl_ok(&ctl, "drain");
+    let after = ask(&mut s);
+    assert_eq!(
+        after.field("connection").as_deref(),
+        Some("close"),
+        "{}",
+        after.head
+    );
+    expect_closed(&mut s, Duration::from_secs(10));
+    support::ctl::ctl_ok(&ctl, "drain 0");
+
+    let mut idle = q.connect();
+    idle.set_read_timeout(Some(Duration::from_secs(10)))
+        .unwrap();
+    ask(&mut idle);
+    parked(1);
+    q.signal("TERM");
+    expect_closed(&mut idle, Duration::from_secs(10));
+    drop(idle);
+    assert!(
+        q.wait_exit(Duration::from_secs(10)).is_some(),
+        "quill still runs, waiting out shutdown_grace"
+    );
+}
+
 #[test]
 fn a_server_that_sends_goaway_gets_the_next_requests_on_a_new_connection() {
     // NGINX sends GOAWAY on a connection once it has taken `keepalive_requests` streams.

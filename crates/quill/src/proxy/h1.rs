@@ -1,6 +1,6 @@
 //! HTTP/1.x clients served request by request through hyper (`http` with
-//! `upstream_keepalive` above 0, and `upstream_h2` or `access_log`, which need each request
-//! as a message; otherwise `proxy::h1_pump` relays them as bytes): after the byte pump's
+//! `upstream_keepalive` above 0, and `upstream_h2`, which needs each request as a message;
+//! otherwise `proxy::h1_pump` relays them as bytes): after the byte pump's
 //! checks of the first head (`pump::first_head`: 400, 431, 408, no
 //! server before a whole head), hyper serves the connection and every request goes to
 //! `proxy::gateway`, which may send each to another server over pooled connections.

@@ -4,8 +4,9 @@
 //! `Exchange` rewrites its head and frames its answer, body and answer pass as bytes, and
 //! at the end of the answer the server connection goes back to the pool and the client's
 //! next head is awaited. No HTTP library stands between the sockets: a request costs what
-//! the byte pump costs, plus the choice of its server. (`proxy::h1`, hyper's server in
-//! front of `proxy::gateway`, serves the clients of `upstream_h2` and `access_log`.)
+//! the byte pump costs, plus the choice of its server (and, with `access_log`, a line made
+//! of what the `Exchange` kept of it). (`proxy::h1`, hyper's server in front of
+//! `proxy::gateway`, serves the clients of `upstream_h2`.)
 //!
 //! Invariants: a server connection carries one request at a time, and goes back to the
 //! pool only at a boundary (the answer complete, nothing of the next request sent, neither
@@ -35,17 +36,22 @@ use super::pump::{self, Http};
 use super::relay::{End, RelayOptions};
 use super::signals::{self, Since};
 use super::tcp::{count_http_end, open_upstream, proxy_version, Held, Server};
+use crate::accesslog::Record;
 use crate::balance::ServerState;
 use crate::net::connect::is_local_failure;
 use crate::settings::Settings;
 use crate::state::State;
 
-/// The answers quill gives itself, after which the connection closes (the request's body,
-/// if any, was not read to its end).
-const BAD_GATEWAY: &[u8] =
-    b"HTTP/1.1 502 Bad Gateway\r\nConnection: close\r\nContent-Length: 0\r\n\r\n";
-const UNAVAILABLE: &[u8] =
-    b"HTTP/1.1 503 Service Unavailable\r\nConnection: close\r\nContent-Length: 0\r\n\r\n";
+/// The answers quill gives itself (status, bytes), after which the connection closes (the
+/// request's body, if any, was not read to its end).
+const BAD_GATEWAY: (u16, &[u8]) = (
+    502,
+    b"HTTP/1.1 502 Bad Gateway\r\nConnection: close\r\nContent-Length: 0\r\n\r\n",
+);
+const UNAVAILABLE: (u16, &[u8]) = (
+    503,
+    b"HTTP/1.1 503 Service Unavailable\r\nConnection: close\r\nContent-Length: 0\r\n\r\n",
+);
 
 /// A kept-alive connection to a server, as a stream the byte pump relays over; counted in
 /// the server's `pool_open` while it exists.
@@ -174,6 +180,8 @@ pub(super) async fn serve<C: Parkable>(
             Waited::Stop => return close(&mut client).await,
         }
         let left = deadline.map(|d| d.saturating_duration_since(Instant::now()));
+        http.exchange
+            .log_requests(state.access_log.load().is_some());
         if let Some(outcome) = pump::first_head(&mut client, &mut http, false, left).await {
             count_http_end(state, &outcome.end);
             return;
@@ -244,7 +252,15 @@ async fn close<C: Parkable>(client: &mut C) {
 }
 
 /// Gives the client one of quill's own answers, then closes.
-async fn answer<C: Parkable>(client: &mut C, answer: &[u8]) -> Served {
+async fn answer<C: Parkable>(
+    client: &mut C,
+    (status, answer): (u16, &[u8]),
+    record: Option<&Record>,
+) -> Served {
+    if let Some(r) = record {
+        r.status.set(status);
+        r.server.set(None);
+    }
     let _ = tokio::time::timeout(Duration::from_secs(1), async {
         client.write_all(answer).await?;
         client.shutdown().await
@@ -256,7 +272,8 @@ async fn answer<C: Parkable>(client: &mut C, answer: &[u8]) -> Served {
 /// Sends the request whose head `http` holds to a server chosen for it (failover as for a
 /// connection: a server that cannot be reached is blacklisted and the next one tried, then
 /// the emergency server; a denied client's requests go to the abuse server), and relays
-/// its answer.
+/// its answer. With `access_log`, the request's line is written when its answer has
+/// ended.
 async fn one_request<C: Parkable>(
     state: &'static State,
     client: &mut C,
@@ -264,10 +281,41 @@ async fn one_request<C: Parkable>(
     peer: Peer,
     ask: &Since<'_>,
 ) -> Served {
+    let record = match (http.exchange.logged(), state.access_log.load_full()) {
+        (Some(l), Some(log)) => Some(Record::new(
+            log,
+            peer.addr.ip(),
+            &l.method,
+            l.authority.as_deref(),
+            &l.target,
+            if l.http10 { "HTTP/1.0" } else { "HTTP/1.1" },
+        )),
+        _ => None,
+    };
+    let served = choose_and_send(state, client, http, peer, ask, record.as_ref()).await;
+    if let (Some(r), Some(l)) = (&record, http.exchange.logged()) {
+        if r.status.get() == 0 {
+            r.status.set(l.status);
+        }
+        r.bytes_in.set(l.body_in);
+        r.bytes_out.set(l.body_out);
+    }
+    served
+}
+
+/// [`one_request`] without the access log's bookkeeping.
+async fn choose_and_send<C: Parkable>(
+    state: &'static State,
+    client: &mut C,
+    http: &mut Http,
+    peer: Peer,
+    ask: &Since<'_>,
+    record: Option<&Record>,
+) -> Served {
     let settings = state.settings();
     let mut candidates = Candidates::new(state, &settings, peer.addr, peer.permitted);
     while let Some(c) = candidates.next() {
-        match send(state, &settings, client, http, peer, c, ask).await {
+        match send(state, &settings, client, http, peer, c, ask, record).await {
             Tried::Served(served) => {
                 candidates.served(&c);
                 return served;
@@ -275,13 +323,13 @@ async fn one_request<C: Parkable>(
             Tried::Unreachable(e) if is_local_failure(&e) => {
                 tracing::warn!(peer = %peer.addr, "cannot connect to {c}: {e}");
                 state.counters.no_server.fetch_add(1, Relaxed);
-                return answer(client, UNAVAILABLE).await;
+                return answer(client, UNAVAILABLE, record).await;
             }
             Tried::Unreachable(e) => candidates.failed(&c, &e),
         }
     }
     state.counters.no_server.fetch_add(1, Relaxed);
-    answer(client, UNAVAILABLE).await
+    answer(client, UNAVAILABLE, record).await
 }
 
 /// Where a request goes.
@@ -290,6 +338,7 @@ type To<'a> = Candidate<'a, 'static>;
 /// Relays the request over a pooled connection to `to`, or a new one; a reused connection
 /// that ends without a byte of answer is replaced by a new one for a request that can be
 /// sent again (that is not the server's failure).
+#[allow(clippy::too_many_arguments)]
 async fn send<C: Parkable>(
     state: &'static State,
     settings: &Settings,
@@ -298,6 +347,7 @@ async fn send<C: Parkable>(
     peer: Peer,
     to: To<'_>,
     ask: &Since<'_>,
+    record: Option<&Record>,
 ) -> Tried {
     let limits = Limits {
         keepalive: settings.upstream_keepalive,
@@ -345,6 +395,9 @@ async fn send<C: Parkable>(
         drop(lease);
         to.server.bytes_to.fetch_add(outcome.up, Relaxed);
         to.server.bytes_from.fetch_add(outcome.down, Relaxed);
+        if let Some(r) = record.filter(|_| outcome.down > 0) {
+            r.server.set(Some(to.addr));
+        }
         return Tried::Served(match outcome.end {
             End::Boundary => {
                 if poolable && http.exchange.server_keeps() && pool::wanted(&link, limits) {
@@ -367,7 +420,7 @@ async fn send<C: Parkable>(
                     continue;
                 }
                 server_failed(state, settings, to, reused, &e);
-                answer(client, BAD_GATEWAY).await
+                answer(client, BAD_GATEWAY, record).await
             }
             End::ServerError(e) => {
                 // Part of the answer went out: the client sees its connection end.

@@ -217,6 +217,25 @@ pub struct Exchange {
     /// The last request received has no body, and its method is idempotent: it can be sent
     /// again, to another connection, if the first went away without a byte of answer.
     replayable: bool,
+    /// What the access log needs of the request being relayed, kept only while asked for
+    /// ([`Exchange::log_requests`]): most connections pay no copy of their heads.
+    logged: Option<Box<Logged>>,
+}
+
+/// One request as the access log sees it, request by request: its head as the client sent
+/// it, the final answer's status, and the body bytes each way (a chunked body's data, not
+/// its framing; a tunnel's bytes after a `101` or a `CONNECT`'s 2xx).
+#[derive(Debug, Default, Clone, PartialEq, Eq)]
+pub struct Logged {
+    pub method: String,
+    /// The `Host` field, if any.
+    pub authority: Option<String>,
+    pub target: String,
+    pub http10: bool,
+    /// The final (or switching) answer's status; 0 while none came.
+    pub status: u16,
+    pub body_in: u64,
+    pub body_out: u64,
 }
 
 /// How the `Connection` field of a forwarded request differs from the client's: request
@@ -265,7 +284,23 @@ impl Exchange {
             server_keep: true,
             server_left: false,
             replayable: false,
+            logged: None,
         }
+    }
+
+    /// Keeps, or stops keeping, what the access log needs of each request from the next
+    /// head on ([`Exchange::logged`]).
+    pub fn log_requests(&mut self, on: bool) {
+        match (on, self.logged.is_some()) {
+            (true, false) => self.logged = Some(Box::default()),
+            (false, true) => self.logged = None,
+            _ => {}
+        }
+    }
+
+    /// The access log's facts about the request taken last, when kept.
+    pub fn logged(&self) -> Option<&Logged> {
+        self.logged.as_deref()
     }
 
     /// Takes one request at a time (request-level relaying, `proxy::h1_pump`): once a
@@ -430,6 +465,9 @@ impl Exchange {
                 Req::Body(left) => {
                     let n = left.min(rest.len() as u64) as usize;
                     out.extend_from_slice(&rest[..n]);
+                    if let Some(l) = &mut self.logged {
+                        l.body_in += n as u64;
+                    }
                     if left == n as u64 {
                         self.request_done();
                     } else {
@@ -438,8 +476,12 @@ impl Exchange {
                     n
                 }
                 Req::Chunked(state) => {
-                    let (n, next) = chunked(state, rest, self.params.header_max);
+                    let mut data = 0;
+                    let (n, next) = chunked(state, rest, self.params.header_max, &mut data);
                     out.extend_from_slice(&rest[..n]);
+                    if let Some(l) = &mut self.logged {
+                        l.body_in += data;
+                    }
                     match next {
                         Ok(Some(state)) => self.req = Req::Chunked(state),
                         Ok(None) => self.request_done(),
@@ -449,6 +491,9 @@ impl Exchange {
                 }
                 Req::Tunnel => {
                     out.extend_from_slice(rest);
+                    if let Some(l) = &mut self.logged {
+                        l.body_in += rest.len() as u64;
+                    }
                     rest.len()
                 }
                 Req::AwaitDecision | Req::Failed(_) => 0,
@@ -548,6 +593,20 @@ impl Exchange {
         let (Some(method), Some(path), Some(version)) = (req.method, req.path, req.version) else {
             return Err(Refusal::BadRequest);
         };
+        if let Some(l) = &mut self.logged {
+            let host = req
+                .headers
+                .iter()
+                .find(|h| h.name.eq_ignore_ascii_case("host"))
+                .map(|h| String::from_utf8_lossy(h.value).into_owned());
+            **l = Logged {
+                method: method.to_string(),
+                authority: host,
+                target: path.to_string(),
+                http10: version == 0,
+                ..Logged::default()
+            };
+        }
         let connect = method == "CONNECT";
         let mut length: Option<u64> = None;
         let mut chunked: Option<bool> = None;
@@ -730,6 +789,9 @@ impl Exchange {
                 Resp::Body(left) => {
                     let n = left.min(rest.len() as u64) as usize;
                     out.extend_from_slice(&rest[..n]);
+                    if let Some(l) = &mut self.logged {
+                        l.body_out += n as u64;
+                    }
                     self.resp = if left == n as u64 {
                         self.response_done();
                         Resp::Head
@@ -739,8 +801,12 @@ impl Exchange {
                     n
                 }
                 Resp::Chunked(state) => {
-                    let (n, next) = chunked(state, rest, RESPONSE_HEAD_MAX);
+                    let mut data = 0;
+                    let (n, next) = chunked(state, rest, RESPONSE_HEAD_MAX, &mut data);
                     out.extend_from_slice(&rest[..n]);
+                    if let Some(l) = &mut self.logged {
+                        l.body_out += data;
+                    }
                     match next {
                         Ok(Some(state)) => self.resp = Resp::Chunked(state),
                         Ok(None) => {
@@ -753,6 +819,9 @@ impl Exchange {
                 }
                 Resp::UntilClose | Resp::Tunnel | Resp::Raw => {
                     out.extend_from_slice(rest);
+                    if let Some(l) = &mut self.logged {
+                        l.body_out += rest.len() as u64;
+                    }
                     rest.len()
                 }
             };
@@ -856,6 +925,11 @@ impl Exchange {
         }
         let head = &buf[..n];
         let request = self.pending.front().copied().unwrap_or_default();
+        if let Some(l) = &mut self.logged {
+            if code >= 200 || code == 101 {
+                l.status = code;
+            }
+        }
         if code < 200 {
             // Interim (100 Continue, 103 Early Hints) and 101 Switching Protocols pass as
             // they are: a 101's `Connection: upgrade` and `Upgrade` are what the client
@@ -1226,16 +1300,19 @@ fn list(v: &[u8]) -> impl Iterator<Item = &[u8]> {
 
 /// Advances through a chunked body. Returns the bytes consumed (all part of the body, to
 /// be forwarded) and the next state: `Ok(None)` when the body (with its trailers) ended.
+/// The chunks' data bytes among them are added to `data`.
 fn chunked(
     mut state: Chunk,
     input: &[u8],
     trailer_max: usize,
+    data: &mut u64,
 ) -> (usize, Result<Option<Chunk>, Refusal>) {
     let mut pos = 0;
     while pos < input.len() {
         if let Chunk::Data(left) = state {
             let n = left.min((input.len() - pos) as u64);
             pos += n as usize;
+            *data += n;
             state = if n == left {
                 Chunk::DataCr
             } else {
@@ -1385,6 +1462,62 @@ mod tests {
     }
 
     const XFF: &str = "X-Forwarded-For: 127.0.0.9\r\nX-Forwarded-Proto: http\r\n\r\n";
+
+    #[test]
+    fn what_the_access_log_needs_is_kept_per_request_only_when_asked() {
+        let mut ex = exchange();
+        ex.request_by_request();
+        client(&mut ex, b"GET / HTTP/1.1\r\nHost: a\r\n\r\n", 1000);
+        assert_eq!(ex.logged(), None, "not asked for: nothing kept");
+        server(&mut ex, b"HTTP/1.1 204 No Content\r\n\r\n");
+        ex.resume();
+        ex.log_requests(true);
+        // A chunked upload counts its data, not its framing; an interim answer is not
+        // the status; a chunked answer likewise.
+        client(
+            &mut ex,
+            b"POST /up?x=1 HTTP/1.1\r\nhost: example.org\r\nTransfer-Encoding: chunked\r\n\r\n\
+              5\r\nhello\r\n3;ext=1\r\nabc\r\n0\r\n\r\n",
+            7,
+        );
+        server(&mut ex, b"HTTP/1.1 100 Continue\r\n\r\n");
+        assert_eq!(ex.logged().map(|l| l.status), Some(0));
+        server(
+            &mut ex,
+            b"HTTP/1.1 201 Created\r\nTransfer-Encoding: chunked\r\n\r\n4\r\nmade\r\n0\r\n\r\n",
+        );
+        let want = Logged {
+            method: "POST".into(),
+            authority: Some("example.org".into()),
+            target: "/up?x=1".into(),
+            http10: false,
+            status: 201,
+            body_in: 8,
+            body_out: 4,
+        };
+        assert_eq!(ex.logged(), Some(&want));
+        // The next request starts afresh: no Host, HTTP/1.0, a sized answer.
+        ex.resume();
+        client(&mut ex, b"HEAD /h HTTP/1.0\r\n\r\n", 1000);
+        server(&mut ex, b"HTTP/1.1 200 OK\r\nContent-Length: 50\r\n\r\n");
+        let l = ex.logged().unwrap();
+        assert_eq!(
+            (l.authority.as_deref(), l.http10, l.status),
+            (None, true, 200)
+        );
+        assert_eq!(
+            (l.body_in, l.body_out),
+            (0, 0),
+            "a HEAD's answer has no body"
+        );
+        ex.resume();
+        client(&mut ex, b"GET /g HTTP/1.1\r\n\r\n", 1000);
+        server(&mut ex, b"HTTP/1.1 200 OK\r\nContent-Length: 5\r\n\r\nab");
+        server(&mut ex, b"cde");
+        assert_eq!(ex.logged().map(|l| l.body_out), Some(5));
+        ex.log_requests(false);
+        assert_eq!(ex.logged(), None);
+    }
 
     #[test]
     fn an_answer_that_comes_before_the_body_leaves_the_request_answered() {

@@ -779,13 +779,15 @@ async fn open<C: ClientStream>(
         let mut http = Box::new(Http::new(exchange, seconds(settings.http_request_timeout)));
         let capture = log.is_some();
         // Request by request (`upstream_keepalive`), the byte pump relays each request
-        // over a pooled server connection; hyper serves the clients whose requests it must
-        // see as messages (an HTTP/2 server, the access log), and reads the head again:
-        // what was read is kept for it.
+        // over a pooled server connection (and keeps what the access log needs of each);
+        // hyper serves the clients whose requests must become messages (`upstream_h2`),
+        // and reads the head again: what was read is kept for it.
         let per_request = settings.upstream_keepalive > 0;
-        let pumped = per_request && !settings.upstream_h2 && settings.access_log.is_none();
+        let pumped = per_request && !settings.upstream_h2;
         if pumped {
             http.exchange.request_by_request();
+            http.exchange
+                .log_requests(state.access_log.load().is_some());
         }
         let per_request = per_request && !pumped;
         let limit = http.head_limit;
