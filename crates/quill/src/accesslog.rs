@@ -16,7 +16,9 @@ use std::io::{self, Write};
 use std::net::{IpAddr, SocketAddr};
 use std::path::Path;
 use std::sync::{Arc, Mutex};
-use std::time::{Instant, SystemTime, UNIX_EPOCH};
+use std::time::{Duration, Instant, SystemTime, UNIX_EPOCH};
+
+use crate::net::text;
 
 /// An open access log.
 #[derive(Debug)]
@@ -33,9 +35,9 @@ impl AccessLog {
         })
     }
 
-    fn write_line(&self, line: &str) {
+    fn write_line(&self, line: &[u8]) {
         let mut file = self.file.lock().unwrap_or_else(|p| p.into_inner());
-        if let Err(e) = file.write_all(line.as_bytes()) {
+        if let Err(e) = file.write_all(line) {
             tracing::warn!("access log: {e}");
         }
     }
@@ -47,7 +49,8 @@ impl AccessLog {
 pub struct Record {
     log: Arc<AccessLog>,
     client: IpAddr,
-    unix: f64,
+    /// When the request arrived, since the Unix epoch.
+    unix: Duration,
     started: Instant,
     method: String,
     authority: String,
@@ -73,7 +76,7 @@ impl Record {
             client: client.to_canonical(),
             unix: SystemTime::now()
                 .duration_since(UNIX_EPOCH)
-                .map_or(0.0, |d| d.as_secs_f64()),
+                .unwrap_or_default(),
             started: Instant::now(),
             method: field(method),
             authority: authority.map_or_else(|| "-".to_string(), field),
@@ -86,26 +89,45 @@ impl Record {
         }
     }
 
-    fn line(&self) -> String {
-        let ms = self.started.elapsed().as_secs_f64() * 1000.0;
-        let server = self
-            .server
-            .get()
-            .map_or_else(|| "-".to_string(), |s| s.to_string());
-        format!(
-            "{} {:.3} {} {} {} {} {} {} {} {:.3} {}\n",
-            self.client,
-            self.unix,
-            self.method,
-            self.authority,
-            self.target,
+    /// The line, written by hand: through `format!` (addresses, floats) it cost about
+    /// 8,000 instructions, a quarter of what the byte pump spends on a whole request.
+    fn line(&self) -> Vec<u8> {
+        let elapsed = self.started.elapsed();
+        let mut out =
+            Vec::with_capacity(96 + self.method.len() + self.authority.len() + self.target.len());
+        let mut n = itoa::Buffer::new();
+        text::push_ip(&mut out, self.client);
+        out.push(b' ');
+        out.extend_from_slice(n.format(self.unix.as_secs()).as_bytes());
+        push_thousandths(&mut out, self.unix.subsec_millis());
+        for word in [
+            self.method.as_str(),
+            &self.authority,
+            &self.target,
             self.protocol,
-            self.status.get(),
+        ] {
+            out.push(b' ');
+            out.extend_from_slice(word.as_bytes());
+        }
+        for count in [
+            u64::from(self.status.get()),
             self.bytes_in.get(),
             self.bytes_out.get(),
-            ms,
-            server
-        )
+        ] {
+            out.push(b' ');
+            out.extend_from_slice(n.format(count).as_bytes());
+        }
+        out.push(b' ');
+        let micros = elapsed.as_micros();
+        out.extend_from_slice(n.format(micros / 1000).as_bytes());
+        push_thousandths(&mut out, (micros % 1000) as u32);
+        out.push(b' ');
+        match self.server.get() {
+            Some(s) => text::push_socket_addr(&mut out, s),
+            None => out.push(b'-'),
+        }
+        out.push(b'\n');
+        out
     }
 }
 
@@ -115,9 +137,29 @@ impl Drop for Record {
     }
 }
 
-/// A client-supplied field as one log field: up to the first space or control byte, never
-/// empty.
+/// Appends `.NNN`: `n` (below 1,000) as three decimals.
+fn push_thousandths(out: &mut Vec<u8>, n: u32) {
+    let n = n.min(999);
+    out.extend_from_slice(&[
+        b'.',
+        b'0' + (n / 100) as u8,
+        b'0' + (n / 10 % 10) as u8,
+        b'0' + (n % 10) as u8,
+    ]);
+}
+
+/// A client-supplied field as one log field: up to the first space or control byte (at
+/// most 2,048 characters), never empty.
 fn field(text: &str) -> String {
+    // The usual field is printable ASCII: cut it as bytes. Anything else (a UTF-8
+    // character, which may be a space of its own) takes the character by character way.
+    let end = text
+        .bytes()
+        .position(|b| !b.is_ascii_graphic())
+        .unwrap_or(text.len());
+    if end > 0 && end <= 2048 && text.as_bytes().get(end).map_or(true, u8::is_ascii) {
+        return text[..end].to_string();
+    }
     let cut: String = text
         .chars()
         .take_while(|c| !c.is_whitespace() && !c.is_control())
@@ -133,6 +175,18 @@ fn field(text: &str) -> String {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn a_field_ends_at_the_first_space_or_control_character() {
+        assert_eq!(field("/a?b=c"), "/a?b=c");
+        assert_eq!(field("/a b"), "/a");
+        assert_eq!(field("/a\x7fb"), "/a");
+        assert_eq!(field("/é\u{2003}x"), "/é", "a Unicode space ends it too");
+        assert_eq!(field("\tx"), "-");
+        assert_eq!(field(""), "-");
+        assert_eq!(field(&"x".repeat(3000)).len(), 2048);
+        assert_eq!(field(&"é".repeat(3000)).chars().count(), 2048);
+    }
 
     #[test]
     fn a_line_has_eleven_fields_whatever_the_client_sent() {
@@ -173,6 +227,11 @@ mod tests {
         assert_eq!(lines[0][10], "10.0.0.9:80");
         assert_eq!(lines[1][2..5], ["-", "-", "-"]);
         assert_eq!(lines[1][10], "-");
+        // Seconds and milliseconds with three decimals.
+        for f in [lines[0][1], lines[0][9]] {
+            let (whole, frac) = f.split_once('.').unwrap();
+            assert!(whole.parse::<u64>().is_ok() && frac.len() == 3, "{f}");
+        }
         std::fs::remove_dir_all(&dir).unwrap();
     }
 }
