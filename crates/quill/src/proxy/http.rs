@@ -455,6 +455,9 @@ impl Exchange {
     /// less than all of `input` only when [`Exchange::accepts_client_bytes`] turned false.
     pub fn client_bytes(&mut self, input: &[u8], out: &mut Vec<u8>) -> Fed {
         if self.req == Req::Tunnel {
+            if let Some(l) = &mut self.logged {
+                l.body_in += input.len() as u64;
+            }
             return Fed::Verbatim;
         }
         let mut pos = 0;
@@ -779,6 +782,9 @@ impl Exchange {
     /// `Verbatim`, is the input itself). Always consumes everything.
     pub fn server_bytes(&mut self, input: &[u8], out: &mut Vec<u8>) -> Fed {
         if matches!(self.resp, Resp::Raw | Resp::Tunnel) && self.resp_head.is_empty() {
+            if let Some(l) = &mut self.logged {
+                l.body_out += input.len() as u64;
+            }
             return Fed::Verbatim;
         }
         let mut pos = 0;
@@ -1515,6 +1521,21 @@ mod tests {
         server(&mut ex, b"HTTP/1.1 200 OK\r\nContent-Length: 5\r\n\r\nab");
         server(&mut ex, b"cde");
         assert_eq!(ex.logged().map(|l| l.body_out), Some(5));
+        // A tunnel after a 101: every byte each way counts, forwarded verbatim or not.
+        ex.resume();
+        client(
+            &mut ex,
+            b"GET /ws HTTP/1.1\r\nConnection: upgrade\r\nUpgrade: websocket\r\n\r\n",
+            1000,
+        );
+        server(
+            &mut ex,
+            b"HTTP/1.1 101 Switching Protocols\r\nConnection: upgrade\r\nUpgrade: websocket\r\n\r\nhi",
+        );
+        server(&mut ex, b"there");
+        client(&mut ex, b"ping", 1);
+        let l = ex.logged().unwrap();
+        assert_eq!((l.status, l.body_in, l.body_out), (101, 4, 7));
         ex.log_requests(false);
         assert_eq!(ex.logged(), None);
     }
