@@ -71,6 +71,25 @@ impl Record {
         target: &str,
         protocol: &'static str,
     ) -> Record {
+        Record::from_owned(
+            log,
+            client,
+            method.to_owned(),
+            authority.map(str::to_owned),
+            target.to_owned(),
+            protocol,
+        )
+    }
+
+    /// [`Record::new`] with the client's fields handed over (cut in place, not copied).
+    pub fn from_owned(
+        log: Arc<AccessLog>,
+        client: IpAddr,
+        method: String,
+        authority: Option<String>,
+        target: String,
+        protocol: &'static str,
+    ) -> Record {
         Record {
             log,
             client: client.to_canonical(),
@@ -150,26 +169,31 @@ fn push_thousandths(out: &mut Vec<u8>, n: u32) {
 
 /// A client-supplied field as one log field: up to the first space or control byte (at
 /// most 2,048 characters), never empty.
-fn field(text: &str) -> String {
+fn field(mut text: String) -> String {
+    text.truncate(field_len(&text));
+    if text.is_empty() {
+        "-".to_string()
+    } else {
+        text
+    }
+}
+
+/// How many bytes of `text` make its log field.
+fn field_len(text: &str) -> usize {
     // The usual field is printable ASCII: cut it as bytes. Anything else (a UTF-8
     // character, which may be a space of its own) takes the character by character way.
     let end = text
         .bytes()
         .position(|b| !b.is_ascii_graphic())
         .unwrap_or(text.len());
-    if end > 0 && end <= 2048 && text.as_bytes().get(end).map_or(true, u8::is_ascii) {
-        return text[..end].to_string();
+    if end <= 2048 && text.as_bytes().get(end).map_or(true, u8::is_ascii) {
+        return end;
     }
-    let cut: String = text
-        .chars()
-        .take_while(|c| !c.is_whitespace() && !c.is_control())
+    text.char_indices()
+        .take_while(|(_, c)| !c.is_whitespace() && !c.is_control())
         .take(2048)
-        .collect();
-    if cut.is_empty() {
-        "-".to_string()
-    } else {
-        cut
-    }
+        .last()
+        .map_or(0, |(i, c)| i + c.len_utf8())
 }
 
 #[cfg(test)]
@@ -178,14 +202,18 @@ mod tests {
 
     #[test]
     fn a_field_ends_at_the_first_space_or_control_character() {
-        assert_eq!(field("/a?b=c"), "/a?b=c");
-        assert_eq!(field("/a b"), "/a");
-        assert_eq!(field("/a\x7fb"), "/a");
-        assert_eq!(field("/é\u{2003}x"), "/é", "a Unicode space ends it too");
-        assert_eq!(field("\tx"), "-");
-        assert_eq!(field(""), "-");
-        assert_eq!(field(&"x".repeat(3000)).len(), 2048);
-        assert_eq!(field(&"é".repeat(3000)).chars().count(), 2048);
+        assert_eq!(field("/a?b=c".into()), "/a?b=c");
+        assert_eq!(field("/a b".into()), "/a");
+        assert_eq!(field("/a\x7fb".into()), "/a");
+        assert_eq!(
+            field("/é\u{2003}x".into()),
+            "/é",
+            "a Unicode space ends it too"
+        );
+        assert_eq!(field("\tx".into()), "-");
+        assert_eq!(field("".into()), "-");
+        assert_eq!(field("x".repeat(3000)).len(), 2048);
+        assert_eq!(field("é".repeat(3000)).chars().count(), 2048);
     }
 
     #[test]

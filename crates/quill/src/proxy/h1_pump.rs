@@ -281,17 +281,18 @@ async fn one_request<C: Parkable>(
     peer: Peer,
     ask: &Since<'_>,
 ) -> Served {
-    let record = match (http.exchange.logged(), state.access_log.load_full()) {
-        (Some(l), Some(log)) => Some(Record::new(
+    // The log is looked up only for a request whose head was kept for it.
+    let record = http.exchange.logged_mut().and_then(|l| {
+        let log = state.access_log.load_full()?;
+        Some(Record::from_owned(
             log,
             peer.addr.ip(),
-            &l.method,
-            l.authority.as_deref(),
-            &l.target,
+            std::mem::take(&mut l.method),
+            l.authority.take(),
+            std::mem::take(&mut l.target),
             if l.http10 { "HTTP/1.0" } else { "HTTP/1.1" },
-        )),
-        _ => None,
-    };
+        ))
+    });
     let served = choose_and_send(state, client, http, peer, ask, record.as_ref()).await;
     if let (Some(r), Some(l)) = (&record, http.exchange.logged()) {
         if r.status.get() == 0 {

@@ -303,6 +303,11 @@ impl Exchange {
         self.logged.as_deref()
     }
 
+    /// The same, for taking its text (the next head fills it afresh).
+    pub fn logged_mut(&mut self) -> Option<&mut Logged> {
+        self.logged.as_deref_mut()
+    }
+
     /// Takes one request at a time (request-level relaying, `proxy::h1_pump`): once a
     /// request has been received whole, no byte of the next is taken until its answer is
     /// complete ([`Exchange::at_boundary`]) and the driver calls [`Exchange::resume`], so
