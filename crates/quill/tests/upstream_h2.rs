@@ -534,3 +534,142 @@ fn hop_by_hop_fields_stay_behind_and_host_becomes_the_authority() {
         "{text}"
     );
 }
+
+/// Connections established to `port` on this host (from /proc/net/tcp): quill's to its
+/// server, in these tests.
+fn established_to(port: u16) -> usize {
+    let port = format!(":{port:04X}");
+    std::fs::read_to_string("/proc/net/tcp")
+        .unwrap_or_default()
+        .lines()
+        .skip(1)
+        .filter(|l| {
+            let f: Vec<&str> = l.split_whitespace().collect();
+            f.len() > 3 && f[3] == "01" && f[2].ends_with(&port)
+        })
+        .count()
+}
+
+#[test]
+fn an_upload_the_server_refuses_early_gets_its_answer_and_the_server_stays_in() {
+    // NGINX answers 413 as soon as it reads the head, then resets the stream: the answer
+    // must reach the client while its 2 MB are still on their way, and no later request
+    // may find the server taken out of service.
+    let port = free_port();
+    let Some(_nginx) = nginx_at(
+        port,
+        " http2",
+        " client_max_body_size 1k;",
+        "  location / { return 200 \"fine\\n\"; }",
+        &[],
+    ) else {
+        return;
+    };
+    let q = Quill::start(&[
+        "-H",
+        "-O",
+        "upstream_h2",
+        "-O",
+        "h2c",
+        "{port}",
+        &format!("127.0.0.1:{port}"),
+    ]);
+    let dir = TempDir::new("uph2");
+    let file = dir.path().join("upload");
+    std::fs::write(&file, vec![b'u'; 2 << 20]).unwrap();
+    let url = format!("http://127.0.0.1:{}/up", q.port);
+    for _ in 0..3 {
+        let Some(out) = tool(
+            "curl",
+            &[
+                "-sS",
+                "--max-time",
+                "20",
+                "--http1.1",
+                "-o",
+                "/dev/null",
+                "-w",
+                "%{http_code}",
+                "--data-binary",
+                &format!("@{}", file.display()),
+                &url,
+            ],
+        ) else {
+            return;
+        };
+        assert_eq!(out, "413", "HTTP/1.1 upload");
+        // nghttp: curl 7.88 reports the stream's reset as its own failure.
+        let Some(out) = tool("nghttp", &["-v", "-d", file.to_str().unwrap(), &url]) else {
+            return;
+        };
+        assert!(out.contains(":status: 413"), "HTTP/2 upload: {out}");
+        assert_eq!(get(q.addr(), "/after"), (200, "fine\n".to_string()));
+    }
+}
+
+#[test]
+fn trailers_from_an_http2_server_reach_an_http2_client() {
+    let port = free_port();
+    let Some(_nginx) = nginx_at(
+        port,
+        " http2",
+        "",
+        "  location /sum { add_trailer X-Sum abc; }",
+        &[("sum", &[b's'; 100_000])],
+    ) else {
+        return;
+    };
+    let q = Quill::start(&[
+        "-H",
+        "-O",
+        "upstream_h2",
+        "-O",
+        "h2c",
+        "{port}",
+        &format!("127.0.0.1:{port}"),
+    ]);
+    let url = format!("http://127.0.0.1:{}/sum", q.port);
+    let Some(out) = tool("nghttp", &["-v", &url]) else {
+        return;
+    };
+    let lines: Vec<&str> = out.lines().collect();
+    let sum = lines
+        .iter()
+        .position(|l| l.contains("x-sum: abc"))
+        .unwrap_or_else(|| panic!("no trailer: {out}"));
+    let last_data = lines
+        .iter()
+        .rposition(|l| l.contains("recv DATA"))
+        .unwrap_or_else(|| panic!("no body: {out}"));
+    // A trailer comes after the body, on a HEADERS frame of its own.
+    assert!(sum > last_data, "{out}");
+    assert!(out.contains(":status: 200"), "{out}");
+}
+
+#[test]
+fn a_connection_that_idles_out_of_the_pool_is_closed() {
+    let port = free_port();
+    let Some(_nginx) = nginx_at(port, " http2", "", WHO, &[]) else {
+        return;
+    };
+    let q = Quill::start(&[
+        "-H",
+        "-O",
+        "upstream_h2",
+        "-O",
+        "upstream_idle_timeout 1",
+        "{port}",
+        &format!("127.0.0.1:{port}"),
+    ]);
+    let answers = many_at_once(q.addr(), 10);
+    assert!(!h2_connections(&answers).is_empty());
+    // Out of the pool after a second without streams, the connection must end then, not
+    // when NGINX tires of it (its keepalive_timeout, 75 s).
+    wait_until(
+        Duration::from_secs(10),
+        "quill closes its idle HTTP/2 connections",
+        || established_to(port) == 0,
+    );
+    // And the next request opens a new one.
+    assert_eq!(get(q.addr(), "/who").0, 200);
+}

@@ -35,6 +35,7 @@ use hyper_util::rt::TokioIo;
 use super::candidates::{self, Candidate, Candidates};
 use super::h1_client::{self, Back, Failure, Outgoing};
 use super::h1_pump::{self, Link};
+use super::h2_client;
 use super::pool::{self, Conn, Limits, Target};
 use super::pool_h2::{self, Take};
 use super::tcp::{open_upstream, Preamble, Server};
@@ -47,9 +48,6 @@ use crate::state::State;
 
 /// The server a request goes to; its state lives as long as the process.
 type To<'a> = Candidate<'a, 'static>;
-
-/// The HTTP/2 receive window of a stream to a server (`upstream_h2`).
-const H2_STREAM_WINDOW: u32 = 256 * 1024;
 
 /// How long a connection with no request left may stay open after quill asked it to end
 /// (GOAWAY): a client that does not close by then is closed.
@@ -115,10 +113,12 @@ pub struct ResponseBody {
     _h2: Option<pool_h2::Stream>,
 }
 
-/// A server's answer body: read by hyper's client, or by quill's own (`h1_client`).
+/// A server's answer body: read by hyper's client, or by quill's own (`h1_client`,
+/// `h2_client`).
 pub(super) enum Answer {
     Hyper(Incoming),
     Own(h1_client::Answer),
+    H2(h2_client::Answer),
 }
 
 impl Body for Answer {
@@ -132,6 +132,7 @@ impl Body for Answer {
         match self.get_mut() {
             Answer::Hyper(b) => Pin::new(b).poll_frame(cx).map_err(Into::into),
             Answer::Own(b) => Pin::new(b).poll_frame(cx).map_err(Into::into),
+            Answer::H2(b) => Pin::new(b).poll_frame(cx).map_err(Into::into),
         }
     }
 
@@ -139,6 +140,7 @@ impl Body for Answer {
         match self {
             Answer::Hyper(b) => b.is_end_stream(),
             Answer::Own(b) => b.is_end_stream(),
+            Answer::H2(b) => b.is_end_stream(),
         }
     }
 
@@ -146,6 +148,7 @@ impl Body for Answer {
         match self {
             Answer::Hyper(b) => b.size_hint(),
             Answer::Own(b) => b.size_hint(),
+            Answer::H2(b) => b.size_hint(),
         }
     }
 }
@@ -689,68 +692,90 @@ async fn send(
                 Err(e) => return Sent::Unsent(req, e),
             };
         let lease = Lease::take(server);
-        let mut spare = None;
         // Per request, whichever connection it takes: a flag left from an earlier request
         // must not excuse this one's failure.
         let activity = Rc::clone(&req.body().activity);
         activity.uploading.set(!req.body().is_end_stream());
-        let sent = match &mut conn {
+        let s = match &mut conn {
             Upstream::H1(c) => {
                 c.uses += 1;
-                c.sender.try_send_request(req).await
+                match c.sender.try_send_request(req).await {
+                    Ok(resp) => {
+                        answered(to, record.as_deref(), reused);
+                        return Sent::Answer(Answered {
+                            resp: resp.map(Answer::Hyper),
+                            conn: Some(conn),
+                            lease,
+                        });
+                    }
+                    Err(mut e) => {
+                        drop(lease);
+                        let message = e.take_message();
+                        let error = std::io::Error::other(e.into_error());
+                        match message {
+                            // A kept-alive connection closed under us: try a new one.
+                            Some(back) if reused => {
+                                req = back;
+                                continue;
+                            }
+                            Some(back) => return Sent::Unsent(back, error),
+                            // Failed while the body was being written: the server may
+                            // have answered early (a 413) and reset the rest, and hyper's
+                            // client never reads that answer. Whatever it was, a client's
+                            // upload is no reason to take the server out of service.
+                            None if how.version != Version::HTTP_2 && activity.uploading.get() => {
+                                return Sent::Failed(error)
+                            }
+                            None => return Sent::Lost(error),
+                        }
+                    }
+                }
             }
-            Upstream::H2(s) => {
-                spare = Spare::of(&req);
-                let scheme = if settings.tls_built.upstream.is_some() {
-                    "https"
-                } else {
-                    "http"
-                };
-                // Sent as a stream; given back unsent, it is turned back by `from_h2`.
-                s.sender.try_send_request(to_h2(req, scheme, addr)).await
-            }
+            Upstream::H2(s) => s,
         };
-        match sent {
+        let spare = Spare::of(&req);
+        let tls = settings.tls_built.upstream.is_some();
+        match h2_client::send(&mut s.sender, req, tls, addr).await {
             Ok(resp) => {
                 answered(to, record.as_deref(), reused);
                 return Sent::Answer(Answered {
-                    resp: resp.map(Answer::Hyper),
+                    resp: resp.map(Answer::H2),
                     conn: Some(conn),
                     lease,
                 });
             }
-            Err(mut e) => {
+            Err(h2_client::Failure::Unsent(back, error)) => {
                 drop(lease);
-                let message = e.take_message().map(from_h2);
-                let refused = matches!(conn, Upstream::H2(_)) && message.is_none() && refused(&e);
-                let error = std::io::Error::other(e.into_error());
-                if let Upstream::H2(s) = &conn {
-                    if message.is_some() || refused {
-                        s.retire();
-                    }
+                s.retire();
+                if !reused {
+                    return Sent::Unsent(*back, error);
                 }
-                match message {
-                    // A kept-alive connection closed under us: try a new one.
-                    Some(back) if reused => req = back,
-                    Some(back) => return Sent::Unsent(back, error),
-                    // Failed while the body was being written: the server may have
-                    // answered early (a 413) and reset the rest, and hyper's client
-                    // never reads that answer. Whatever it was, a client's upload is no
-                    // reason to take the server out of service.
-                    None if how.version != Version::HTTP_2 && activity.uploading.get() => {
-                        return Sent::Failed(error)
+                // A shared connection the server is ending: try another.
+                req = *back;
+            }
+            Err(h2_client::Failure::Refused(error)) => {
+                drop(lease);
+                s.retire();
+                match spare {
+                    // Processed by no server, and harmless if it were: once more.
+                    Some(again) if !retried => {
+                        retried = true;
+                        req = again.rebuild();
                     }
-                    None if refused => match spare {
-                        // Processed by no server, and harmless if it were: once more.
-                        Some(again) if !retried => {
-                            retried = true;
-                            req = again.rebuild();
-                        }
-                        _ => return Sent::Refused(error),
-                    },
-                    None => return Sent::Lost(error),
+                    _ => return Sent::Refused(error),
                 }
             }
+            // quill reset the stream: the client's body failed, or the request could not
+            // be framed for HTTP/2; neither is the server's doing.
+            Err(h2_client::Failure::Broken { error, ours: true }) => return Sent::Failed(error),
+            // Failed while the body was being sent: as over HTTP/1.1 above, a client's
+            // upload is no reason to take the server out of service.
+            Err(h2_client::Failure::Broken { error, .. })
+                if how.version != Version::HTTP_2 && activity.uploading.get() =>
+            {
+                return Sent::Failed(error)
+            }
+            Err(h2_client::Failure::Broken { error, .. }) => return Sent::Lost(error),
         }
     }
 }
@@ -835,20 +860,6 @@ async fn send_own(
     }
 }
 
-/// Whether an HTTP/2 server refused the stream before processing it (RFC 9113 §8.7):
-/// `REFUSED_STREAM`, or a GOAWAY whose last stream came before it.
-fn refused(e: &hyper::client::conn::TrySendError<Request<RequestBody>>) -> bool {
-    let mut source = std::error::Error::source(e.error());
-    while let Some(s) = source {
-        if let Some(h2) = s.downcast_ref::<h2::Error>() {
-            return h2.reason() == Some(h2::Reason::REFUSED_STREAM)
-                || (h2.is_go_away() && h2.is_remote());
-        }
-        source = s.source();
-    }
-    false
-}
-
 /// What it takes to send a request again after the HTTP/2 server refused its stream: only
 /// for a request without a body (nothing consumed) whose method is idempotent (harmless
 /// even if the refusal was a GOAWAY that crossed a request being processed).
@@ -883,9 +894,9 @@ impl Spare {
         let mut req = Request::new(self.body);
         *req.method_mut() = self.method;
         *req.uri_mut() = self.uri;
-        *req.version_mut() = Version::HTTP_2;
+        *req.version_mut() = Version::HTTP_11;
         *req.headers_mut() = self.headers;
-        from_h2(req)
+        req
     }
 }
 
@@ -934,76 +945,17 @@ async fn pick(
             }),
             false,
         ),
-        Fresh::H2(sender, max_streams) => (
-            Upstream::H2(pool_h2::add(target, sender, addr, max_streams, how.limits)),
+        Fresh::H2(connected) => (
+            Upstream::H2(pool_h2::add(target, connected, addr, how.limits)),
             false,
         ),
     })
 }
 
-/// The request as an HTTP/2 server gets it: `Host` becomes `:authority`, with the scheme
-/// quill speaks to the server. Without a `Host` that is a valid authority (a client's
-/// mistake, which must not look like the server's), the server's address stands in.
-fn to_h2(
-    req: Request<RequestBody>,
-    scheme: &'static str,
-    addr: SocketAddr,
-) -> Request<RequestBody> {
-    use hyper::http::uri::{Authority, PathAndQuery, Scheme};
-    let (mut parts, body) = req.into_parts();
-    let authority = parts
-        .headers
-        .remove(header::HOST)
-        .and_then(|h| Authority::try_from(h.as_bytes()).ok())
-        .or_else(|| Authority::try_from(addr.to_string()).ok());
-    let mut uri = hyper::http::uri::Parts::default();
-    uri.scheme = Some(if scheme == "https" {
-        Scheme::HTTPS
-    } else {
-        Scheme::HTTP
-    });
-    uri.authority = authority;
-    uri.path_and_query = Some(
-        parts
-            .uri
-            .path_and_query()
-            .cloned()
-            .unwrap_or_else(|| PathAndQuery::from_static("/")),
-    );
-    if let Ok(u) = Uri::from_parts(uri) {
-        parts.uri = u;
-    }
-    parts.version = Version::HTTP_2;
-    Request::from_parts(parts, body)
-}
-
-/// Undoes [`to_h2`] for a request given back unsent (the next connection may be HTTP/1.1).
-fn from_h2(req: Request<RequestBody>) -> Request<RequestBody> {
-    if req.version() != Version::HTTP_2 {
-        return req;
-    }
-    let (mut parts, body) = req.into_parts();
-    if let Some(a) = parts.uri.authority() {
-        if let Ok(v) = HeaderValue::from_str(a.as_str()) {
-            parts.headers.insert(header::HOST, v);
-        }
-    }
-    let path = parts.uri.path_and_query().map_or("/", |p| p.as_str());
-    if let Ok(uri) = Uri::try_from(path) {
-        parts.uri = uri;
-    }
-    parts.version = Version::HTTP_11;
-    Request::from_parts(parts, body)
-}
-
 /// A new connection to a server, and the protocol it speaks.
 enum Fresh {
     H1(hyper::client::conn::http1::SendRequest<RequestBody>),
-    /// With what reads the server's current limit of concurrent streams.
-    H2(
-        hyper::client::conn::http2::SendRequest<RequestBody>,
-        Box<dyn Fn() -> usize>,
-    ),
+    H2(h2_client::Connected),
 }
 
 /// A new connection to a server (TLS with `upstream_tls`, the PROXY header when
@@ -1033,10 +985,11 @@ async fn connect(
     let tls = settings.tls_built.upstream.is_some();
     if h2 && (!tls || stream.picked_h2()) {
         let limit = Duration::from_secs(settings.timeout.max(1));
-        return match stream {
-            Server::Plain(s) => connect_h2(s, server, limit).await,
-            Server::Tls(s) => connect_h2(s, server, limit).await,
+        let connected = match stream {
+            Server::Plain(s) => h2_client::connect(s, server, limit).await,
+            Server::Tls(s) => h2_client::connect(s, server, limit).await,
         };
+        return connected.map(Fresh::H2);
     }
     let mut builder = hyper::client::conn::http1::Builder::new();
     // Field names go out as the client wrote them (HTTP/1.x clients), the others (HTTP/2's
@@ -1064,71 +1017,6 @@ async fn connect(
         }
     };
     Ok(Fresh::H1(sender))
-}
-
-/// Starts HTTP/2 over `io`, ready once the server's SETTINGS have come (within `limit`).
-async fn connect_h2<T>(
-    io: T,
-    server: &'static ServerState,
-    limit: Duration,
-) -> std::io::Result<Fresh>
-where
-    T: tokio::io::AsyncRead + tokio::io::AsyncWrite + Unpin + 'static,
-{
-    let preface = Rc::new(pool_h2::Preface::default());
-    let io = pool_h2::Watched {
-        io,
-        preface: Rc::clone(&preface),
-    };
-    // What a server may send ahead of the clients reading it is held in quill: a stream's
-    // window bounds one client that does not read, the connection's how many such clients
-    // it takes to stall the others sharing the connection (32).
-    let (sender, conn) = hyper::client::conn::http2::Builder::new(LocalExec)
-        .initial_stream_window_size(H2_STREAM_WINDOW)
-        .initial_connection_window_size(32 * H2_STREAM_WINDOW)
-        .handshake(TokioIo::new(io))
-        .await
-        .map_err(std::io::Error::other)?;
-    // The connection task polls it; the pool reads its stream limit between polls (never
-    // during one: one thread), and takes the last value seen if it cannot. Once it has
-    // ended it is dropped at once: its request queue closes with it, which is how senders
-    // learn the connection is gone.
-    let conn = Rc::new(std::cell::RefCell::new(Some(Box::pin(conn))));
-    let seen = Rc::new(Cell::new(usize::MAX));
-    let max_streams = {
-        let conn = Rc::clone(&conn);
-        let seen = Rc::clone(&seen);
-        Box::new(move || {
-            if let Ok(Some(c)) = conn.try_borrow().as_deref() {
-                seen.set(c.current_max_send_streams());
-            }
-            seen.get()
-        })
-    };
-    drive(
-        std::future::poll_fn(move |cx| {
-            let Ok(mut slot) = conn.try_borrow_mut() else {
-                // Never borrowed across a poll; should it be, look again rather than stall.
-                cx.waker().wake_by_ref();
-                return Poll::Pending;
-            };
-            let Some(c) = slot.as_mut() else {
-                return Poll::Ready(Ok(()));
-            };
-            let polled = c.as_mut().poll(cx);
-            if polled.is_ready() {
-                *slot = None;
-            }
-            polled
-        }),
-        server,
-    );
-    // Dropping the sender on failure closes the connection.
-    preface
-        .settled(limit)
-        .await
-        .map_err(std::io::Error::other)?;
-    Ok(Fresh::H2(sender, max_streams))
 }
 
 /// Runs a server connection's I/O until it closes, counted in the server's `pool_open`.

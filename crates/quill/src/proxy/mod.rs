@@ -9,6 +9,7 @@ pub mod h1;
 pub mod h1_client;
 pub mod h1_pump;
 pub mod h2;
+pub mod h2_client;
 pub mod http;
 pub mod park;
 pub mod polling;

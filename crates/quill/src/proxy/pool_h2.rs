@@ -1,19 +1,20 @@
 //! HTTP/2 connections to servers (`upstream_h2`) for `proxy::gateway`: each one carries
-//! the requests of many client connections at once, as streams.
+//! the requests of many client connections at once, as streams (`proxy::h2_client`).
 //!
 //! One table per event loop (a thread-local, as `proxy::pool`: no lock), keyed by the same
-//! `Target`. Invariants: a connection is handed out only while hyper's sender is open (a
-//! GOAWAY or a close from the server closes it), to the server's current address, before
-//! `upstream_max_requests` and while it carries fewer streams than the server's
-//! `SETTINGS_MAX_CONCURRENT_STREAMS`. A request that finds every connection to its server
-//! full opens another one rather than queue behind streams it cannot see the end of, so a
-//! loop holds as many connections to a server as its concurrency needs (usually one).
-//! While a connection to a target is being opened, requests that find no room wait for it
-//! instead of opening their own: a burst of requests makes one connection, not one each.
-//! A connection without streams for `upstream_idle_timeout` leaves the table; one out of
-//! the table ends once its last stream has (hyper closes it when its last sender drops).
-//! A new connection is handed out only once the server's SETTINGS have been read
-//! ([`Preface`]): before, its stream limit is unknown, and it may not be HTTP/2 at all.
+//! `Target`. Invariants: a connection is handed out only while it runs (a request that
+//! finds it can take no new stream, after a GOAWAY, retires it), to the server's current
+//! address, before `upstream_max_requests` and while it carries fewer streams than the
+//! server's `SETTINGS_MAX_CONCURRENT_STREAMS`. A request that finds every connection to
+//! its server full opens another one rather than queue behind streams it cannot see the
+//! end of, so a loop holds as many connections to a server as its concurrency needs
+//! (usually one). While a connection to a target is being opened, requests that find no
+//! room wait for it instead of opening their own: a burst of requests makes one
+//! connection, not one each. A connection without streams for `upstream_idle_timeout`
+//! leaves the table; one out of the table ends once its last stream has (the h2 crate
+//! closes a connection when its last handle goes). A new connection is handed out only
+//! once the server's SETTINGS have been read ([`Preface`]): before, its stream limit is
+//! unknown, and it may not be HTTP/2 at all.
 
 use std::cell::{Cell, RefCell};
 use std::net::SocketAddr;
@@ -22,17 +23,20 @@ use std::rc::Rc;
 use std::task::{Context, Poll};
 use std::time::{Duration, Instant};
 
-use hyper::client::conn::http2::SendRequest;
+use bytes::Bytes;
+use h2::client::SendRequest;
 use tokio::io::{AsyncRead, AsyncWrite, ReadBuf};
 use tokio::sync::Notify;
 
-use super::gateway::RequestBody;
+use super::h2_client::Connected;
 use super::pool::{ByTarget, Limits, Target};
 
 /// One multiplexed connection.
 struct Shared {
-    sender: SendRequest<RequestBody>,
+    sender: SendRequest<Bytes>,
     addr: SocketAddr,
+    /// Set once the connection has ended.
+    closed: Rc<Cell<bool>>,
     /// Requests whose response has not ended yet.
     streams: Cell<usize>,
     /// Reads the server's current `SETTINGS_MAX_CONCURRENT_STREAMS` from the connection.
@@ -49,7 +53,7 @@ struct Shared {
 impl Shared {
     fn usable(&self, addr: SocketAddr, max_requests: u64) -> bool {
         !self.retired.get()
-            && !self.sender.is_closed()
+            && !self.closed.get()
             && self.addr == addr
             && (max_requests == 0 || self.uses.get() < max_requests)
     }
@@ -76,7 +80,7 @@ thread_local! {
 /// A request's stream on a connection: counts among the connection's streams until
 /// dropped (when the response has ended).
 pub struct Stream {
-    pub sender: SendRequest<RequestBody>,
+    pub sender: SendRequest<Bytes>,
     conn: Rc<Shared>,
 }
 
@@ -166,16 +170,16 @@ impl Drop for Opening {
 
 /// A new connection's first stream; the connection joins the table for later requests
 /// unless `upstream_keepalive` is 0 (then it ends with this stream).
-pub fn add(
-    target: Target,
-    sender: SendRequest<RequestBody>,
-    addr: SocketAddr,
-    max_streams: Box<dyn Fn() -> usize>,
-    limits: Limits,
-) -> Stream {
+pub fn add(target: Target, connected: Connected, addr: SocketAddr, limits: Limits) -> Stream {
+    let Connected {
+        sender,
+        max_streams,
+        closed,
+    } = connected;
     let conn = Rc::new(Shared {
         sender: sender.clone(),
         addr,
+        closed,
         streams: Cell::new(1),
         max_streams,
         uses: Cell::new(1),
@@ -212,7 +216,7 @@ async fn sweep() {
                 list.retain(|c| {
                     let idle_out = c.streams.get() == 0
                         && now.duration_since(c.idle_since.get()) >= c.idle_timeout;
-                    !idle_out && !c.retired.get() && !c.sender.is_closed()
+                    !idle_out && !c.retired.get() && !c.closed.get()
                 });
                 !list.is_empty()
             });
