@@ -673,3 +673,47 @@ fn a_connection_that_idles_out_of_the_pool_is_closed() {
     // And the next request opens a new one.
     assert_eq!(get(q.addr(), "/who").0, 200);
 }
+
+/// A server that speaks HTTP/2 only to turn every connection away: its SETTINGS, then at
+/// once a GOAWAY (NO_ERROR, no stream processed), as NGINX sheds connections at its
+/// `worker_connections`. Counts the connections it took.
+fn turning_away() -> (
+    std::net::SocketAddr,
+    std::sync::Arc<std::sync::atomic::AtomicUsize>,
+) {
+    use std::sync::atomic::{AtomicUsize, Ordering};
+    use std::sync::Arc;
+    let listener = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
+    let addr = listener.local_addr().unwrap();
+    let taken = Arc::new(AtomicUsize::new(0));
+    let count = Arc::clone(&taken);
+    std::thread::spawn(move || {
+        for s in listener.incoming() {
+            let Ok(mut s) = s else { return };
+            count.fetch_add(1, Ordering::SeqCst);
+            std::thread::spawn(move || {
+                let settings = [0, 0, 0, 4, 0, 0, 0, 0, 0];
+                let go_away = [0, 0, 8, 7, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0];
+                let _ = s.write_all(&settings);
+                let _ = s.write_all(&go_away);
+                let mut sink = [0u8; 4096];
+                s.set_read_timeout(Some(Duration::from_secs(5))).unwrap();
+                while matches!(s.read(&mut sink), Ok(n) if n > 0) {}
+            });
+        }
+    });
+    (addr, taken)
+}
+
+#[test]
+fn a_server_that_turns_new_connections_away_is_busy_not_failed() {
+    let (server, taken) = turning_away();
+    let q = Quill::start(&["-H", "-O", "upstream_h2", "{port}", &server.to_string()]);
+    // Each request tries a second new connection, then gets 502; the server is never
+    // blacklisted (that would answer 503 without a connection).
+    for round in 1..=3 {
+        assert_eq!(get(q.addr(), "/").0, 502, "round {round}");
+        let n = taken.load(std::sync::atomic::Ordering::SeqCst);
+        assert_eq!(n, 2 * round, "connections after round {round}");
+    }
+}

@@ -744,14 +744,27 @@ async fn send(
                     lease,
                 });
             }
-            Err(h2_client::Failure::Unsent(back, error)) => {
+            Err(h2_client::Failure::Unsent {
+                req: back,
+                error,
+                going_away,
+            }) => {
                 drop(lease);
                 s.retire();
-                if !reused {
+                if reused {
+                    // A shared connection the server is ending: try another.
+                    req = *back;
+                } else if going_away && !retried {
+                    // A new connection the server sent GOAWAY on before its first stream
+                    // (NGINX does so to shed connections at its `worker_connections`): it
+                    // is busy, not failing. Once more on a new connection.
+                    retried = true;
+                    req = *back;
+                } else if going_away {
+                    return Sent::Refused(error);
+                } else {
                     return Sent::Unsent(*back, error);
                 }
-                // A shared connection the server is ending: try another.
-                req = *back;
             }
             Err(h2_client::Failure::Refused(error)) => {
                 drop(lease);

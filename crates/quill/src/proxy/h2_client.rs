@@ -138,9 +138,13 @@ where
 
 /// How a request failed on an HTTP/2 connection.
 pub enum Failure {
-    /// The connection could take no new stream (it ended, or the server sent GOAWAY):
-    /// nothing was sent, here is the request back.
-    Unsent(Box<Request<RequestBody>>, std::io::Error),
+    /// The connection could take no new stream (it ended, or the server sent GOAWAY:
+    /// `going_away`): nothing was sent, here is the request back.
+    Unsent {
+        req: Box<Request<RequestBody>>,
+        error: std::io::Error,
+        going_away: bool,
+    },
     /// The server refused the stream before processing it (RFC 9113 §8.7):
     /// `REFUSED_STREAM`, or a GOAWAY whose last stream came before it.
     Refused(std::io::Error),
@@ -158,7 +162,11 @@ pub async fn send(
     addr: SocketAddr,
 ) -> Result<Response<Answer>, Failure> {
     if let Err(e) = std::future::poll_fn(|cx| sender.poll_ready(cx)).await {
-        return Err(Failure::Unsent(Box::new(req), std::io::Error::other(e)));
+        return Err(Failure::Unsent {
+            req: Box::new(req),
+            going_away: e.is_go_away() && e.is_remote(),
+            error: std::io::Error::other(e),
+        });
     }
     let (head, body) = h2_request(req, tls, addr);
     let end = body.is_end_stream();
