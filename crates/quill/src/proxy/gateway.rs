@@ -684,8 +684,8 @@ async fn send(
     }
     let mut retried = false;
     loop {
-        // Sent again after a refusal, a request takes a new connection, on which it is the
-        // first stream: no GOAWAY can cross it there.
+        // Sent again after a refusal (or a GOAWAY on a new connection), a request takes a
+        // new connection, on which it is the first stream: no GOAWAY can cross it there.
         let (mut conn, reused) =
             match pick(state, settings, peer, to, how, poolable, h2 && !retried, h2).await {
                 Ok(picked) => picked,
@@ -696,18 +696,11 @@ async fn send(
         // must not excuse this one's failure.
         let activity = Rc::clone(&req.body().activity);
         activity.uploading.set(!req.body().is_end_stream());
-        let s = match &mut conn {
+        let resp = match &mut conn {
             Upstream::H1(c) => {
                 c.uses += 1;
                 match c.sender.try_send_request(req).await {
-                    Ok(resp) => {
-                        answered(to, record.as_deref(), reused);
-                        return Sent::Answer(Answered {
-                            resp: resp.map(Answer::Hyper),
-                            conn: Some(conn),
-                            lease,
-                        });
-                    }
+                    Ok(resp) => resp.map(Answer::Hyper),
                     Err(mut e) => {
                         drop(lease);
                         let message = e.take_message();
@@ -731,65 +724,95 @@ async fn send(
                     }
                 }
             }
-            Upstream::H2(s) => s,
-        };
-        let spare = Spare::of(&req);
-        let tls = settings.tls_built.upstream.is_some();
-        match h2_client::send(&mut s.sender, req, tls, addr).await {
-            Ok(resp) => {
-                answered(to, record.as_deref(), reused);
-                return Sent::Answer(Answered {
-                    resp: resp.map(Answer::H2),
-                    conn: Some(conn),
-                    lease,
-                });
-            }
-            Err(h2_client::Failure::Unsent {
-                req: back,
-                error,
-                going_away,
-            }) => {
-                drop(lease);
-                s.retire();
-                if reused {
-                    // A shared connection the server is ending: try another.
-                    req = *back;
-                } else if going_away && !retried {
-                    // A new connection the server sent GOAWAY on before its first stream
-                    // (NGINX does so to shed connections at its `worker_connections`): it
-                    // is busy, not failing. Once more on a new connection.
-                    retried = true;
-                    req = *back;
-                } else if going_away {
-                    return Sent::Refused(error);
-                } else {
-                    return Sent::Unsent(*back, error);
-                }
-            }
-            Err(h2_client::Failure::Refused(error)) => {
-                drop(lease);
-                s.retire();
-                match spare {
-                    // Processed by no server, and harmless if it were: once more.
-                    Some(again) if !retried => {
-                        retried = true;
-                        req = again.rebuild();
+            Upstream::H2(s) => {
+                let spare = Spare::of(&req);
+                let tls = settings.tls_built.upstream.is_some();
+                match h2_client::send(&mut s.sender, req, tls, addr).await {
+                    Ok(resp) => resp.map(Answer::H2),
+                    Err(failure) => {
+                        drop(lease);
+                        match h2_failed(failure, s, spare, reused, &mut retried, how, &activity) {
+                            Next::Again(again) => {
+                                req = again;
+                                continue;
+                            }
+                            Next::Done(sent) => return sent,
+                        }
                     }
-                    _ => return Sent::Refused(error),
                 }
             }
-            // quill reset the stream: the client's body failed, or the request could not
-            // be framed for HTTP/2; neither is the server's doing.
-            Err(h2_client::Failure::Broken { error, ours: true }) => return Sent::Failed(error),
-            // Failed while the body was being sent: as over HTTP/1.1 above, a client's
-            // upload is no reason to take the server out of service.
-            Err(h2_client::Failure::Broken { error, .. })
-                if how.version != Version::HTTP_2 && activity.uploading.get() =>
-            {
-                return Sent::Failed(error)
+        };
+        answered(to, record.as_deref(), reused);
+        return Sent::Answer(Answered {
+            resp,
+            conn: Some(conn),
+            lease,
+        });
+    }
+}
+
+/// What becomes of a request whose stream failed.
+enum Next {
+    /// Sent again, over another connection.
+    Again(Request<RequestBody>),
+    Done(Sent),
+}
+
+/// What becomes of a request whose stream failed on `stream`.
+fn h2_failed(
+    failure: h2_client::Failure,
+    stream: &pool_h2::Stream,
+    spare: Option<Spare>,
+    reused: bool,
+    retried: &mut bool,
+    how: How,
+    activity: &Activity,
+) -> Next {
+    use h2_client::Failure;
+    match failure {
+        Failure::Unsent {
+            req,
+            error,
+            going_away,
+        } => {
+            stream.retire();
+            if reused {
+                // A shared connection the server is ending: try another.
+                Next::Again(*req)
+            } else if going_away && !*retried {
+                // A new connection the server sent GOAWAY on before its first stream
+                // (NGINX does so to shed connections at its `worker_connections`): it is
+                // busy, not failing. Once more on a new connection.
+                *retried = true;
+                Next::Again(*req)
+            } else if going_away {
+                Next::Done(Sent::Refused(error))
+            } else {
+                Next::Done(Sent::Unsent(*req, error))
             }
-            Err(h2_client::Failure::Broken { error, .. }) => return Sent::Lost(error),
         }
+        Failure::Refused(error) => {
+            stream.retire();
+            match spare {
+                // Processed by no server, and harmless if it were: once more.
+                Some(again) if !*retried => {
+                    *retried = true;
+                    Next::Again(again.rebuild())
+                }
+                _ => Next::Done(Sent::Refused(error)),
+            }
+        }
+        // quill reset the stream: the client's body failed, or the request could not be
+        // framed for HTTP/2; neither is the server's doing.
+        Failure::Broken { error, ours: true } => Next::Done(Sent::Failed(error)),
+        // Failed while the body was being sent: as over HTTP/1.1, a client's upload is no
+        // reason to take the server out of service.
+        Failure::Broken { error, .. }
+            if how.version != Version::HTTP_2 && activity.uploading.get() =>
+        {
+            Next::Done(Sent::Failed(error))
+        }
+        Failure::Broken { error, .. } => Next::Done(Sent::Lost(error)),
     }
 }
 
@@ -1033,9 +1056,10 @@ async fn connect(
 }
 
 /// Runs a server connection's I/O until it closes, counted in the server's `pool_open`.
-fn drive<F>(conn: F, server: &'static ServerState)
+pub(super) fn drive<F, E>(conn: F, server: &'static ServerState)
 where
-    F: Future<Output = hyper::Result<()>> + 'static,
+    F: Future<Output = Result<(), E>> + 'static,
+    E: std::fmt::Display,
 {
     server.pool_open.fetch_add(1, Relaxed);
     tokio::task::spawn_local(async move {

@@ -113,17 +113,7 @@ where
             polled
         })
     };
-    server
-        .pool_open
-        .fetch_add(1, std::sync::atomic::Ordering::Relaxed);
-    tokio::task::spawn_local(async move {
-        if let Err(e) = task.await {
-            tracing::debug!("HTTP/2 server connection ended: {e}");
-        }
-        server
-            .pool_open
-            .fetch_sub(1, std::sync::atomic::Ordering::Relaxed);
-    });
+    super::gateway::drive(task, server);
     // Dropping the sender on failure ends the connection.
     preface
         .settled(limit)
@@ -250,8 +240,6 @@ fn h2_request(
         parts.uri = u;
     }
     parts.version = Version::HTTP_2;
-    // The h2 crate sends what it is given: extensions are not fields.
-    parts.extensions.clear();
     (Request::from_parts(parts, ()), body)
 }
 
