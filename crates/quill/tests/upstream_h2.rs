@@ -69,6 +69,18 @@ fn certificates(dir: &Path) -> (PathBuf, PathBuf, PathBuf) {
     paths
 }
 
+/// quill in `http` mode with `upstream_h2` (and `options`, each a `-O` command) in front of
+/// one server on 127.0.0.1:`port`.
+fn quill_h2(port: u16, options: &[&str]) -> Quill {
+    let server = format!("127.0.0.1:{port}");
+    let mut args = vec!["-H", "-O", "upstream_h2"];
+    for o in options {
+        args.extend(["-O", o]);
+    }
+    args.extend(["{port}", &server]);
+    Quill::start(&args)
+}
+
 /// An HTTP/1.1 request on a connection of its own: status and body.
 fn get(addr: std::net::SocketAddr, path: &str) -> (u16, String) {
     let mut s = TcpStream::connect(addr).unwrap();
@@ -154,13 +166,7 @@ fn a_one_mib_body_goes_up_and_down_over_h2c() {
     let Some(nginx) = nginx_on(port, " http2", None) else {
         return;
     };
-    let q = Quill::start(&[
-        "-H",
-        "-O",
-        "upstream_h2",
-        "{port}",
-        &format!("127.0.0.1:{port}"),
-    ]);
+    let q = quill_h2(port, &[]);
     let dir = TempDir::new("uph2");
     let file = dir.path().join("upload");
     let data: Vec<u8> = (0..1u32 << 20)
@@ -278,13 +284,7 @@ fn prior_knowledge_to_a_server_without_http2_fails_over_before_any_request() {
     let log = std::fs::read_to_string(h1.dir().join("access.log")).unwrap_or_default();
     assert!(!log.contains(" GET "), "{log}");
     // Alone, it leaves no server: 503 at once, not a hang.
-    let q = Quill::start(&[
-        "-H",
-        "-O",
-        "upstream_h2",
-        "{port}",
-        &format!("127.0.0.1:{h1_port}"),
-    ]);
+    let q = quill_h2(h1_port, &[]);
     let started = Instant::now();
     let (status, body) = get(q.addr(), "/who");
     assert_eq!(status, 503, "{body}");
@@ -301,15 +301,7 @@ fn a_restarted_server_is_reconnected_to_without_failed_requests() {
     let Some(nginx) = nginx_on(port, " http2", None) else {
         return;
     };
-    let q = Quill::start(&[
-        "-H",
-        "-O",
-        "upstream_h2",
-        "-O",
-        "blacklist 1",
-        "{port}",
-        &format!("127.0.0.1:{port}"),
-    ]);
+    let q = quill_h2(port, &["blacklist 1"]);
     h2_connections(&many_at_once(q.addr(), 20));
     drop(nginx);
     // Started again (listening once this returns): the connections quill had are closed.
@@ -334,15 +326,7 @@ fn a_full_connection_makes_the_next_request_open_another() {
     ) else {
         return;
     };
-    let q = Quill::start(&[
-        "-H",
-        "-O",
-        "upstream_h2",
-        "-O",
-        "workers 2",
-        "{port}",
-        &format!("127.0.0.1:{port}"),
-    ]);
+    let q = quill_h2(port, &["workers 2"]);
     let started = Instant::now();
     let threads: Vec<_> = (0..20)
         .map(|_| {
@@ -383,15 +367,7 @@ fn a_server_sent_the_proxy_protocol_keeps_http11_with_a_connection_per_request()
     ) else {
         return;
     };
-    let q = Quill::start(&[
-        "-H",
-        "-O",
-        "upstream_h2",
-        "-O",
-        "proxy_protocol v1",
-        "{port}",
-        &format!("127.0.0.1:{port}"),
-    ]);
+    let q = quill_h2(port, &["proxy_protocol v1"]);
     let answers: Vec<_> = (0..5).map(|_| get(q.addr(), "/who")).collect();
     let mut used = BTreeSet::new();
     for (status, body) in &answers {
@@ -479,15 +455,7 @@ fn a_server_that_sends_goaway_gets_the_next_requests_on_a_new_connection() {
     let Some(_nginx) = nginx_at(port, " http2", " keepalive_requests 5;", WHO, &[]) else {
         return;
     };
-    let q = Quill::start(&[
-        "-H",
-        "-O",
-        "upstream_h2",
-        "-O",
-        "workers 1",
-        "{port}",
-        &format!("127.0.0.1:{port}"),
-    ]);
+    let q = quill_h2(port, &["workers 1"]);
     let answers: Vec<_> = (0..30).map(|_| get(q.addr(), "/who")).collect();
     let used = h2_connections(&answers);
     assert_eq!(used.len(), 6, "{used:?}");
@@ -510,13 +478,7 @@ fn hop_by_hop_fields_stay_behind_and_host_becomes_the_authority() {
     ) else {
         return;
     };
-    let q = Quill::start(&[
-        "-H",
-        "-O",
-        "upstream_h2",
-        "{port}",
-        &format!("127.0.0.1:{port}"),
-    ]);
+    let q = quill_h2(port, &[]);
     let mut s = TcpStream::connect(q.addr()).unwrap();
     s.set_read_timeout(Some(Duration::from_secs(20))).unwrap();
     s.write_all(
@@ -565,15 +527,7 @@ fn an_upload_the_server_refuses_early_gets_its_answer_and_the_server_stays_in() 
     ) else {
         return;
     };
-    let q = Quill::start(&[
-        "-H",
-        "-O",
-        "upstream_h2",
-        "-O",
-        "h2c",
-        "{port}",
-        &format!("127.0.0.1:{port}"),
-    ]);
+    let q = quill_h2(port, &["h2c"]);
     let dir = TempDir::new("uph2");
     let file = dir.path().join("upload");
     std::fs::write(&file, vec![b'u'; 2 << 20]).unwrap();
@@ -619,15 +573,7 @@ fn trailers_from_an_http2_server_reach_an_http2_client() {
     ) else {
         return;
     };
-    let q = Quill::start(&[
-        "-H",
-        "-O",
-        "upstream_h2",
-        "-O",
-        "h2c",
-        "{port}",
-        &format!("127.0.0.1:{port}"),
-    ]);
+    let q = quill_h2(port, &["h2c"]);
     let url = format!("http://127.0.0.1:{}/sum", q.port);
     let Some(out) = tool("nghttp", &["-v", &url]) else {
         return;
@@ -652,15 +598,7 @@ fn a_connection_that_idles_out_of_the_pool_is_closed() {
     let Some(_nginx) = nginx_at(port, " http2", "", WHO, &[]) else {
         return;
     };
-    let q = Quill::start(&[
-        "-H",
-        "-O",
-        "upstream_h2",
-        "-O",
-        "upstream_idle_timeout 1",
-        "{port}",
-        &format!("127.0.0.1:{port}"),
-    ]);
+    let q = quill_h2(port, &["upstream_idle_timeout 1"]);
     let answers = many_at_once(q.addr(), 10);
     assert!(!h2_connections(&answers).is_empty());
     // Out of the pool after a second without streams, the connection must end then, not
