@@ -3,7 +3,8 @@
 //! bytes (Content-Length and chunked, built from the fuzz input) come out verbatim, in order,
 //! between the rewritten heads. Taken request by request (each answered before the next
 //! is read, as `proxy::h1_pump` drives it), the same bytes reach the servers but for the
-//! `Connection` fields, which quill writes for its pooled server connections.
+//! `Connection` fields, which quill writes for its pooled server connections; the access
+//! log's facts pair every answer with one request.
 #![no_main]
 
 use libfuzzer_sys::fuzz_target;
@@ -67,6 +68,7 @@ fn feed_answered(input: &[u8], steps: &[u8], by_request: bool) -> Vec<u8> {
     if by_request {
         ex.request_by_request();
     }
+    let mut fed_answers = 0;
     let mut out = Vec::new();
     let mut held = Vec::new();
     let mut pos = 0;
@@ -98,6 +100,7 @@ fn feed_answered(input: &[u8], steps: &[u8], by_request: bool) -> Vec<u8> {
         let mut answers = 0;
         while !ex.accepts_client_bytes() && answers < 200 {
             answers += 1;
+            fed_answers += 1;
             let _ = ex.server_bytes(ANSWER, &mut Vec::new());
             if by_request {
                 assert!(ex.at_boundary(), "an answered request is a boundary");
@@ -108,6 +111,13 @@ fn feed_answered(input: &[u8], steps: &[u8], by_request: bool) -> Vec<u8> {
             break;
         }
     }
+    // The access log pairs each answer with one request, in order.
+    let mut logged = 0;
+    while let Some(l) = ex.take_answered() {
+        assert_eq!(l.status, 404);
+        logged += 1;
+    }
+    assert!(logged <= fed_answers);
     out
 }
 

@@ -1286,6 +1286,117 @@ fn the_access_log_has_a_line_per_request() {
     assert_eq!(fields[10], "-", "{text}");
 }
 
+/// With `upstream_keepalive 0` (one server connection for each client's, the byte pump's
+/// whole-connection relay) every request has its line too, written as its answer ends,
+/// while the connection stays open: pipelined requests each with its own status and
+/// bytes, and the request quill could find no server for with `-`.
+#[test]
+fn one_server_connection_per_client_logs_each_request_as_its_answer_ends() {
+    let Some((_nginx, port)) = backend() else {
+        return;
+    };
+    let q = Quill::start(&[
+        "-H",
+        "-O",
+        "upstream_keepalive 0",
+        "-O",
+        "access_log {dir}/access.log",
+        "{port}",
+        &format!("127.0.0.1:{port}"),
+    ]);
+    let log = q.dir().join("access.log");
+    let lines = || -> Vec<Vec<String>> {
+        std::fs::read_to_string(&log)
+            .unwrap_or_default()
+            .lines()
+            .map(|l| l.split(' ').map(str::to_string).collect())
+            .collect()
+    };
+    let mut client = q.connect();
+    client.set_read_timeout(Some(IO_TIMEOUT)).unwrap();
+    client
+        .write_all(
+            b"GET /1k HTTP/1.1\r\nHost: a.example\r\n\r\n\
+              PUT /files/p HTTP/1.1\r\nHost: a.example\r\nContent-Length: 5\r\n\r\nhello\
+              GET /missing HTTP/1.1\r\nHost: a.example\r\n\r\n",
+        )
+        .unwrap();
+    for want in [200, 201, 404] {
+        let resp = read_response(&mut client).expect("an answer");
+        assert_eq!(resp.status, want, "{}", resp.head);
+    }
+    wait_until(
+        Duration::from_secs(10),
+        "three lines while the connection is open",
+        || lines().len() == 3,
+    );
+    let got = lines();
+    let server = format!("127.0.0.1:{port}");
+    let want = [
+        ["GET", "a.example", "/1k", "HTTP/1.1", "200", "0", "1024"],
+        [
+            "PUT",
+            "a.example",
+            "/files/p",
+            "HTTP/1.1",
+            "201",
+            "5",
+            got[1][8].as_str(),
+        ],
+        [
+            "GET",
+            "a.example",
+            "/missing",
+            "HTTP/1.1",
+            "404",
+            "0",
+            got[2][8].as_str(),
+        ],
+    ];
+    for (line, want) in got.iter().zip(want) {
+        assert_eq!(line.len(), 11, "{got:?}");
+        assert_eq!(line[2..9], want, "{got:?}");
+        assert_eq!(line[10], server, "{got:?}");
+    }
+    // A connection that keeps going logs its next request the same way.
+    client
+        .write_all(b"GET /who HTTP/1.1\r\nHost: a.example\r\n\r\n")
+        .unwrap();
+    assert_eq!(read_response(&mut client).expect("an answer").status, 200);
+    wait_until(Duration::from_secs(10), "the fourth line", || {
+        lines().len() == 4
+    });
+    drop(client);
+    // No server to take the connection: its request is logged unanswered, with `-`.
+    let q2 = Quill::start(&[
+        "-H",
+        "-O",
+        "upstream_keepalive 0",
+        "-O",
+        "access_log {dir}/access.log",
+        "{port}",
+        &format!("127.0.0.1:{}", free_port()),
+    ]);
+    let mut client = q2.connect();
+    client.set_read_timeout(Some(IO_TIMEOUT)).unwrap();
+    client.write_all(b"GET /x HTTP/1.1\r\n\r\n").unwrap();
+    let mut rest = Vec::new();
+    let _ = client.read_to_end(&mut rest);
+    let log2 = q2.dir().join("access.log");
+    wait_until(
+        Duration::from_secs(10),
+        "the unanswered request's line",
+        || std::fs::read_to_string(&log2).is_ok_and(|t| t.lines().count() == 1),
+    );
+    let text = std::fs::read_to_string(&log2).unwrap();
+    let fields: Vec<&str> = text.trim_end().split(' ').collect();
+    assert_eq!(
+        (fields[2], fields[3], fields[4], fields[6], fields[10]),
+        ("GET", "-", "/x", "0", "-"),
+        "{text}"
+    );
+}
+
 /// A server that drains (or leaves the configuration) keeps no idle pooled connection: the
 /// pool closes them within a couple of seconds instead of at `upstream_idle_timeout`.
 #[test]

@@ -36,7 +36,7 @@ use super::pump::{self, Http};
 use super::relay::{End, RelayOptions};
 use super::signals::{self, Since};
 use super::tcp::{count_http_end, open_upstream, proxy_version, Held, Server};
-use crate::accesslog::Record;
+use crate::accesslog::{Arrival, Record};
 use crate::balance::ServerState;
 use crate::net::connect::is_local_failure;
 use crate::settings::Settings;
@@ -282,11 +282,12 @@ async fn one_request<C: Parkable>(
     ask: &Since<'_>,
 ) -> Served {
     // The log is looked up only for a request whose head was kept for it.
-    let record = http.exchange.logged_mut().and_then(|l| {
+    let record = http.exchange.logged_newest().and_then(|l| {
         let log = state.access_log.load_full()?;
         Some(Record::from_owned(
             log,
             peer.addr.ip(),
+            l.arrived.unwrap_or_else(Arrival::now),
             std::mem::take(&mut l.method),
             l.authority.take(),
             std::mem::take(&mut l.target),
@@ -294,7 +295,7 @@ async fn one_request<C: Parkable>(
         ))
     });
     let served = choose_and_send(state, client, http, peer, ask, record.as_ref()).await;
-    if let (Some(r), Some(l)) = (&record, http.exchange.logged()) {
+    if let (Some(r), Some(l)) = (&record, http.exchange.take_logged()) {
         if r.status.get() == 0 {
             r.status.set(l.status);
         }

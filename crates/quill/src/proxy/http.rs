@@ -12,6 +12,7 @@ use std::collections::VecDeque;
 use std::io::Write;
 use std::net::IpAddr;
 
+use crate::accesslog::Arrival;
 use crate::command::Hsts;
 
 /// Default limit of a request head (`http_header_max`), as large as NGINX's buffers.
@@ -217,14 +218,14 @@ pub struct Exchange {
     /// The last request received has no body, and its method is idempotent: it can be sent
     /// again, to another connection, if the first went away without a byte of answer.
     replayable: bool,
-    /// What the access log needs of the request being relayed, kept only while asked for
+    /// What the access log needs of the requests being relayed, kept only while asked for
     /// ([`Exchange::log_requests`]): most connections pay no copy of their heads.
-    logged: Option<Box<Logged>>,
+    log: Option<Box<LogBook>>,
 }
 
-/// One request as the access log sees it, request by request: its head as the client sent
-/// it, the final answer's status, and the body bytes each way (a chunked body's data, not
-/// its framing; a tunnel's bytes after a `101` or a `CONNECT`'s 2xx).
+/// One request as the access log sees it: its head as the client sent it, the final
+/// answer's status, and the body bytes each way (a chunked body's data, not its framing; a
+/// tunnel's bytes after a `101` or a `CONNECT`'s 2xx).
 #[derive(Debug, Default, Clone, PartialEq, Eq)]
 pub struct Logged {
     pub method: String,
@@ -236,6 +237,21 @@ pub struct Logged {
     pub status: u16,
     pub body_in: u64,
     pub body_out: u64,
+    /// When its head came, stamped by the driver ([`Exchange::stamp_arrivals`]): this
+    /// module reads no clock.
+    pub arrived: Option<Arrival>,
+}
+
+/// The access log's requests of one connection. Pipelined requests are answered in
+/// order, so the oldest open one is the one being answered (status, bytes out), and the
+/// newest the one whose body is being read (bytes in). An entry is added with each
+/// request that gets a [`Pending`] entry, so the book grows no more than `pending` does.
+#[derive(Debug, Default)]
+struct LogBook {
+    /// Requests whose answers have not ended, oldest first.
+    open: VecDeque<Logged>,
+    /// Requests whose answers ended, oldest first, until the driver takes them.
+    answered: VecDeque<Logged>,
 }
 
 /// How the `Connection` field of a forwarded request differs from the client's: request
@@ -284,28 +300,62 @@ impl Exchange {
             server_keep: true,
             server_left: false,
             replayable: false,
-            logged: None,
+            log: None,
         }
     }
 
     /// Keeps, or stops keeping, what the access log needs of each request from the next
-    /// head on ([`Exchange::logged`]).
+    /// head on ([`Exchange::take_logged`]).
     pub fn log_requests(&mut self, on: bool) {
-        match (on, self.logged.is_some()) {
-            (true, false) => self.logged = Some(Box::default()),
-            (false, true) => self.logged = None,
+        match (on, self.log.is_some()) {
+            (true, false) => self.log = Some(Box::default()),
+            (false, true) => self.log = None,
             _ => {}
         }
     }
 
-    /// The access log's facts about the request taken last, when kept.
-    pub fn logged(&self) -> Option<&Logged> {
-        self.logged.as_deref()
+    /// The newest request's facts, when kept (to take its text before its answer).
+    pub fn logged_newest(&mut self) -> Option<&mut Logged> {
+        self.log.as_mut()?.open.back_mut()
     }
 
-    /// The same, for taking its text (the next head fills it afresh).
-    pub fn logged_mut(&mut self) -> Option<&mut Logged> {
-        self.logged.as_deref_mut()
+    /// The oldest request whose answer has ended, when kept.
+    pub fn take_answered(&mut self) -> Option<Logged> {
+        self.log.as_mut()?.answered.pop_front()
+    }
+
+    /// The oldest request kept, answered or not (at the end of a request's relay, or of the
+    /// connection: a request left unanswered has status 0).
+    pub fn take_logged(&mut self) -> Option<Logged> {
+        let book = self.log.as_mut()?;
+        book.answered.pop_front().or_else(|| book.open.pop_front())
+    }
+
+    /// Stamps the requests whose heads came since the last call with the time `now`
+    /// gives (asked only when there are such requests).
+    pub fn stamp_arrivals(&mut self, now: impl FnOnce() -> Arrival) {
+        let Some(book) = &mut self.log else {
+            return;
+        };
+        let fresh = book.open.iter().rev().take_while(|l| l.arrived.is_none());
+        let fresh = fresh.count();
+        if fresh > 0 {
+            let now = now();
+            let first = book.open.len() - fresh;
+            for l in book.open.range_mut(first..) {
+                l.arrived = Some(now);
+            }
+        }
+    }
+
+    /// The request whose body is being read.
+    fn logged_in(&mut self) -> Option<&mut Logged> {
+        self.log.as_mut()?.open.back_mut()
+    }
+
+    /// The request being answered.
+    fn logged_out(&mut self) -> Option<&mut Logged> {
+        self.log.as_mut()?.open.front_mut()
     }
 
     /// Takes one request at a time (request-level relaying, `proxy::h1_pump`): once a
@@ -460,7 +510,7 @@ impl Exchange {
     /// less than all of `input` only when [`Exchange::accepts_client_bytes`] turned false.
     pub fn client_bytes(&mut self, input: &[u8], out: &mut Vec<u8>) -> Fed {
         if self.req == Req::Tunnel {
-            if let Some(l) = &mut self.logged {
+            if let Some(l) = self.logged_in() {
                 l.body_in += input.len() as u64;
             }
             return Fed::Verbatim;
@@ -473,7 +523,7 @@ impl Exchange {
                 Req::Body(left) => {
                     let n = left.min(rest.len() as u64) as usize;
                     out.extend_from_slice(&rest[..n]);
-                    if let Some(l) = &mut self.logged {
+                    if let Some(l) = self.logged_in() {
                         l.body_in += n as u64;
                     }
                     if left == n as u64 {
@@ -487,7 +537,7 @@ impl Exchange {
                     let mut data = 0;
                     let (n, next) = chunked(state, rest, self.params.header_max, &mut data);
                     out.extend_from_slice(&rest[..n]);
-                    if let Some(l) = &mut self.logged {
+                    if let Some(l) = self.logged_in() {
                         l.body_in += data;
                     }
                     match next {
@@ -499,7 +549,7 @@ impl Exchange {
                 }
                 Req::Tunnel => {
                     out.extend_from_slice(rest);
-                    if let Some(l) = &mut self.logged {
+                    if let Some(l) = self.logged_in() {
                         l.body_in += rest.len() as u64;
                     }
                     rest.len()
@@ -601,20 +651,6 @@ impl Exchange {
         let (Some(method), Some(path), Some(version)) = (req.method, req.path, req.version) else {
             return Err(Refusal::BadRequest);
         };
-        if let Some(l) = &mut self.logged {
-            let host = req
-                .headers
-                .iter()
-                .find(|h| h.name.eq_ignore_ascii_case("host"))
-                .map(|h| String::from_utf8_lossy(h.value).into_owned());
-            **l = Logged {
-                method: method.to_string(),
-                authority: host,
-                target: path.to_string(),
-                http10: version == 0,
-                ..Logged::default()
-            };
-        }
         let connect = method == "CONNECT";
         let mut length: Option<u64> = None;
         let mut chunked: Option<bool> = None;
@@ -689,6 +725,22 @@ impl Exchange {
                 connect,
                 switch: self.req_switch,
                 http10: version == 0,
+            });
+        }
+        // One at a time, the driver takes each request's facts before the next head.
+        let paired = self.resp != Resp::Raw || self.one_at_a_time;
+        if let Some(book) = self.log.as_mut().filter(|_| paired) {
+            let host = req
+                .headers
+                .iter()
+                .find(|h| h.name.eq_ignore_ascii_case("host"))
+                .map(|h| String::from_utf8_lossy(h.value).into_owned());
+            book.open.push_back(Logged {
+                method: method.to_string(),
+                authority: host,
+                target: path.to_string(),
+                http10: version == 0,
+                ..Logged::default()
             });
         }
         self.req_forwarded = true;
@@ -787,7 +839,7 @@ impl Exchange {
     /// `Verbatim`, is the input itself). Always consumes everything.
     pub fn server_bytes(&mut self, input: &[u8], out: &mut Vec<u8>) -> Fed {
         if matches!(self.resp, Resp::Raw | Resp::Tunnel) && self.resp_head.is_empty() {
-            if let Some(l) = &mut self.logged {
+            if let Some(l) = self.logged_out() {
                 l.body_out += input.len() as u64;
             }
             return Fed::Verbatim;
@@ -800,7 +852,7 @@ impl Exchange {
                 Resp::Body(left) => {
                     let n = left.min(rest.len() as u64) as usize;
                     out.extend_from_slice(&rest[..n]);
-                    if let Some(l) = &mut self.logged {
+                    if let Some(l) = self.logged_out() {
                         l.body_out += n as u64;
                     }
                     self.resp = if left == n as u64 {
@@ -815,7 +867,7 @@ impl Exchange {
                     let mut data = 0;
                     let (n, next) = chunked(state, rest, RESPONSE_HEAD_MAX, &mut data);
                     out.extend_from_slice(&rest[..n]);
-                    if let Some(l) = &mut self.logged {
+                    if let Some(l) = self.logged_out() {
                         l.body_out += data;
                     }
                     match next {
@@ -830,7 +882,7 @@ impl Exchange {
                 }
                 Resp::UntilClose | Resp::Tunnel | Resp::Raw => {
                     out.extend_from_slice(rest);
-                    if let Some(l) = &mut self.logged {
+                    if let Some(l) = self.logged_out() {
                         l.body_out += rest.len() as u64;
                     }
                     rest.len()
@@ -936,7 +988,7 @@ impl Exchange {
         }
         let head = &buf[..n];
         let request = self.pending.front().copied().unwrap_or_default();
-        if let Some(l) = &mut self.logged {
+        if let Some(l) = self.logged_out() {
             if code >= 200 || code == 101 {
                 l.status = code;
             }
@@ -1039,6 +1091,11 @@ impl Exchange {
     /// The end of a final response: its request is answered.
     fn response_done(&mut self) {
         self.resp_started = false;
+        if let Some(book) = &mut self.log {
+            if let Some(l) = book.open.pop_front() {
+                book.answered.push_back(l);
+            }
+        }
         let answered = self.pending.pop_front();
         if answered.is_some_and(|p| p.switch) && self.req == Req::AwaitDecision {
             // The server did not switch protocols: HTTP continues.
@@ -1479,7 +1536,7 @@ mod tests {
         let mut ex = exchange();
         ex.request_by_request();
         client(&mut ex, b"GET / HTTP/1.1\r\nHost: a\r\n\r\n", 1000);
-        assert_eq!(ex.logged(), None, "not asked for: nothing kept");
+        assert_eq!(ex.take_logged(), None, "not asked for: nothing kept");
         server(&mut ex, b"HTTP/1.1 204 No Content\r\n\r\n");
         ex.resume();
         ex.log_requests(true);
@@ -1492,7 +1549,8 @@ mod tests {
             7,
         );
         server(&mut ex, b"HTTP/1.1 100 Continue\r\n\r\n");
-        assert_eq!(ex.logged().map(|l| l.status), Some(0));
+        assert_eq!(ex.logged_newest().map(|l| l.status), Some(0));
+        assert_eq!(ex.take_answered(), None, "not answered yet");
         server(
             &mut ex,
             b"HTTP/1.1 201 Created\r\nTransfer-Encoding: chunked\r\n\r\n4\r\nmade\r\n0\r\n\r\n",
@@ -1505,13 +1563,15 @@ mod tests {
             status: 201,
             body_in: 8,
             body_out: 4,
+            arrived: None,
         };
-        assert_eq!(ex.logged(), Some(&want));
+        assert_eq!(ex.take_logged(), Some(want));
+        assert_eq!(ex.take_logged(), None, "taken once");
         // The next request starts afresh: no Host, HTTP/1.0, a sized answer.
         ex.resume();
         client(&mut ex, b"HEAD /h HTTP/1.0\r\n\r\n", 1000);
         server(&mut ex, b"HTTP/1.1 200 OK\r\nContent-Length: 50\r\n\r\n");
-        let l = ex.logged().unwrap();
+        let l = ex.take_logged().unwrap();
         assert_eq!(
             (l.authority.as_deref(), l.http10, l.status),
             (None, true, 200)
@@ -1525,8 +1585,9 @@ mod tests {
         client(&mut ex, b"GET /g HTTP/1.1\r\n\r\n", 1000);
         server(&mut ex, b"HTTP/1.1 200 OK\r\nContent-Length: 5\r\n\r\nab");
         server(&mut ex, b"cde");
-        assert_eq!(ex.logged().map(|l| l.body_out), Some(5));
-        // A tunnel after a 101: every byte each way counts, forwarded verbatim or not.
+        assert_eq!(ex.take_logged().map(|l| l.body_out), Some(5));
+        // A tunnel after a 101: every byte each way counts, forwarded verbatim or not; the
+        // request stays open as long as the tunnel.
         ex.resume();
         client(
             &mut ex,
@@ -1539,10 +1600,71 @@ mod tests {
         );
         server(&mut ex, b"there");
         client(&mut ex, b"ping", 1);
-        let l = ex.logged().unwrap();
+        assert_eq!(ex.take_answered(), None);
+        let l = ex.take_logged().unwrap();
         assert_eq!((l.status, l.body_in, l.body_out), (101, 4, 7));
         ex.log_requests(false);
-        assert_eq!(ex.logged(), None);
+        client(&mut ex, b"more", 1);
+        assert_eq!(ex.take_logged(), None);
+    }
+
+    #[test]
+    fn pipelined_requests_are_logged_each_with_its_own_answer() {
+        // One server connection for the client's (not request by request): heads come
+        // before their answers, and answers end in order.
+        let mut ex = exchange();
+        ex.log_requests(true);
+        client(
+            &mut ex,
+            b"GET /a HTTP/1.1\r\n\r\nPOST /b HTTP/1.1\r\nContent-Length: 3\r\n\r\nxyz\
+              GET /c HTTP/1.1\r\n\r\n",
+            1000,
+        );
+        let t = Arrival::now();
+        ex.stamp_arrivals(|| t);
+        assert_eq!(ex.take_answered(), None);
+        server(&mut ex, b"HTTP/1.1 200 OK\r\nContent-Length: 2\r\n\r\nok");
+        server(
+            &mut ex,
+            b"HTTP/1.1 201 Created\r\nContent-Length: 0\r\n\r\n",
+        );
+        let a = ex.take_answered().unwrap();
+        let b = ex.take_answered().unwrap();
+        assert_eq!(ex.take_answered(), None, "/c is still waiting");
+        assert_eq!(
+            (
+                a.target.as_str(),
+                a.status,
+                a.body_in,
+                a.body_out,
+                a.arrived
+            ),
+            ("/a", 200, 0, 2, Some(t))
+        );
+        assert_eq!(
+            (b.target.as_str(), b.status, b.body_in, b.body_out),
+            ("/b", 201, 3, 0)
+        );
+        // A head after the stamp gets a later one; the earlier keep theirs.
+        client(&mut ex, b"GET /d HTTP/1.1\r\n\r\n", 1000);
+        let later = Arrival::now();
+        ex.stamp_arrivals(|| later);
+        server(
+            &mut ex,
+            b"HTTP/1.1 404 Not Found\r\nContent-Length: 0\r\n\r\n",
+        );
+        let c = ex.take_answered().unwrap();
+        assert_eq!(
+            (c.target.as_str(), c.status, c.arrived),
+            ("/c", 404, Some(t))
+        );
+        // The connection ends before /d's answer: it is left, unanswered.
+        let d = ex.take_logged().unwrap();
+        assert_eq!(
+            (d.target.as_str(), d.status, d.arrived),
+            ("/d", 0, Some(later))
+        );
+        assert_eq!(ex.take_logged(), None);
     }
 
     #[test]

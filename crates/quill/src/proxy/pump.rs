@@ -17,7 +17,9 @@
 use std::cell::{Cell, RefCell};
 use std::future::{poll_fn, Future};
 use std::io::{self, ErrorKind};
+use std::net::{IpAddr, SocketAddr};
 use std::pin::Pin;
+use std::sync::Arc;
 use std::task::{ready, Context, Poll};
 use std::time::Duration;
 
@@ -29,6 +31,7 @@ use super::http::{Exchange, Fed, Refusal};
 use super::relay::{
     fast_close, turn_end, End, IdleTimer, Outcome, RelayOptions, BUDGET, SCRATCH_SIZE,
 };
+use crate::accesslog::{AccessLog, Arrival, Record};
 
 /// After a refusal (400/431), how long the client's remaining bytes are read and dropped
 /// so that closing does not reset the connection before the client has read the answer.
@@ -72,6 +75,8 @@ struct Flow {
 /// State shared by both directions during one poll.
 struct Shared<'a> {
     exchange: Option<&'a mut Exchange>,
+    /// Where the exchange's requests are logged as their answers end.
+    lines: Option<&'a Lines>,
     /// Something moved (for the idle timer).
     active: bool,
     /// The refusal has been queued for the client; the server is not read any more.
@@ -254,7 +259,11 @@ impl Flow {
         let fed = match shared.exchange.as_mut() {
             None => Fed::Verbatim,
             Some(ex) => match dir {
-                Dir::Up => ex.client_bytes(input, out),
+                Dir::Up => {
+                    let fed = ex.client_bytes(input, out);
+                    ex.stamp_arrivals(Arrival::now);
+                    fed
+                }
                 Dir::Down => ex.server_bytes(input, out),
             },
         };
@@ -294,6 +303,9 @@ impl Flow {
         if written < data.len() {
             self.out.extend_from_slice(&data[written..]);
         }
+        if let (Some(ex), Some(lines), Dir::Down) = (shared.exchange.as_mut(), shared.lines, dir) {
+            lines.write(ex, false);
+        }
         Ok(())
     }
 }
@@ -331,6 +343,9 @@ pub struct Http {
     pub preread: Preread,
     /// `http_request_timeout` (`None`: no bound).
     pub head_limit: Option<Duration>,
+    /// The access log, when the relay writes its lines (one server connection for the
+    /// client's; request by request `h1_pump` writes them).
+    pub lines: Option<Lines>,
 }
 
 impl Http {
@@ -339,6 +354,15 @@ impl Http {
             exchange,
             preread: Preread::default(),
             head_limit,
+            lines: None,
+        }
+    }
+
+    /// Writes the access log's lines of every request left (the connection ended: those
+    /// still unanswered have status 0).
+    pub fn log_the_rest(&mut self) {
+        if let Some(lines) = &self.lines {
+            lines.write(&mut self.exchange, true);
         }
     }
 
@@ -361,6 +385,40 @@ impl Http {
     /// The start of the client's first read, when `first_head` was asked to keep it.
     pub fn first_bytes(&mut self) -> Vec<u8> {
         self.preread.first.take().unwrap_or_default()
+    }
+}
+
+/// The access log of a connection relayed whole to one server (`upstream_keepalive 0`):
+/// a line per request, written as its answer ends.
+pub struct Lines {
+    pub log: Arc<AccessLog>,
+    pub client: IpAddr,
+    /// `None`: no server took the connection.
+    pub server: Option<SocketAddr>,
+}
+
+impl Lines {
+    /// Writes the lines of the requests whose answers ended (`all`: of every request kept).
+    fn write(&self, ex: &mut Exchange, all: bool) {
+        while let Some(l) = if all {
+            ex.take_logged()
+        } else {
+            ex.take_answered()
+        } {
+            let r = Record::from_owned(
+                Arc::clone(&self.log),
+                self.client,
+                l.arrived.unwrap_or_else(Arrival::now),
+                l.method,
+                l.authority,
+                l.target,
+                if l.http10 { "HTTP/1.0" } else { "HTTP/1.1" },
+            );
+            r.status.set(l.status);
+            r.bytes_in.set(l.body_in);
+            r.bytes_out.set(l.body_out);
+            r.server.set(self.server);
+        }
     }
 }
 
@@ -507,6 +565,7 @@ fn take_head_bytes(http: &mut Http, input: &[u8]) -> Option<Result<(), Unfinishe
         }
         Fed::Consumed(_) => {}
     }
+    http.exchange.stamp_arrivals(Arrival::now);
     // A complete head is the first thing the exchange writes out. A refusal after it (a
     // bad second request in the same read) is the relay's to send, after the answer to
     // the first.
@@ -588,9 +647,9 @@ where
         None => (Preread::default(), None),
     };
     let mut no_held = Vec::new();
-    let (mut exchange, preread_held) = match http {
-        Some(h) => (Some(&mut h.exchange), &mut h.preread.held),
-        None => (None, &mut no_held),
+    let (mut exchange, preread_held, lines) = match http {
+        Some(h) => (Some(&mut h.exchange), &mut h.preread.held, h.lines.as_ref()),
+        None => (None, &mut no_held, None),
     };
     let one_request = exchange
         .as_ref()
@@ -620,6 +679,7 @@ where
         }
         let mut shared = Shared {
             exchange: exchange.as_deref_mut(),
+            lines,
             active,
             refusing,
             one_request,

@@ -786,6 +786,8 @@ async fn open<C: ClientStream>(
         let pumped = per_request && !settings.upstream_h2;
         if pumped {
             http.exchange.request_by_request();
+        }
+        if pumped || !per_request {
             http.exchange
                 .log_requests(state.access_log.load().is_some());
         }
@@ -862,12 +864,29 @@ async fn open<C: ClientStream>(
         state, &settings, preamble, opts, permitted,
     ))
     .await;
+    let mut http = http;
+    let access_log = http.as_ref().and_then(|_| state.access_log.load_full());
+    let lines = |server| {
+        access_log.map(|log| pump::Lines {
+            log,
+            client: ip,
+            server,
+        })
+    };
     let Some((server, lease)) = upstream else {
         if let Some(log) = &log {
             log.record(ip, started_unix, None, b"");
         }
+        if let Some(http) = &mut http {
+            // The request that came is logged, unanswered, with no server.
+            http.lines = lines(None);
+            http.log_the_rest();
+        }
         return None;
     };
+    if let Some(http) = &mut http {
+        http.lines = lines(server.peer_addr().ok());
+    }
     if let Some(r) = &registered {
         r.info.set_upstream(match lease.index {
             Some(i) => Upstream::Server(i),
@@ -972,6 +991,7 @@ where
             let relay = pump::relay(client, server, Some(&mut *http), opts, &ask);
             let outcome = Box::pin(telling(state, relay, &ask)).await;
             count_http_end(state, &outcome.end);
+            http.log_the_rest();
             outcome
         }
     }
