@@ -79,6 +79,13 @@ fn paced_wrk(port: u16, connections: usize) -> Option<u64> {
 /// that flushes its head before it has rendered the body), so the body always arrives
 /// at quill as a second read. Like NGINX it sets TCP_NODELAY. Runs until the test ends.
 fn two_write_server() -> u16 {
+    two_write_server_with(true)
+}
+
+/// [`two_write_server`], with Nagle's algorithm on when `nodelay` is false (as many
+/// application servers leave it): its kernel then holds each body until the head is
+/// acknowledged.
+fn two_write_server_with(nodelay: bool) -> u16 {
     let listener = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
     let port = listener.local_addr().unwrap().port();
     std::thread::spawn(move || {
@@ -86,7 +93,7 @@ fn two_write_server() -> u16 {
             let Ok(mut conn) = conn else { continue };
             std::thread::spawn(move || {
                 use std::io::{Read, Write};
-                let _ = conn.set_nodelay(true);
+                let _ = conn.set_nodelay(nodelay);
                 let head = format!("HTTP/1.1 200 OK\r\nContent-Length: {KIB}\r\n\r\n");
                 let body = page();
                 let mut got = Vec::new();
@@ -131,6 +138,65 @@ fn paced_wrk_through_quill_keeps_up_with_the_direct_run() {
     assert!(
         proxied * 10 >= direct * 9,
         "through quill {proxied} requests in 3 s, direct {direct}: responses stall"
+    );
+}
+
+/// A server that writes an answer's head and body apart with Nagle's algorithm on holds
+/// the body until the head is acknowledged, and a reader's kernel delays that ACK by up to
+/// 40 ms (a client straight to such a server waits that long for every answer after the
+/// first few). In `http` mode quill acknowledges a head whose body is still to come at
+/// once: HTTP/1.1 clients over pooled server connections and over their own
+/// (`upstream_keepalive 0`), and HTTP/2 clients, are served as fast as from a server with
+/// TCP_NODELAY.
+#[test]
+fn a_server_with_nagles_algorithm_on_does_not_wait_for_delayed_acks() {
+    let _one = ONE_AT_A_TIME.lock().unwrap_or_else(|e| e.into_inner());
+    let nagle = two_write_server_with(false);
+    let nodelay = two_write_server_with(true);
+    for options in [&[][..], &["-O", "upstream_keepalive 0"]] {
+        let through = |port: u16| {
+            let server = format!("127.0.0.1:{port}");
+            let mut args = vec!["-H"];
+            args.extend_from_slice(options);
+            args.extend(["{port}", &server]);
+            let q = Quill::start(&args);
+            paced_wrk(q.addr().port(), 4)
+        };
+        let Some(fast) = through(nodelay) else {
+            return;
+        };
+        let slow = through(nagle).unwrap();
+        eprintln!("{options:?}: paced wrk, 3 s: {slow} requests from the Nagle server, {fast} from the other");
+        assert!(
+            slow * 10 >= fast * 9,
+            "{options:?}: {slow} requests from the server with Nagle's algorithm, {fast} without"
+        );
+    }
+    // HTTP/2 clients, one request at a time (each would wait out a delayed ACK).
+    let h2 = |port: u16| -> Option<f64> {
+        let q = Quill::start(&["-H", "-O", "h2c", "{port}", &format!("127.0.0.1:{port}")]);
+        let out = tool(
+            "h2load",
+            &[
+                "-c1",
+                "-m1",
+                "-n200",
+                &format!("http://127.0.0.1:{}/1k", q.addr().port()),
+            ],
+        )?;
+        assert_eq!(number_before(&out, "succeeded"), 200, "h2load:\n{out}");
+        out.lines()
+            .find(|l| l.starts_with("finished in"))
+            .and_then(|l| l.split(", ").nth(1)?.strip_suffix(" req/s")?.parse().ok())
+    };
+    let Some(fast) = h2(nodelay) else {
+        return;
+    };
+    let slow = h2(nagle).unwrap();
+    eprintln!("h2load, one stream at a time: {slow:.0} req/s from the Nagle server, {fast:.0} from the other");
+    assert!(
+        slow * 2.0 >= fast,
+        "HTTP/2: {slow:.0} req/s from the server with Nagle's algorithm, {fast:.0} without"
     );
 }
 

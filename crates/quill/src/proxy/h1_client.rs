@@ -28,6 +28,7 @@ use super::gateway::RequestBody;
 use super::h1_pump::Link;
 use super::http::ConnectionOptions;
 use super::pool::{self, Limits, Target};
+use super::pump::Acknowledge as _;
 use crate::balance::ServerState;
 use crate::state::State;
 
@@ -205,6 +206,11 @@ pub(super) async fn exchange(
         framing,
         keeps,
     } = head;
+    if buf.is_empty() && !matches!(framing, Framing::Length(0) | Framing::Done) {
+        // The head came alone and the body is to follow: a server with Nagle's algorithm
+        // on holds the body until the head is acknowledged.
+        link.stream().acknowledge();
+    }
     let mut answer = Answer {
         link: Some(link),
         buf,

@@ -192,6 +192,9 @@ pub struct Exchange {
     resp_scanned: usize,
     /// Some response bytes for the oldest pending request have been forwarded.
     resp_started: bool,
+    /// The server's last bytes ended a response head, and its body is still to come
+    /// ([`Exchange::head_awaits_body`]).
+    head_alone: bool,
     /// The refusal has been handed out for sending.
     refusal_sent: bool,
     /// The connection is to end after an answer that leaves no request pending (a reload,
@@ -291,6 +294,7 @@ impl Exchange {
             resp_head: Vec::new(),
             resp_scanned: 0,
             resp_started: false,
+            head_alone: false,
             refusal_sent: false,
             closing: false,
             last: false,
@@ -838,6 +842,7 @@ impl Exchange {
     /// Feeds bytes from the server; what goes to the client is appended to `out` (or, with
     /// `Verbatim`, is the input itself). Always consumes everything.
     pub fn server_bytes(&mut self, input: &[u8], out: &mut Vec<u8>) -> Fed {
+        self.head_alone = false;
         if matches!(self.resp, Resp::Raw | Resp::Tunnel) && self.resp_head.is_empty() {
             if let Some(l) = self.logged_out() {
                 l.body_out += input.len() as u64;
@@ -845,8 +850,10 @@ impl Exchange {
             return Fed::Verbatim;
         }
         let mut pos = 0;
+        let mut last_was_head = false;
         while pos < input.len() {
             let rest = &input[pos..];
+            last_was_head = self.resp == Resp::Head;
             pos += match self.resp {
                 Resp::Head => self.response_head(rest, out),
                 Resp::Body(left) => {
@@ -889,7 +896,21 @@ impl Exchange {
                 }
             };
         }
+        self.head_alone = last_was_head
+            && matches!(
+                self.resp,
+                Resp::Body(_) | Resp::Chunked(_) | Resp::UntilClose
+            );
         Fed::Consumed(pos)
+    }
+
+    /// Whether the server's bytes just fed ended with a response head whose body is still
+    /// to come. A server that writes the head and the body in two writes, with Nagle's
+    /// algorithm on (no `TCP_NODELAY`), holds the body back until the head is
+    /// acknowledged, and the kernel delays that acknowledgement (up to 40 ms) unless the
+    /// reader asks for it at once (`TCP_QUICKACK`).
+    pub fn head_awaits_body(&self) -> bool {
+        self.head_alone
     }
 
     /// Handles bytes while expecting a response head; returns how many were consumed.
@@ -1606,6 +1627,35 @@ mod tests {
         ex.log_requests(false);
         client(&mut ex, b"more", 1);
         assert_eq!(ex.take_logged(), None);
+    }
+
+    #[test]
+    fn a_head_that_came_without_its_body_is_known() {
+        let mut ex = exchange();
+        client(
+            &mut ex,
+            b"GET /a HTTP/1.1\r\n\r\nHEAD /b HTTP/1.1\r\n\r\nGET /c HTTP/1.1\r\n\r\n",
+            1000,
+        );
+        // An interim answer is not the head of a body.
+        server(&mut ex, b"HTTP/1.1 100 Continue\r\n\r\n");
+        assert!(!ex.head_awaits_body());
+        server(&mut ex, b"HTTP/1.1 200 OK\r\nContent-Length: 4\r\n\r\n");
+        assert!(
+            ex.head_awaits_body(),
+            "the body comes in a write of its own"
+        );
+        server(&mut ex, b"ab");
+        assert!(!ex.head_awaits_body(), "the body has begun");
+        // A HEAD's answer has no body; the next head and its whole body come together.
+        server(
+            &mut ex,
+            b"cdHTTP/1.1 200 OK\r\nContent-Length: 9\r\n\r\nHTTP/1.1 200 OK\r\nTransfer-Encoding: chunked\r\n\r\n",
+        );
+        assert!(ex.head_awaits_body(), "the last head's chunks are to come");
+        server(&mut ex, b"1\r\nx\r\n0\r\n\r\n");
+        assert!(!ex.head_awaits_body());
+        assert!(ex.answered());
     }
 
     #[test]

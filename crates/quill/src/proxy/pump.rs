@@ -72,11 +72,37 @@ struct Flow {
     bytes: u64,
 }
 
+/// A server's end of a relay: quill can acknowledge what it read at once.
+pub trait Acknowledge {
+    /// Sends the acknowledgement the kernel is holding back for what was read, if any
+    /// (`TCP_QUICKACK`: the kernel delays one for up to 40 ms, hoping to carry it on data
+    /// of quill's, which an answer's reader has none of).
+    fn acknowledge(&self);
+}
+
+impl Acknowledge for tokio::net::TcpStream {
+    fn acknowledge(&self) {
+        if let Err(e) = socket2::SockRef::from(self).set_quickack(true) {
+            tracing::debug!("TCP_QUICKACK: {e}");
+        }
+    }
+}
+
+impl Acknowledge for crate::tls::ClientTlsStream<tokio::net::TcpStream> {
+    fn acknowledge(&self) {
+        self.get_ref().0.acknowledge();
+    }
+}
+
 /// State shared by both directions during one poll.
 struct Shared<'a> {
     exchange: Option<&'a mut Exchange>,
     /// Where the exchange's requests are logged as their answers end.
     lines: Option<&'a Lines>,
+    /// The server's last bytes ended a response head whose body is still to come: its
+    /// acknowledgement is sent at once, so that a server whose body waits for it (Nagle's
+    /// algorithm) does not wait for the kernel's delayed one.
+    acknowledge: bool,
     /// Something moved (for the idle timer).
     active: bool,
     /// The refusal has been queued for the client; the server is not read any more.
@@ -264,7 +290,11 @@ impl Flow {
                     ex.stamp_arrivals(Arrival::now);
                     fed
                 }
-                Dir::Down => ex.server_bytes(input, out),
+                Dir::Down => {
+                    let fed = ex.server_bytes(input, out);
+                    shared.acknowledge = ex.head_awaits_body();
+                    fed
+                }
             },
         };
         let data: &[u8] = match fed {
@@ -632,7 +662,7 @@ pub async fn relay<C, S, A>(
 ) -> Outcome
 where
     C: AsyncRead + AsyncWrite + Unpin + ?Sized,
-    S: AsyncRead + AsyncWrite + Unpin + ?Sized,
+    S: AsyncRead + AsyncWrite + Acknowledge + Unpin + ?Sized,
     A: Asks + ?Sized,
 {
     let (preread, mut head) = match http.as_deref_mut() {
@@ -680,6 +710,7 @@ where
         let mut shared = Shared {
             exchange: exchange.as_deref_mut(),
             lines,
+            acknowledge: false,
             active,
             refusing,
             one_request,
@@ -728,6 +759,9 @@ where
                     return Poll::Ready(failed(e, &shared));
                 }
                 server_gone = true;
+            }
+            if shared.acknowledge {
+                server.acknowledge();
             }
         }
         if server_refused.is_some() && !server_gone {

@@ -982,7 +982,7 @@ async fn pump_streams<C, S>(
 ) -> Outcome
 where
     C: tokio::io::AsyncRead + tokio::io::AsyncWrite + Unpin + ?Sized,
-    S: tokio::io::AsyncRead + tokio::io::AsyncWrite + Unpin + ?Sized,
+    S: tokio::io::AsyncRead + tokio::io::AsyncWrite + pump::Acknowledge + Unpin + ?Sized,
 {
     match http {
         None => Box::pin(stream::relay(client, server, opts)).await,
@@ -1050,6 +1050,15 @@ enum Client<C> {
 pub(super) enum Server {
     Plain(TcpStream),
     Tls(Box<ClientTlsStream<TcpStream>>),
+}
+
+impl pump::Acknowledge for Server {
+    fn acknowledge(&self) {
+        match self {
+            Server::Plain(s) => s.acknowledge(),
+            Server::Tls(s) => s.acknowledge(),
+        }
+    }
 }
 
 impl Server {
