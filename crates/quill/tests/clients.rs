@@ -79,13 +79,14 @@ fn paced_wrk(port: u16, connections: usize) -> Option<u64> {
 /// that flushes its head before it has rendered the body), so the body always arrives
 /// at quill as a second read. Like NGINX it sets TCP_NODELAY. Runs until the test ends.
 fn two_write_server() -> u16 {
-    two_write_server_with(true)
+    two_write_server_with(true, 0)
 }
 
 /// [`two_write_server`], with Nagle's algorithm on when `nodelay` is false (as many
-/// application servers leave it): its kernel then holds each body until the head is
-/// acknowledged.
-fn two_write_server_with(nodelay: bool) -> u16 {
+/// application servers leave it): its kernel then holds each second write until the
+/// first is acknowledged. The first write carries the head and the body's first
+/// `with_head` bytes.
+fn two_write_server_with(nodelay: bool, with_head: usize) -> u16 {
     let listener = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
     let port = listener.local_addr().unwrap().port();
     std::thread::spawn(move || {
@@ -94,14 +95,16 @@ fn two_write_server_with(nodelay: bool) -> u16 {
             std::thread::spawn(move || {
                 use std::io::{Read, Write};
                 let _ = conn.set_nodelay(nodelay);
-                let head = format!("HTTP/1.1 200 OK\r\nContent-Length: {KIB}\r\n\r\n");
-                let body = page();
+                let mut head =
+                    format!("HTTP/1.1 200 OK\r\nContent-Length: {KIB}\r\n\r\n").into_bytes();
+                let mut body = page();
+                head.extend(body.drain(..with_head));
                 let mut got = Vec::new();
                 let mut buf = [0u8; 4096];
                 loop {
                     while let Some(end) = got.windows(4).position(|w| w == b"\r\n\r\n") {
                         got.drain(..end + 4);
-                        if conn.write_all(head.as_bytes()).is_err() {
+                        if conn.write_all(&head).is_err() {
                             return;
                         }
                         std::thread::sleep(std::time::Duration::from_millis(1));
@@ -141,19 +144,26 @@ fn paced_wrk_through_quill_keeps_up_with_the_direct_run() {
     );
 }
 
-/// A server that writes an answer's head and body apart with Nagle's algorithm on holds
-/// the body until the head is acknowledged, and a reader's kernel delays that ACK by up to
-/// 40 ms (a client straight to such a server waits that long for every answer after the
-/// first few). In `http` mode quill acknowledges a head whose body is still to come at
-/// once: HTTP/1.1 clients over pooled server connections and over their own
+/// A server that writes an answer in two writes (the head, or the head and the start of
+/// the body, then the rest) with Nagle's algorithm on holds the second until the first is
+/// acknowledged, and a reader's kernel delays that ACK by up to 40 ms (a client straight
+/// to such a server waits that long for every answer after the first few). In `http` mode
+/// quill acknowledges at once a read that brought an answer's head and not all of its
+/// body: HTTP/1.1 clients over pooled server connections and over their own
 /// (`upstream_keepalive 0`), and HTTP/2 clients, are served as fast as from a server with
 /// TCP_NODELAY.
 #[test]
 fn a_server_with_nagles_algorithm_on_does_not_wait_for_delayed_acks() {
     let _one = ONE_AT_A_TIME.lock().unwrap_or_else(|e| e.into_inner());
-    let nagle = two_write_server_with(false);
-    let nodelay = two_write_server_with(true);
-    for options in [&[][..], &["-O", "upstream_keepalive 0"]] {
+    let nodelay = two_write_server_with(true, 0);
+    let pooled: &[&str] = &[];
+    let one_to_one: &[&str] = &["-O", "upstream_keepalive 0"];
+    for (what, with_head, options) in [
+        ("head, body", 0, pooled),
+        ("head and 100 bytes, the rest", 100, pooled),
+        ("head, body", 0, one_to_one),
+    ] {
+        let nagle = two_write_server_with(false, with_head);
         let through = |port: u16| {
             let server = format!("127.0.0.1:{port}");
             let mut args = vec!["-H"];
@@ -166,13 +176,14 @@ fn a_server_with_nagles_algorithm_on_does_not_wait_for_delayed_acks() {
             return;
         };
         let slow = through(nagle).unwrap();
-        eprintln!("{options:?}: paced wrk, 3 s: {slow} requests from the Nagle server, {fast} from the other");
+        eprintln!("{options:?}, {what}: paced wrk, 3 s: {slow} requests from the Nagle server, {fast} from the other");
         assert!(
             slow * 10 >= fast * 9,
-            "{options:?}: {slow} requests from the server with Nagle's algorithm, {fast} without"
+            "{options:?}, {what}: {slow} requests from the server with Nagle's algorithm, {fast} without"
         );
     }
     // HTTP/2 clients, one request at a time (each would wait out a delayed ACK).
+    let nagle = two_write_server_with(false, 100);
     let h2 = |port: u16| -> Option<f64> {
         let q = Quill::start(&["-H", "-O", "h2c", "{port}", &format!("127.0.0.1:{port}")]);
         let out = tool(

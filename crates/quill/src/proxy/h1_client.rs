@@ -206,9 +206,9 @@ pub(super) async fn exchange(
         framing,
         keeps,
     } = head;
-    if buf.is_empty() && !matches!(framing, Framing::Length(0) | Framing::Done) {
-        // The head came alone and the body is to follow: a server with Nagle's algorithm
-        // on holds the body until the head is acknowledged.
+    if framing.awaits_more(&buf) {
+        // The rest of the answer is to follow: a server with Nagle's algorithm on holds
+        // it until what came is acknowledged.
         link.stream().acknowledge();
     }
     let mut answer = Answer {
@@ -347,6 +347,19 @@ enum Framing {
     Close,
     /// It has ended.
     Done,
+}
+
+impl Framing {
+    /// Whether a body so framed needs more than `buf` (what came with its head). A
+    /// chunked body is taken as whole when `buf` ends as a body without trailers does.
+    fn awaits_more(self, buf: &[u8]) -> bool {
+        match self {
+            Framing::Length(n) => (buf.len() as u64) < n,
+            Framing::Chunked(_) => !buf.ends_with(b"0\r\n\r\n"),
+            Framing::Close => true,
+            Framing::Done => false,
+        }
+    }
 }
 
 /// Where a chunked body's reader stands.
@@ -728,6 +741,16 @@ mod tests {
         let bytewise = read_answer(bytes, head_only, 1);
         assert_eq!(whole.as_ref().ok(), bytewise.as_ref().ok());
         whole
+    }
+
+    #[test]
+    fn what_came_with_a_head_is_known_to_be_the_whole_body_or_not() {
+        assert!(Framing::Length(4).awaits_more(b"ab"));
+        assert!(!Framing::Length(4).awaits_more(b"abcd"));
+        assert!(Framing::Chunked(Chunk::Size).awaits_more(b"2\r\nab\r\n"));
+        assert!(!Framing::Chunked(Chunk::Size).awaits_more(b"2\r\nab\r\n0\r\n\r\n"));
+        assert!(Framing::Close.awaits_more(b"anything"));
+        assert!(!Framing::Done.awaits_more(b""));
     }
 
     #[test]

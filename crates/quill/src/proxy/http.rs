@@ -192,7 +192,7 @@ pub struct Exchange {
     resp_scanned: usize,
     /// Some response bytes for the oldest pending request have been forwarded.
     resp_started: bool,
-    /// The server's last bytes ended a response head, and its body is still to come
+    /// The server's last bytes brought a response head, and not all of its body
     /// ([`Exchange::head_awaits_body`]).
     head_alone: bool,
     /// The refusal has been handed out for sending.
@@ -850,10 +850,10 @@ impl Exchange {
             return Fed::Verbatim;
         }
         let mut pos = 0;
-        let mut last_was_head = false;
+        let mut head_came = false;
         while pos < input.len() {
             let rest = &input[pos..];
-            last_was_head = self.resp == Resp::Head;
+            head_came |= self.resp == Resp::Head;
             pos += match self.resp {
                 Resp::Head => self.response_head(rest, out),
                 Resp::Body(left) => {
@@ -896,7 +896,7 @@ impl Exchange {
                 }
             };
         }
-        self.head_alone = last_was_head
+        self.head_alone = head_came
             && matches!(
                 self.resp,
                 Resp::Body(_) | Resp::Chunked(_) | Resp::UntilClose
@@ -904,11 +904,12 @@ impl Exchange {
         Fed::Consumed(pos)
     }
 
-    /// Whether the server's bytes just fed ended with a response head whose body is still
-    /// to come. A server that writes the head and the body in two writes, with Nagle's
-    /// algorithm on (no `TCP_NODELAY`), holds the body back until the head is
-    /// acknowledged, and the kernel delays that acknowledgement (up to 40 ms) unless the
-    /// reader asks for it at once (`TCP_QUICKACK`).
+    /// Whether the server's bytes just fed brought a response head (the last one in
+    /// them), and not all of its body. A server that writes an answer in two writes (the
+    /// head, or the head and the start of the body, then the rest) with Nagle's algorithm
+    /// on (no `TCP_NODELAY`) holds the second back until the first is acknowledged, and
+    /// the kernel delays that acknowledgement (up to 40 ms) unless the reader asks for it
+    /// at once (`TCP_QUICKACK`).
     pub fn head_awaits_body(&self) -> bool {
         self.head_alone
     }
@@ -1630,7 +1631,7 @@ mod tests {
     }
 
     #[test]
-    fn a_head_that_came_without_its_body_is_known() {
+    fn a_head_that_came_without_all_of_its_body_is_known() {
         let mut ex = exchange();
         client(
             &mut ex,
@@ -1646,7 +1647,7 @@ mod tests {
             "the body comes in a write of its own"
         );
         server(&mut ex, b"ab");
-        assert!(!ex.head_awaits_body(), "the body has begun");
+        assert!(!ex.head_awaits_body(), "no head in these bytes");
         // A HEAD's answer has no body; the next head and its whole body come together.
         server(
             &mut ex,
@@ -1656,6 +1657,16 @@ mod tests {
         server(&mut ex, b"1\r\nx\r\n0\r\n\r\n");
         assert!(!ex.head_awaits_body());
         assert!(ex.answered());
+        // A head with the start of its body: the rest is awaited; with all of it, nothing.
+        client(
+            &mut ex,
+            b"GET /d HTTP/1.1\r\n\r\nGET /e HTTP/1.1\r\n\r\n",
+            1000,
+        );
+        server(&mut ex, b"HTTP/1.1 200 OK\r\nContent-Length: 4\r\n\r\nab");
+        assert!(ex.head_awaits_body());
+        server(&mut ex, b"cdHTTP/1.1 200 OK\r\nContent-Length: 1\r\n\r\nx");
+        assert!(!ex.head_awaits_body(), "both answers are whole");
     }
 
     #[test]
