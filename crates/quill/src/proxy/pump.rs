@@ -99,8 +99,8 @@ struct Shared<'a> {
     exchange: Option<&'a mut Exchange>,
     /// Where the exchange's requests are logged as their answers end.
     lines: Option<&'a Lines>,
-    /// The server's last bytes ended a response head whose body is still to come: its
-    /// acknowledgement is sent at once, so that a server whose body waits for it (Nagle's
+    /// The server's last bytes brought an answer's head and not all of its body: their
+    /// acknowledgement is sent at once, so that a server whose rest waits for it (Nagle's
     /// algorithm) does not wait for the kernel's delayed one.
     acknowledge: bool,
     /// Something moved (for the idle timer).

@@ -766,7 +766,7 @@ async fn open<C: ClientStream>(
             other => client = other,
         }
     }
-    let http = if settings.http {
+    let mut http = if settings.http {
         let exchange = Exchange::new(HttpParams {
             client: ip,
             scheme: match client {
@@ -864,7 +864,6 @@ async fn open<C: ClientStream>(
         state, &settings, preamble, opts, permitted,
     ))
     .await;
-    let mut http = http;
     let access_log = http.as_ref().and_then(|_| state.access_log.load_full());
     let lines = |server| {
         access_log.map(|log| pump::Lines {
