@@ -36,7 +36,7 @@ use super::pump::{self, Http};
 use super::relay::{End, RelayOptions};
 use super::signals::{self, Since};
 use super::tcp::{count_http_end, open_upstream, proxy_version, Held, Server};
-use crate::accesslog::{Arrival, Record};
+use crate::accesslog::Record;
 use crate::balance::ServerState;
 use crate::net::connect::is_local_failure;
 use crate::settings::Settings;
@@ -284,23 +284,11 @@ async fn one_request<C: Parkable>(
     // The log is looked up only for a request whose head was kept for it.
     let record = http.exchange.logged_newest().and_then(|l| {
         let log = state.access_log.load_full()?;
-        Some(Record::from_owned(
-            log,
-            peer.addr.ip(),
-            l.arrived.unwrap_or_else(Arrival::now),
-            std::mem::take(&mut l.method),
-            l.authority.take(),
-            std::mem::take(&mut l.target),
-            if l.http10 { "HTTP/1.0" } else { "HTTP/1.1" },
-        ))
+        Some(pump::record(log, peer.addr.ip(), l))
     });
     let served = choose_and_send(state, client, http, peer, ask, record.as_ref()).await;
     if let (Some(r), Some(l)) = (&record, http.exchange.take_logged()) {
-        if r.status.get() == 0 {
-            r.status.set(l.status);
-        }
-        r.bytes_in.set(l.body_in);
-        r.bytes_out.set(l.body_out);
+        pump::tally(r, &l);
     }
     served
 }

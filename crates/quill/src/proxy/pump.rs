@@ -27,7 +27,7 @@ use tokio::io::AsyncWriteExt;
 use tokio::io::{AsyncRead, AsyncWrite, ReadBuf};
 use tokio::time::{Instant, Sleep};
 
-use super::http::{Exchange, Fed, Refusal};
+use super::http::{Exchange, Fed, Logged, Refusal};
 use super::relay::{
     fast_close, turn_end, End, IdleTimer, Outcome, RelayOptions, BUDGET, SCRATCH_SIZE,
 };
@@ -430,26 +430,39 @@ pub struct Lines {
 impl Lines {
     /// Writes the lines of the requests whose answers ended (`all`: of every request kept).
     fn write(&self, ex: &mut Exchange, all: bool) {
-        while let Some(l) = if all {
+        while let Some(mut l) = if all {
             ex.take_logged()
         } else {
             ex.take_answered()
         } {
-            let r = Record::from_owned(
-                Arc::clone(&self.log),
-                self.client,
-                l.arrived.unwrap_or_else(Arrival::now),
-                l.method,
-                l.authority,
-                l.target,
-                if l.http10 { "HTTP/1.0" } else { "HTTP/1.1" },
-            );
-            r.status.set(l.status);
-            r.bytes_in.set(l.body_in);
-            r.bytes_out.set(l.body_out);
+            let r = record(Arc::clone(&self.log), self.client, &mut l);
+            tally(&r, &l);
             r.server.set(self.server);
         }
     }
+}
+
+/// The access log record of a request the exchange kept, its text taken from `l`.
+pub fn record(log: Arc<AccessLog>, client: IpAddr, l: &mut Logged) -> Record {
+    Record::from_owned(
+        log,
+        client,
+        l.arrived.unwrap_or_else(Arrival::now),
+        std::mem::take(&mut l.method),
+        l.authority.take(),
+        std::mem::take(&mut l.target),
+        if l.http10 { "HTTP/1.0" } else { "HTTP/1.1" },
+    )
+}
+
+/// Fills in what the exchange counted of the request: its status (unless quill answered
+/// it itself) and its body bytes each way.
+pub fn tally(r: &Record, l: &Logged) {
+    if r.status.get() == 0 {
+        r.status.set(l.status);
+    }
+    r.bytes_in.set(l.body_in);
+    r.bytes_out.set(l.body_out);
 }
 
 /// What was read from the client before a server was chosen: its first request head,

@@ -864,27 +864,35 @@ async fn open<C: ClientStream>(
         state, &settings, preamble, opts, permitted,
     ))
     .await;
+    // The access log's lines of a connection relayed whole (request by request, the
+    // requests went to `h1_pump` or hyper above).
     let access_log = http.as_ref().and_then(|_| state.access_log.load_full());
-    let lines = |server| {
-        access_log.map(|log| pump::Lines {
-            log,
-            client: ip,
-            server,
-        })
-    };
     let Some((server, lease)) = upstream else {
         if let Some(log) = &log {
             log.record(ip, started_unix, None, b"");
         }
-        if let Some(http) = &mut http {
+        if let (Some(http), Some(log)) = (&mut http, access_log) {
             // The request that came is logged, unanswered, with no server.
-            http.lines = lines(None);
+            http.lines = Some(pump::Lines {
+                log,
+                client: ip,
+                server: None,
+            });
             http.log_the_rest();
         }
         return None;
     };
-    if let Some(http) = &mut http {
-        http.lines = lines(server.peer_addr().ok());
+    // Read before relaying (once the server has closed, its address is gone), and only
+    // for a log.
+    let server_addr = (log.is_some() || access_log.is_some())
+        .then(|| server.peer_addr().ok())
+        .flatten();
+    if let (Some(http), Some(log)) = (&mut http, access_log) {
+        http.lines = Some(pump::Lines {
+            log,
+            client: ip,
+            server: server_addr,
+        });
     }
     if let Some(r) = &registered {
         r.info.set_upstream(match lease.index {
@@ -899,11 +907,7 @@ async fn open<C: ClientStream>(
         park_after: seconds(settings.idle_park),
         capture: log.is_some(),
     };
-    // Read before relaying: once the server has closed, its address is gone.
-    let server_ip = log
-        .as_ref()
-        .and_then(|_| server.peer_addr().ok())
-        .map(|a| a.ip());
+    let server_ip = server_addr.filter(|_| log.is_some()).map(|a| a.ip());
     Some(Session {
         registered,
         ends: Live { client, server },
