@@ -8,38 +8,35 @@
 //! ended, SERVER is `ADDRESS:PORT` or `-` (quill answered itself); a missing AUTHORITY is
 //! `-`. Fields a client sends are cut at the first space or control byte, so that every
 //! line splits into exactly eleven fields. Like the connection log it is opened in append
-//! mode, reopened on SIGHUP, and each line is written whole with one `write`.
+//! mode, reopened on SIGHUP, and its lines are written whole, in batches, by the file's own
+//! thread (`logfile`): an event loop never waits for the disk.
 
 use std::cell::Cell;
-use std::fs::{File, OpenOptions};
-use std::io::{self, Write};
+use std::io;
 use std::net::{IpAddr, SocketAddr};
 use std::path::Path;
-use std::sync::{Arc, Mutex};
+use std::sync::Arc;
 use std::time::{Duration, Instant, SystemTime, UNIX_EPOCH};
 
+use crate::logfile::LogFile;
 use crate::net::text;
 
 /// An open access log.
 #[derive(Debug)]
 pub struct AccessLog {
-    file: Mutex<File>,
+    file: LogFile,
 }
 
 impl AccessLog {
     /// Opens (creating if needed) `path` for appending.
     pub fn open(path: &Path) -> io::Result<AccessLog> {
-        let file = OpenOptions::new().create(true).append(true).open(path)?;
         Ok(AccessLog {
-            file: Mutex::new(file),
+            file: LogFile::open(path, "access log")?,
         })
     }
 
     fn write_line(&self, line: &[u8]) {
-        let mut file = self.file.lock().unwrap_or_else(|p| p.into_inner());
-        if let Err(e) = file.write_all(line) {
-            tracing::warn!("access log: {e}");
-        }
+        self.file.append(line);
     }
 }
 
@@ -261,6 +258,7 @@ mod tests {
             "",
             "HTTP/1.1",
         ));
+        crate::logfile::finish(std::time::Duration::from_secs(5));
         let text = std::fs::read_to_string(&path).unwrap();
         let lines: Vec<Vec<&str>> = text.lines().map(|l| l.split(' ').collect()).collect();
         assert_eq!(lines.len(), 2, "{text}");

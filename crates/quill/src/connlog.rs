@@ -2,15 +2,15 @@
 //! `CLIENT_IP UNIX_TIME SERVER_IP FIRST_LINE_OF_REQUEST`, the format `mergelogs` reads.
 //!
 //! The file is opened in append mode and reopened on SIGHUP, so `mv quill.log quill.log.1;
-//! kill -HUP` rotates it. Each line is written whole with one `write`, so concurrent event
-//! loops never interleave partial lines.
+//! kill -HUP` rotates it. Lines are written whole, in batches, by the file's own thread
+//! (`logfile`): an event loop never waits for the disk.
 
-use std::fs::{File, OpenOptions};
-use std::io::{self, Write};
+use std::io;
 use std::net::IpAddr;
 use std::path::Path;
-use std::sync::Mutex;
 use std::time::{SystemTime, UNIX_EPOCH};
+
+use crate::logfile::LogFile;
 
 /// Bytes of the request kept for the log line (Pen keeps "the first few bytes").
 pub const REQUEST_BYTES: usize = 200;
@@ -18,15 +18,14 @@ pub const REQUEST_BYTES: usize = 200;
 /// An open connection log.
 #[derive(Debug)]
 pub struct ConnLog {
-    file: Mutex<File>,
+    file: LogFile,
 }
 
 impl ConnLog {
     /// Opens (creating if needed) `path` for appending.
     pub fn open(path: &Path) -> io::Result<ConnLog> {
-        let file = OpenOptions::new().create(true).append(true).open(path)?;
         Ok(ConnLog {
-            file: Mutex::new(file),
+            file: LogFile::open(path, "connection log")?,
         })
     }
 
@@ -39,10 +38,7 @@ impl ConnLog {
         let first = String::from_utf8_lossy(first);
         let server = server.map_or_else(|| "-".to_string(), |ip| ip.to_string());
         let line = format!("{client} {started} {server} {first}\n");
-        let mut file = self.file.lock().unwrap_or_else(|p| p.into_inner());
-        if let Err(e) = file.write_all(line.as_bytes()) {
-            tracing::warn!("connection log: {e}");
-        }
+        self.file.append(line.as_bytes());
     }
 }
 
@@ -70,6 +66,8 @@ mod tests {
             b"GET /x HTTP/1.1\r\nHost: a\r\n",
         );
         log.record("10.0.0.2".parse().unwrap(), 1700000001, None, b"");
+        drop(log);
+        crate::logfile::finish(std::time::Duration::from_secs(5));
         let text = std::fs::read_to_string(&path).unwrap();
         assert_eq!(
             text,

@@ -580,6 +580,11 @@ pub fn run(inv: Invocation) -> Result<(), StartError> {
             _ = signals.int.recv() => tracing::warn!("second signal: closing {} open connection(s) now", state.active.load(Relaxed)),
         }
     });
+    // The logs' last lines: their writer threads write out what they hold once let go
+    // (the lines of connections still open now, if the grace ran out, are lost with them).
+    state.log.store(None);
+    state.access_log.store(None);
+    crate::logfile::finish(Duration::from_secs(2));
     drop(cleanup);
     Ok(())
 }

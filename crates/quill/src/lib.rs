@@ -20,6 +20,7 @@ pub mod demo;
 pub mod dsr;
 pub mod geoip;
 pub mod health;
+pub mod logfile;
 pub mod memory;
 pub mod net;
 pub mod privileges;

@@ -1286,6 +1286,74 @@ fn the_access_log_has_a_line_per_request() {
     assert_eq!(fields[10], "-", "{text}");
 }
 
+/// A log file that stops taking lines (a log shipper reading from a named pipe that
+/// stalled, a disk that hangs) does not stop requests: lines wait in memory, written by
+/// the log's own thread, and reach the file once it takes them again. Before, the event
+/// loop itself blocked in `write` once the pipe was full, and every client with it.
+#[test]
+fn a_stalled_access_log_does_not_stall_requests() {
+    use std::os::unix::fs::OpenOptionsExt;
+    let Some((_nginx, port)) = backend() else {
+        return;
+    };
+    let dir = std::env::temp_dir().join(format!("quill-stalled-log-{}", std::process::id()));
+    std::fs::create_dir_all(&dir).unwrap();
+    let fifo = dir.join("access.log");
+    let _ = std::fs::remove_file(&fifo);
+    let made = Command::new("mkfifo")
+        .arg(&fifo)
+        .status()
+        .expect("mkfifo runs");
+    assert!(made.success(), "mkfifo {}", fifo.display());
+    // The reader opens first (quill's open would wait for one), then reads nothing.
+    let mut reader = std::fs::OpenOptions::new()
+        .read(true)
+        .custom_flags(libc::O_NONBLOCK)
+        .open(&fifo)
+        .unwrap();
+    let q = Quill::start(&[
+        "-H",
+        "-O",
+        &format!("access_log {}", fifo.display()),
+        "{port}",
+        &format!("127.0.0.1:{port}"),
+    ]);
+    // About 90 bytes a line: far more than the pipe's 64 KiB.
+    const REQUESTS: usize = 3000;
+    let mut client = q.connect();
+    client.set_read_timeout(Some(IO_TIMEOUT)).unwrap();
+    for i in 0..REQUESTS {
+        client
+            .write_all(b"GET /1k HTTP/1.1\r\nHost: a.example\r\n\r\n")
+            .unwrap();
+        let resp = read_response(&mut client)
+            .unwrap_or_else(|| panic!("request {i} of {REQUESTS} got no answer"));
+        assert_eq!(resp.status, 200, "{}", resp.head);
+    }
+    // The log reads again: every line comes, whole.
+    let mut text = Vec::new();
+    wait_until(
+        Duration::from_secs(10),
+        "every line through the pipe",
+        || {
+            let mut chunk = [0u8; 65536];
+            while let Ok(n @ 1..) = reader.read(&mut chunk) {
+                text.extend_from_slice(&chunk[..n]);
+            }
+            text.iter().filter(|&&b| b == b'\n').count() >= REQUESTS
+        },
+    );
+    let text = String::from_utf8(text).unwrap();
+    assert_eq!(text.lines().count(), REQUESTS);
+    assert!(
+        text.lines()
+            .all(|l| l.split(' ').nth(2) == Some("GET") && l.split(' ').count() == 11),
+        "{text}"
+    );
+    drop(q);
+    std::fs::remove_dir_all(&dir).unwrap();
+}
+
 /// With `upstream_keepalive 0` (one server connection for each client's, the byte pump's
 /// whole-connection relay) every request has its line too, written as its answer ends,
 /// while the connection stays open: pipelined requests each with its own status and

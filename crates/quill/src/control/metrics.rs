@@ -283,6 +283,14 @@ pub static FAMILIES: &[Family] = &[
         source: Source::Global(|s| s.started.elapsed().as_secs()),
     },
     Family {
+        name: "log_lines_dropped",
+        help: "Lines of the connection log and the access log dropped because their file \
+               was not taking them (4 MiB were waiting: a full disk, a stalled pipe).",
+        unit: None,
+        kind: Kind::Counter,
+        source: Source::Global(|_| crate::logfile::dropped()),
+    },
+    Family {
         name: "event_loops_polling",
         help: "Event loops busy-polling now instead of sleeping between events (a busy loop \
                polls only where its trials found that it pays; QUILL_BUSY_POLL in quill(1)).",

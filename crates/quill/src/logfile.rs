@@ -1,0 +1,286 @@
+//! A log file written by a thread of its own (the connection log and the access log): an
+//! event loop hands a line over by copying it into a shared buffer, without a system call,
+//! and never waits for the disk, a full pipe or a stalled log shipper.
+//!
+//! Invariants: lines reach the file whole and in the order they were handed over, in
+//! writes of many lines, at most [`GATHER`] after the first of them (sooner when
+//! [`FLUSH_AT`] bytes are waiting); what waits is bounded by [`MAX_PENDING`], beyond which
+//! lines are dropped and counted ([`dropped`]) rather than held or waited for. Dropping a
+//! `LogFile` writes out what it holds on its thread; [`finish`] waits for that at exit.
+
+use std::fs::{File, OpenOptions};
+use std::io::{self, Write};
+use std::path::Path;
+use std::sync::atomic::{AtomicU64, Ordering::Relaxed};
+use std::sync::{Arc, Condvar, Mutex, MutexGuard};
+use std::thread::JoinHandle;
+use std::time::{Duration, Instant};
+
+/// How long the first line of a batch waits for others before the batch is written.
+pub const GATHER: Duration = Duration::from_millis(100);
+
+/// Bytes waiting that are written at once, without waiting out [`GATHER`].
+pub const FLUSH_AT: usize = 64 * 1024;
+
+/// The most bytes held for a file that is not taking them; later lines are dropped.
+pub const MAX_PENDING: usize = 4 * 1024 * 1024;
+
+/// Lines dropped because their file had [`MAX_PENDING`] bytes waiting, all files together.
+static DROPPED: AtomicU64 = AtomicU64::new(0);
+
+/// Writer threads not yet known to have ended, for [`finish`].
+static WRITERS: Mutex<Vec<Writer>> = Mutex::new(Vec::new());
+
+/// A writer thread and what it writes out.
+struct Writer {
+    shared: Arc<Shared>,
+    thread: JoinHandle<()>,
+}
+
+/// Lines dropped so far because a log file was not taking them.
+pub fn dropped() -> u64 {
+    DROPPED.load(Relaxed)
+}
+
+/// A log file opened for appending, written by its own thread.
+#[derive(Debug)]
+pub struct LogFile {
+    shared: Arc<Shared>,
+}
+
+#[derive(Debug)]
+struct Shared {
+    pending: Mutex<Pending>,
+    /// Rung when the writer has something to do: the first line after an empty buffer,
+    /// [`FLUSH_AT`] bytes, or the end.
+    ring: Condvar,
+}
+
+#[derive(Debug, Default)]
+struct Pending {
+    lines: Vec<u8>,
+    /// Set when the `LogFile` is dropped: write what is left, then end.
+    closing: bool,
+    /// Lines dropped since the writer last reported it.
+    dropped: u64,
+}
+
+impl LogFile {
+    /// Opens (creating if needed) `path` for appending and starts its writer; `what` names
+    /// the log in the writer's messages ("access log").
+    pub fn open(path: &Path, what: &'static str) -> io::Result<LogFile> {
+        let file = OpenOptions::new().create(true).append(true).open(path)?;
+        let shared = Arc::new(Shared {
+            pending: Mutex::new(Pending::default()),
+            ring: Condvar::new(),
+        });
+        let writer = Arc::clone(&shared);
+        let thread = std::thread::Builder::new()
+            .name("quill-log".into())
+            .spawn(move || writer.write_until_closed(file, what))?;
+        let mut writers = lock(&WRITERS);
+        writers.retain(|w| !w.thread.is_finished());
+        writers.push(Writer {
+            shared: Arc::clone(&shared),
+            thread,
+        });
+        Ok(LogFile { shared })
+    }
+
+    /// Hands one whole line (with its newline) over to the writer.
+    pub fn append(&self, line: &[u8]) {
+        let mut pending = lock(&self.shared.pending);
+        let before = pending.lines.len();
+        if before + line.len() > MAX_PENDING {
+            pending.dropped += 1;
+            DROPPED.fetch_add(1, Relaxed);
+            return;
+        }
+        pending.lines.extend_from_slice(line);
+        let now = pending.lines.len();
+        drop(pending);
+        // The writer sleeps without a deadline while nothing waits, and gathers until
+        // FLUSH_AT: ring only when one of those ends (one wake-up per batch at most).
+        if before == 0 || (before < FLUSH_AT && now >= FLUSH_AT) {
+            self.shared.ring.notify_one();
+        }
+    }
+}
+
+impl Drop for LogFile {
+    fn drop(&mut self) {
+        lock(&self.shared.pending).closing = true;
+        self.shared.ring.notify_one();
+    }
+}
+
+impl Shared {
+    /// The writer thread: waits for lines, gathers them for up to [`GATHER`], writes them
+    /// with one `write` (more only if the file takes part of it), until closed and empty.
+    fn write_until_closed(&self, mut file: File, what: &str) {
+        let mut batch = Vec::new();
+        let mut failing = false;
+        loop {
+            let mut pending = lock(&self.pending);
+            while pending.lines.is_empty() && !pending.closing {
+                pending = self.ring.wait(pending).unwrap_or_else(|p| p.into_inner());
+            }
+            let due = Instant::now() + GATHER;
+            while pending.lines.len() < FLUSH_AT && !pending.closing {
+                let left = due.saturating_duration_since(Instant::now());
+                if left.is_zero() {
+                    break;
+                }
+                pending = self
+                    .ring
+                    .wait_timeout(pending, left)
+                    .map_or_else(|p| p.into_inner().0, |(g, _)| g);
+            }
+            std::mem::swap(&mut batch, &mut pending.lines);
+            let dropped = std::mem::take(&mut pending.dropped);
+            let closing = pending.closing;
+            drop(pending);
+            if dropped > 0 {
+                tracing::warn!("{what}: {dropped} line(s) dropped: the file was not taking them");
+            }
+            match file.write_all(&batch) {
+                Ok(()) if failing => {
+                    failing = false;
+                    tracing::info!("{what}: writing again");
+                }
+                Ok(()) => {}
+                // Said once until it works again: a full disk must not flood the log.
+                Err(e) if !failing => {
+                    failing = true;
+                    tracing::warn!("{what}: {e}");
+                }
+                Err(_) => {}
+            }
+            batch.clear();
+            // A burst while the file stalled may have grown the buffer to MAX_PENDING.
+            if batch.capacity() > 4 * FLUSH_AT {
+                batch = Vec::new();
+            }
+            if closing && lock(&self.pending).lines.is_empty() {
+                return;
+            }
+        }
+    }
+}
+
+/// Waits, up to `patience`, for every log file dropped so far to be written out (at exit,
+/// after the logs were let go). Files still open are not waited for.
+pub fn finish(patience: Duration) {
+    let deadline = Instant::now() + patience;
+    let closing: Vec<Writer> = {
+        let mut writers = lock(&WRITERS);
+        let (closing, open) = std::mem::take(&mut *writers)
+            .into_iter()
+            .partition(|w| lock(&w.shared.pending).closing);
+        *writers = open;
+        closing
+    };
+    for w in closing {
+        while !w.thread.is_finished() && Instant::now() < deadline {
+            std::thread::sleep(Duration::from_millis(5));
+        }
+        if w.thread.is_finished() {
+            let _ = w.thread.join();
+        }
+    }
+}
+
+fn lock<T>(m: &Mutex<T>) -> MutexGuard<'_, T> {
+    m.lock().unwrap_or_else(|p| p.into_inner())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use std::os::unix::fs::OpenOptionsExt;
+
+    fn scratch(name: &str) -> std::path::PathBuf {
+        let dir = std::env::temp_dir().join(format!("quill-logfile-{}-{name}", std::process::id()));
+        std::fs::create_dir_all(&dir).unwrap();
+        dir.join("log")
+    }
+
+    fn wait_for(path: &Path, len: usize) -> String {
+        let deadline = Instant::now() + Duration::from_secs(5);
+        loop {
+            let text = std::fs::read_to_string(path).unwrap_or_default();
+            if text.len() >= len || Instant::now() > deadline {
+                return text;
+            }
+            std::thread::sleep(Duration::from_millis(5));
+        }
+    }
+
+    #[test]
+    fn lines_reach_the_file_whole_and_in_order_soon_after() {
+        let path = scratch("order");
+        let log = LogFile::open(&path, "test log").unwrap();
+        let mut expected = String::new();
+        for i in 0..1000 {
+            let line = format!("line {i}\n");
+            log.append(line.as_bytes());
+            expected.push_str(&line);
+        }
+        // Not dropped: the lines come within GATHER all the same.
+        assert_eq!(wait_for(&path, expected.len()), expected);
+        drop(log);
+        std::fs::remove_dir_all(path.parent().unwrap()).unwrap();
+    }
+
+    #[test]
+    fn what_a_dropped_log_file_held_is_written_out() {
+        let path = scratch("dropped");
+        let log = LogFile::open(&path, "test log").unwrap();
+        log.append(b"last words\n");
+        drop(log);
+        finish(Duration::from_secs(5));
+        assert_eq!(std::fs::read_to_string(&path).unwrap(), "last words\n");
+        std::fs::remove_dir_all(path.parent().unwrap()).unwrap();
+    }
+
+    #[test]
+    fn a_file_that_takes_nothing_costs_dropped_lines_not_a_wait() {
+        // A FIFO whose reader reads nothing: its 64 KiB pipe fills, then every write
+        // blocks (a log shipper that stalled).
+        let path = scratch("fifo");
+        let _ = std::fs::remove_file(&path);
+        nix::unistd::mkfifo(&path, nix::sys::stat::Mode::S_IRWXU).unwrap();
+        let reader = OpenOptions::new()
+            .read(true)
+            .custom_flags(nix::fcntl::OFlag::O_NONBLOCK.bits())
+            .open(&path)
+            .unwrap();
+        let log = LogFile::open(&path, "test log").unwrap();
+        let before = dropped();
+        let line = [b'x'; 1023]
+            .iter()
+            .chain(b"\n")
+            .copied()
+            .collect::<Vec<_>>();
+        let started = Instant::now();
+        // Twice what is held (4 MiB) and the pipe (64 KiB) together.
+        for _ in 0..(2 * MAX_PENDING / line.len()) {
+            log.append(&line);
+        }
+        assert!(
+            started.elapsed() < Duration::from_secs(2),
+            "appending waited"
+        );
+        // What could not be held was dropped: about half of it (less what the pipe and
+        // the batch being written took).
+        let lines = (2 * MAX_PENDING / line.len()) as u64;
+        assert!(
+            dropped() - before > lines / 3,
+            "{} of {lines} dropped",
+            dropped() - before
+        );
+        drop(reader);
+        drop(log);
+        std::fs::remove_dir_all(path.parent().unwrap()).unwrap();
+    }
+}
