@@ -1354,6 +1354,35 @@ fn a_stalled_access_log_does_not_stall_requests() {
     std::fs::remove_dir_all(&dir).unwrap();
 }
 
+/// Lines wait for the log's thread (up to 0.1 s), but not past the end: a request answered
+/// just before SIGTERM has its line in the file when quill has exited.
+#[test]
+fn the_access_log_is_written_out_when_quill_stops() {
+    let Some((_nginx, port)) = backend() else {
+        return;
+    };
+    let mut q = Quill::start(&[
+        "-H",
+        "-O",
+        "access_log {dir}/access.log",
+        "{port}",
+        &format!("127.0.0.1:{port}"),
+    ]);
+    let mut client = q.connect();
+    client.set_read_timeout(Some(IO_TIMEOUT)).unwrap();
+    for _ in 0..3 {
+        client
+            .write_all(b"GET /1k HTTP/1.1\r\nHost: a.example\r\n\r\n")
+            .unwrap();
+        assert_eq!(read_response(&mut client).expect("an answer").status, 200);
+    }
+    drop(client);
+    q.signal("TERM");
+    assert_eq!(q.wait_exit(Duration::from_secs(10)), Some(Some(0)));
+    let text = std::fs::read_to_string(q.dir().join("access.log")).unwrap();
+    assert_eq!(text.lines().count(), 3, "{text}");
+}
+
 /// With `upstream_keepalive 0` (one server connection for each client's, the byte pump's
 /// whole-connection relay) every request has its line too, written as its answer ends,
 /// while the connection stays open: pipelined requests each with its own status and
