@@ -1,13 +1,18 @@
 //! Pen's connection log (`-l FILE`, `log FILE`): one line per connection,
 //! `CLIENT_IP UNIX_TIME SERVER_IP FIRST_LINE_OF_REQUEST`, the format `mergelogs` reads.
+//! Or, given `IP:PORT` instead of a file, Pen's entries for `penlogd` (which puts the real
+//! client's address into the web servers' logs): one UDP datagram per connection,
+//! `+ CLIENT_IP SERVER_IP FIRST_LINE_OF_REQUEST`, sent as soon as the client's first bytes
+//! came (penlogd matches an entry only with a web server's line that comes after it).
 //!
 //! The file is opened in append mode and reopened on SIGHUP, so `mv quill.log quill.log.1;
 //! kill -HUP` rotates it. Lines are written whole, in batches, by the file's own thread
 //! (`logfile`): an event loop never waits for the disk.
 
 use std::io;
-use std::net::IpAddr;
+use std::net::{IpAddr, SocketAddr, UdpSocket};
 use std::path::Path;
+use std::sync::Arc;
 use std::time::{SystemTime, UNIX_EPOCH};
 
 use crate::logfile::LogFile;
@@ -17,28 +22,117 @@ pub const REQUEST_BYTES: usize = 200;
 
 /// An open connection log.
 #[derive(Debug)]
-pub struct ConnLog {
-    file: LogFile,
+pub enum ConnLog {
+    /// A file, a line per connection when it ends.
+    File(LogFile),
+    /// penlogd's UDP port (a connected, non-blocking socket), an entry per connection
+    /// when its first bytes come.
+    Penlogd(UdpSocket),
 }
 
 impl ConnLog {
-    /// Opens (creating if needed) `path` for appending.
-    pub fn open(path: &Path) -> io::Result<ConnLog> {
-        Ok(ConnLog {
-            file: LogFile::open(path, "connection log")?,
-        })
+    /// Opens `target`: penlogd's address if it is a literal `IP:PORT` (`[IPv6]:PORT`),
+    /// else a file (created if needed) to append to.
+    pub fn open(target: &str) -> io::Result<ConnLog> {
+        match target.parse::<SocketAddr>() {
+            Ok(addr) => {
+                let local: SocketAddr = match addr {
+                    SocketAddr::V4(_) => ([0, 0, 0, 0], 0).into(),
+                    SocketAddr::V6(_) => (std::net::Ipv6Addr::UNSPECIFIED, 0).into(),
+                };
+                let socket = UdpSocket::bind(local)?;
+                socket.connect(addr)?;
+                socket.set_nonblocking(true)?;
+                Ok(ConnLog::Penlogd(socket))
+            }
+            Err(_) => Ok(ConnLog::File(LogFile::open(
+                Path::new(target),
+                "connection log",
+            )?)),
+        }
     }
 
-    /// Writes one line for a connection started at `started` (Unix seconds).
+    /// Writes one line for a connection started at `started` (Unix seconds), when it ends
+    /// (a file only: penlogd was told when the first bytes came, see [`Tell`]).
     pub fn record(&self, client: IpAddr, started: u64, server: Option<IpAddr>, request: &[u8]) {
-        let first = request
-            .split(|&b| b == b'\r' || b == b'\n')
-            .next()
-            .unwrap_or_default();
-        let first = String::from_utf8_lossy(first);
+        let ConnLog::File(file) = self else {
+            return;
+        };
+        let first = String::from_utf8_lossy(first_line(request));
         let server = server.map_or_else(|| "-".to_string(), |ip| ip.to_string());
         let line = format!("{client} {started} {server} {first}\n");
-        self.file.append(line.as_bytes());
+        file.append(line.as_bytes());
+    }
+
+    /// Whether the log wants to hear of a connection as soon as its first bytes come.
+    pub fn tells(&self) -> bool {
+        matches!(self, ConnLog::Penlogd(_))
+    }
+
+    /// Sends penlogd the entry of a client's request to `server` (nothing for a file).
+    /// Never waits: a datagram the socket cannot take now is lost, as UDP would lose it.
+    pub fn tell(&self, client: IpAddr, server: Option<IpAddr>, request: &[u8]) {
+        let ConnLog::Penlogd(socket) = self else {
+            return;
+        };
+        let first = String::from_utf8_lossy(first_line(request));
+        let server = server.map_or_else(|| "-".to_string(), |ip| ip.to_string());
+        let entry = format!("+ {} {server} {first}\n", client.to_canonical());
+        if let Err(e) = socket.send(entry.as_bytes()) {
+            tracing::debug!("penlogd: {e}");
+        }
+    }
+}
+
+/// The request's first line (up to the first CR or LF).
+fn first_line(request: &[u8]) -> &[u8] {
+    request
+        .split(|&b| b == b'\r' || b == b'\n')
+        .next()
+        .unwrap_or_default()
+}
+
+/// Who to tell penlogd about once a connection's first bytes come (boxed where it waits:
+/// only connections logged to penlogd pay for it).
+#[derive(Debug)]
+pub struct Tell {
+    pub log: Arc<ConnLog>,
+    pub client: IpAddr,
+    pub server: Option<IpAddr>,
+}
+
+/// The start of a client's first read, kept for the connection log, and told to penlogd
+/// as it comes.
+#[derive(Debug, Default)]
+pub struct Capture {
+    bytes: Vec<u8>,
+    tell: Option<Box<Tell>>,
+}
+
+impl Capture {
+    /// A capture that tells penlogd too, if `tell` says so.
+    pub fn new(tell: Option<Box<Tell>>) -> Capture {
+        Capture {
+            bytes: Vec::new(),
+            tell,
+        }
+    }
+
+    /// Keeps the start of `data` if nothing was kept yet (the client's first read).
+    pub fn first_read(&mut self, data: &[u8]) {
+        if !self.bytes.is_empty() || data.is_empty() {
+            return;
+        }
+        self.bytes
+            .extend_from_slice(&data[..data.len().min(REQUEST_BYTES)]);
+        if let Some(t) = self.tell.take() {
+            t.log.tell(t.client, t.server, &self.bytes);
+        }
+    }
+
+    /// What was kept.
+    pub fn into_bytes(self) -> Vec<u8> {
+        self.bytes
     }
 }
 
@@ -58,7 +152,7 @@ mod tests {
         let dir = std::env::temp_dir().join(format!("quill-connlog-{}", std::process::id()));
         std::fs::create_dir_all(&dir).unwrap();
         let path = dir.join("pen.log");
-        let log = ConnLog::open(&path).unwrap();
+        let log = ConnLog::open(path.to_str().unwrap()).unwrap();
         log.record(
             "10.0.0.1".parse().unwrap(),
             1700000000,

@@ -268,7 +268,7 @@ impl Context {
         let settings = self.state.settings();
         match &settings.log {
             None => self.state.log.store(None),
-            Some(file) => match ConnLog::open(Path::new(file.as_str())) {
+            Some(file) => match ConnLog::open(file.as_str()) {
                 Ok(log) => self.state.log.store(Some(Arc::new(log))),
                 Err(e) => tracing::error!("cannot open log file {file}: {e}"),
             },

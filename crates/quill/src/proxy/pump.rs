@@ -416,6 +416,11 @@ impl Http {
     pub fn first_bytes(&mut self) -> Vec<u8> {
         self.preread.first.take().unwrap_or_default()
     }
+
+    /// [`Http::first_bytes`], left in place.
+    pub fn first_bytes_kept(&self) -> &[u8] {
+        self.preread.first.as_deref().unwrap_or_default()
+    }
 }
 
 /// The access log of a connection relayed whole to one server (`upstream_keepalive 0`):

@@ -34,6 +34,7 @@ use tokio::time::{Instant, Sleep};
 
 use super::splice::{KernelPipe, PIPE_SIZE};
 use crate::command::FastClose;
+use crate::connlog::Capture;
 
 /// Bytes read per system call; also the most a slow peer can make a connection buffer.
 pub const SCRATCH_SIZE: usize = 64 * 1024;
@@ -223,8 +224,8 @@ pub struct Totals {
     pub up: u64,
     /// Bytes from the server to the client so far.
     pub down: u64,
-    /// The capture of the client's first bytes (`capture`; empty until the client sent).
-    pub first: Option<Vec<u8>>,
+    /// The capture of the client's first bytes (for the connection log).
+    pub first: Option<Capture>,
     /// How long both directions had been silent when the relay stopped.
     pub silent: Duration,
     /// The relay stopped quiet before (it was parked) and resumes now: either socket may
@@ -235,9 +236,9 @@ pub struct Totals {
 impl Totals {
     /// Where a new connection starts: nothing relayed, capturing the first bytes when the
     /// connection log wants them.
-    pub fn new(capture: bool) -> Totals {
+    pub fn new(first: Option<Capture>) -> Totals {
         Totals {
-            first: capture.then(Vec::new),
+            first,
             ..Totals::default()
         }
     }
@@ -248,7 +249,7 @@ impl Totals {
             up: self.up,
             down: self.down,
             end,
-            first: self.first.unwrap_or_default(),
+            first: self.first.map(Capture::into_bytes).unwrap_or_default(),
         }
     }
 }
@@ -288,7 +289,7 @@ struct Pipe {
     /// The first read has been tried without waiting for readiness.
     speculated: bool,
     /// Capture the start of the first read here (only while empty and asked for).
-    first: Option<Vec<u8>>,
+    first: Option<Capture>,
     bytes: u64,
     /// The kernel pipe of bulk mode, held only while bulk data flows.
     bulk: Option<KernelPipe>,
@@ -441,8 +442,8 @@ impl Pipe {
                 super::polling::moved(n as u64);
                 *active = true;
                 self.go_bulk = n == buf.len() && !self.no_splice;
-                if let Some(first) = self.first.as_mut().filter(|f| f.is_empty()) {
-                    first.extend_from_slice(&buf[..n.min(crate::connlog::REQUEST_BYTES)]);
+                if let Some(first) = self.first.as_mut() {
+                    first.first_read(&buf[..n]);
                 }
                 let written = match dst.try_write(&buf[..n]) {
                     Ok(w) => w,
@@ -635,7 +636,7 @@ pub async fn relay<C: Stream + ?Sized, S: Stream + ?Sized>(
             up: up.bytes,
             down: down.bytes,
             end,
-            first: up.first.take().unwrap_or_default(),
+            first: up.first.take().map(Capture::into_bytes).unwrap_or_default(),
         }),
         None => Stop::Quiet(Totals {
             up: up.bytes,
@@ -786,7 +787,7 @@ mod tests {
         };
         let resumed = Totals {
             resumed: true,
-            ..Totals::new(false)
+            ..Totals::new(None)
         };
         let (stop, ()) = tokio::join!(relay(&quill_client, &quill_server, OPTIONS, resumed), talk);
         assert!(matches!(stop, Stop::Ended(Outcome { up: 7, down: 0, .. })));
@@ -801,7 +802,7 @@ mod tests {
     async fn a_new_relay_reads_each_side_when_the_event_loop_says_so() {
         // A server sent the request in the same turn has not answered yet, and a new
         // client has mostly not sent its request when its connection is accepted.
-        assert_eq!(first_reads(Totals::new(false)).await, (0, 0));
+        assert_eq!(first_reads(Totals::new(None)).await, (0, 0));
     }
 
     #[tokio::test]
@@ -809,7 +810,7 @@ mod tests {
         // Either socket may hold what woke a parked connection.
         let resumed = Totals {
             resumed: true,
-            ..Totals::new(false)
+            ..Totals::new(None)
         };
         assert_eq!(first_reads(resumed).await, (1, 1));
     }

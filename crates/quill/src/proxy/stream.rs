@@ -19,6 +19,7 @@ use std::task::{ready, Context, Poll};
 use tokio::io::{AsyncRead, AsyncWrite, ReadBuf};
 
 use super::relay::{fast_close, turn_end, End, IdleTimer, Outcome, RelayOptions};
+use crate::connlog::Capture;
 
 /// Bytes read per call: the largest TLS record's plaintext, so one read is one record.
 pub const SCRATCH_SIZE: usize = 16 * 1024;
@@ -40,7 +41,7 @@ struct Pipe {
     unflushed: bool,
     eof: bool,
     done: bool,
-    first: Option<Vec<u8>>,
+    first: Option<Capture>,
     bytes: u64,
 }
 
@@ -120,8 +121,8 @@ impl Pipe {
                 self.bytes += n as u64;
                 super::polling::moved(n as u64);
                 *active = true;
-                if let Some(first) = self.first.as_mut().filter(|f| f.is_empty()) {
-                    first.extend_from_slice(&data[..n.min(crate::connlog::REQUEST_BYTES)]);
+                if let Some(first) = self.first.as_mut() {
+                    first.first_read(data);
                 }
                 match Pin::new(&mut *dst).poll_write(cx, data) {
                     Poll::Ready(Ok(w)) => {
@@ -140,14 +141,20 @@ impl Pipe {
     }
 }
 
-/// Relays between `client` and `server` until the connection ends.
-pub async fn relay<C, S>(client: &mut C, server: &mut S, opts: RelayOptions) -> Outcome
+/// Relays between `client` and `server` until the connection ends, keeping the client's
+/// first bytes in `first` (for the connection log).
+pub async fn relay<C, S>(
+    client: &mut C,
+    server: &mut S,
+    opts: RelayOptions,
+    first: Option<Capture>,
+) -> Outcome
 where
     C: AsyncRead + AsyncWrite + Unpin + ?Sized,
     S: AsyncRead + AsyncWrite + Unpin + ?Sized,
 {
     let mut up = Pipe {
-        first: opts.capture.then(Vec::new),
+        first,
         ..Pipe::default()
     };
     let mut down = Pipe::default();
@@ -172,7 +179,7 @@ where
         up: up.bytes,
         down: down.bytes,
         end,
-        first: up.first.unwrap_or_default(),
+        first: up.first.map(Capture::into_bytes).unwrap_or_default(),
     }
 }
 
@@ -198,7 +205,9 @@ mod tests {
     async fn relays_both_ways_with_half_close() {
         let (mut client_far, mut client) = tokio::io::duplex(1024);
         let (mut server, mut server_far) = tokio::io::duplex(1024);
-        let pump = tokio::spawn(async move { relay(&mut client, &mut server, opts()).await });
+        let pump = tokio::spawn(async move {
+            relay(&mut client, &mut server, opts(), Some(Capture::default())).await
+        });
         let up: Vec<u8> = (0..200_000u32).map(|i| (i % 251) as u8).collect();
         let down: Vec<u8> = (0..50_000u32).map(|i| (i % 13) as u8).collect();
         let (up2, down2) = (up.clone(), down.clone());
@@ -243,7 +252,7 @@ mod tests {
             park_after: None,
             ..opts()
         };
-        let outcome = relay(&mut client, &mut server, o).await;
+        let outcome = relay(&mut client, &mut server, o, Some(Capture::default())).await;
         assert!(matches!(outcome.end, End::Idle));
     }
 }

@@ -39,7 +39,7 @@ use super::replay::{Prefixed, Recording};
 use super::stream;
 use crate::balance::{clock, ServerState};
 use crate::command::{Host, ProxyVersion, ServerProxy};
-use crate::connlog::unix_now;
+use crate::connlog::{unix_now, Capture, Tell};
 use crate::net::connect::{apply_options, connect, is_local_failure, source_for, SocketOptions};
 use crate::net::Listener;
 use crate::settings::Settings;
@@ -389,7 +389,7 @@ async fn handle<C: ClientStream>(
     else {
         return;
     };
-    let from = Totals::new(session.books.opts.capture);
+    let from = Totals::new(session.books.capture());
     if let Some(totals) = session.run(state, from).await {
         session.park(state, totals);
     }
@@ -451,6 +451,22 @@ struct Books<'a> {
     started_unix: u64,
     ip: IpAddr,
     server_ip: Option<IpAddr>,
+}
+
+impl Books<'_> {
+    /// What a new relay keeps of the client's first bytes: nothing without a connection
+    /// log; penlogd told as they come unless `http` read them first (told at connect).
+    fn capture(&self) -> Option<Capture> {
+        let log = self.log.as_ref()?;
+        let tell = (log.tells() && self.http.is_none()).then(|| {
+            Box::new(Tell {
+                log: Arc::clone(log),
+                client: self.ip,
+                server: self.server_ip,
+            })
+        });
+        Some(Capture::new(tell))
+    }
 }
 
 /// The ends of a relaying connection.
@@ -894,6 +910,10 @@ async fn open<C: ClientStream>(
             server: server_addr,
         });
     }
+    if let (Some(http), Some(log)) = (&http, &log) {
+        // The head came before the server was chosen: penlogd hears of it now.
+        log.tell(ip, server_addr.map(|a| a.ip()), http.first_bytes_kept());
+    }
     if let Some(r) = &registered {
         r.info.set_upstream(match lease.index {
             Some(i) => Upstream::Server(i),
@@ -941,16 +961,17 @@ impl<C: ClientStream> Session<'static, Live<C>> {
                 }
             }
             (Client::Plain(c), Server::Plain(s)) => {
-                pump_streams(state, c, s, self.books.http.take(), opts).await
+                pump_streams(state, c, s, self.books.http.take(), opts, from.first).await
             }
             (Client::Plain(c), Server::Tls(s)) => {
-                pump_streams(state, c, &mut **s, self.books.http.take(), opts).await
+                pump_streams(state, c, &mut **s, self.books.http.take(), opts, from.first).await
             }
             (Client::Tls(c), Server::Plain(s)) => {
-                pump_streams(state, &mut **c, s, self.books.http.take(), opts).await
+                pump_streams(state, &mut **c, s, self.books.http.take(), opts, from.first).await
             }
             (Client::Tls(c), Server::Tls(s)) => {
-                pump_streams(state, &mut **c, &mut **s, self.books.http.take(), opts).await
+                let http = self.books.http.take();
+                pump_streams(state, &mut **c, &mut **s, http, opts, from.first).await
             }
         };
         self.finish(state, outcome);
@@ -982,13 +1003,14 @@ async fn pump_streams<C, S>(
     server: &mut S,
     http: Option<Box<Http>>,
     opts: RelayOptions,
+    first: Option<Capture>,
 ) -> Outcome
 where
     C: tokio::io::AsyncRead + tokio::io::AsyncWrite + Unpin + ?Sized,
     S: tokio::io::AsyncRead + tokio::io::AsyncWrite + pump::Acknowledge + Unpin + ?Sized,
 {
     match http {
-        None => Box::pin(stream::relay(client, server, opts)).await,
+        None => Box::pin(stream::relay(client, server, opts, first)).await,
         Some(mut http) => {
             let ask = Cell::new(pump::Ask::Nothing);
             let relay = pump::relay(client, server, Some(&mut *http), opts, &ask);
