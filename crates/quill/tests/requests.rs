@@ -1354,6 +1354,93 @@ fn a_stalled_access_log_does_not_stall_requests() {
     std::fs::remove_dir_all(&dir).unwrap();
 }
 
+/// `-l IP:PORT` (Pen's entries for penlogd) with requests served one by one over pooled
+/// server connections: an entry per request, to the server it went to, before the server
+/// has it, so that penlogd gives each of the web server's lines its client's address
+/// (several clients' requests share a server connection).
+#[test]
+fn penlogd_hears_of_each_request_served_over_pooled_connections() {
+    let found = |name: &str| {
+        std::env::var_os("PATH")
+            .is_some_and(|p| std::env::split_paths(&p).any(|d| d.join(name).is_file()))
+    };
+    if !found("penlogd") || !found("penlog") {
+        eprintln!("SKIP: penlogd or penlog missing (Debian's pen package)");
+        return;
+    }
+    let Some((_nginx, port)) = backend() else {
+        return;
+    };
+    let udp = free_port();
+    let dir = std::env::temp_dir().join(format!("quill-penlogd-{}", std::process::id()));
+    std::fs::create_dir_all(&dir).unwrap();
+    let merged = dir.join("merged.log");
+    // To stdout, line-buffered (its log file is written only when it exits).
+    let mut penlogd = Command::new("stdbuf")
+        .args(["-oL", "penlogd", "-f", &udp.to_string()])
+        .stdout(std::fs::File::create(&merged).unwrap())
+        .stderr(std::process::Stdio::null())
+        .spawn()
+        .expect("penlogd starts");
+    wait_until(Duration::from_secs(5), "penlogd listens", || {
+        std::net::UdpSocket::bind(("0.0.0.0", udp)).is_err()
+    });
+    let q = Quill::start(&[
+        "-H",
+        "-l",
+        &format!("127.0.0.1:{udp}"),
+        "127.0.0.1:{port}",
+        &format!("127.0.0.1:{port}"),
+    ]);
+    // Two keep-alive clients, two requests each, one after the other: with the pool,
+    // the second client's requests may go over the first one's server connection.
+    for (src, paths) in [
+        ("127.0.0.2", ["/1k?a", "/1k?b"]),
+        ("127.0.0.3", ["/1k?c", "/1k?d"]),
+    ] {
+        let mut client = q.connect_from(src);
+        client.set_read_timeout(Some(IO_TIMEOUT)).unwrap();
+        for path in paths {
+            client
+                .write_all(format!("GET {path} HTTP/1.1\r\nHost: a\r\n\r\n").as_bytes())
+                .unwrap();
+            assert_eq!(read_response(&mut client).expect("an answer").status, 200);
+        }
+    }
+    // NGINX's lines for them, as it logged them (quill's address as the client's).
+    let web_log: String = ["/1k?a", "/1k?c", "/1k?b", "/1k?d"]
+        .iter()
+        .map(|p| {
+            format!("127.0.0.1 - - [29/Nov/2026:04:00:00 +0000] \"GET {p} HTTP/1.1\" 200 1024\n")
+        })
+        .collect();
+    let mut penlog = Command::new("penlog")
+        .args(["127.0.0.1", &udp.to_string(), "127.0.0.1"])
+        .stdin(std::process::Stdio::piped())
+        .spawn()
+        .expect("penlog starts");
+    penlog
+        .stdin
+        .take()
+        .unwrap()
+        .write_all(web_log.as_bytes())
+        .unwrap();
+    assert!(penlog.wait().unwrap().success());
+    wait_until(Duration::from_secs(5), "penlogd writes four lines", || {
+        std::fs::read_to_string(&merged).is_ok_and(|t| t.lines().count() == 4)
+    });
+    let _ = penlogd.kill();
+    let _ = penlogd.wait();
+    let text = std::fs::read_to_string(&merged).unwrap();
+    let clients: Vec<&str> = text.lines().map(|l| l.split(' ').next().unwrap()).collect();
+    assert_eq!(
+        clients,
+        ["127.0.0.2", "127.0.0.3", "127.0.0.2", "127.0.0.3"],
+        "{text}"
+    );
+    std::fs::remove_dir_all(&dir).unwrap();
+}
+
 /// Lines wait for the log's thread (up to 0.1 s), but not past the end: a request answered
 /// just before SIGTERM has its line in the file when quill has exited.
 #[test]

@@ -180,13 +180,18 @@ pub(super) async fn serve<C: Parkable>(
             Waited::Stop => return close(&mut client).await,
         }
         let left = deadline.map(|d| d.saturating_duration_since(Instant::now()));
-        http.exchange
-            .log_requests(state.access_log.load().is_some());
+        http.exchange.log_requests(logs_requests(state));
         if let Some(outcome) = pump::first_head(&mut client, &mut http, false, left).await {
             count_http_end(state, &outcome.end);
             return;
         }
     }
+}
+
+/// Whether the `Exchange` keeps each request's head for a log: the access log, or
+/// penlogd's entry per request (`-l IP:PORT`).
+pub(super) fn logs_requests(state: &State) -> bool {
+    state.access_log.load().is_some() || state.log.load().as_ref().is_some_and(|l| l.tells())
 }
 
 /// How waiting for a next request ended.
@@ -281,19 +286,30 @@ async fn one_request<C: Parkable>(
     peer: Peer,
     ask: &Since<'_>,
 ) -> Served {
-    // The log is looked up only for a request whose head was kept for it.
+    // The logs are looked up only for a request whose head was kept for them.
     let record = http.exchange.logged_newest().and_then(|l| {
         let log = state.access_log.load_full()?;
         Some(pump::record(log, peer.addr.ip(), l))
     });
-    let served = choose_and_send(state, client, http, peer, ask, record.as_ref()).await;
+    let penlogd = http.exchange.logged_newest().and_then(|l| {
+        let log = state.log.load_full().filter(|log| log.tells())?;
+        let version = if l.http10 { "HTTP/1.0" } else { "HTTP/1.1" };
+        Some((log, format!("{} {} {version}", l.method, l.target)))
+    });
+    let tell = |to: &To<'_>| {
+        if let Some((log, line)) = &penlogd {
+            log.tell(peer.addr.ip(), Some(to.addr.ip()), line.as_bytes());
+        }
+    };
+    let served = choose_and_send(state, client, http, peer, ask, record.as_ref(), tell).await;
     if let (Some(r), Some(l)) = (&record, http.exchange.take_logged()) {
         pump::tally(r, &l);
     }
     served
 }
 
-/// [`one_request`] without the access log's bookkeeping.
+/// [`one_request`] without the logs' bookkeeping; `tell` hears of each server tried
+/// before the request goes to it (penlogd's entry).
 async fn choose_and_send<C: Parkable>(
     state: &'static State,
     client: &mut C,
@@ -301,10 +317,12 @@ async fn choose_and_send<C: Parkable>(
     peer: Peer,
     ask: &Since<'_>,
     record: Option<&Record>,
+    tell: impl Fn(&To<'_>),
 ) -> Served {
     let settings = state.settings();
     let mut candidates = Candidates::new(state, &settings, peer.addr, peer.permitted);
     while let Some(c) = candidates.next() {
+        tell(&c);
         match send(state, &settings, client, http, peer, c, ask, record).await {
             Tried::Served(served) => {
                 candidates.served(&c);

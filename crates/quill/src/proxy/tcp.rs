@@ -803,7 +803,13 @@ async fn open<C: ClientStream>(
         if pumped {
             http.exchange.request_by_request();
         }
-        if pumped || !per_request {
+        if pumped {
+            // Each request's head kept for the access log or penlogd, taken by `h1_pump`.
+            http.exchange
+                .log_requests(super::h1_pump::logs_requests(state));
+        } else if !per_request {
+            // Only the access log takes them here (`pump::Lines`): none kept for penlogd,
+            // told once at connect.
             http.exchange
                 .log_requests(state.access_log.load().is_some());
         }
