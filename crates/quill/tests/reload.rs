@@ -703,31 +703,13 @@ fn log_rotation_by_mv_and_sighup_writes_to_the_new_file() {
 /// request: penlogd matches only entries that came first.
 #[test]
 fn connection_log_to_penlogd_gives_web_server_logs_the_clients_address() {
-    let found = |name: &str| {
-        std::env::var_os("PATH")
-            .is_some_and(|p| std::env::split_paths(&p).any(|d| d.join(name).is_file()))
-    };
-    if !found("penlogd") || !found("penlog") {
-        eprintln!("SKIP: penlogd or penlog missing (Debian's pen package)");
+    let Some(penlogd) = support::penlogd::Penlogd::start() else {
         return;
-    }
-    let dir = TempDir::new("penlogd");
-    let merged = dir.path().join("merged.log");
-    let port = free_port();
-    // To stdout, line-buffered (its log file is written only when it exits).
-    let mut daemon = std::process::Command::new("stdbuf")
-        .args(["-oL", "penlogd", "-f", &port.to_string()])
-        .stdout(fs::File::create(&merged).unwrap())
-        .stderr(std::process::Stdio::null())
-        .spawn()
-        .expect("penlogd starts");
-    wait_until(Duration::from_secs(5), "penlogd listens", || {
-        std::net::UdpSocket::bind(("0.0.0.0", port)).is_err()
-    });
+    };
     let a = IdentityBackend::start("a");
     let q = Quill::start(&[
         "-l",
-        &format!("127.0.0.1:{port}"),
+        &format!("127.0.0.1:{}", penlogd.port),
         "127.0.0.1:{port}",
         &a.spec(),
     ]);
@@ -741,32 +723,19 @@ fn connection_log_to_penlogd_gives_web_server_logs_the_clients_address() {
         s.read_exact(&mut echo).unwrap();
         open.push(s);
     }
-    // The web server's lines, as it logs them (quill's address as the client's), sent
-    // from the server's address as penlog does.
-    let web_log = "127.0.0.1 - - [29/Nov/2026:03:30:00 +0000] \"GET /first HTTP/1.0\" 200 5\n\
-                   127.0.0.1 - - [29/Nov/2026:03:30:01 +0000] \"GET /second?x=1 HTTP/1.0\" 200 5\n\
-                   127.0.0.1 - - [29/Nov/2026:03:30:02 +0000] \"GET /elsewhere HTTP/1.0\" 200 5\n";
-    let mut penlog = std::process::Command::new("penlog")
-        .args(["127.0.0.1", &port.to_string(), "127.0.0.1"])
-        .stdin(std::process::Stdio::piped())
-        .spawn()
-        .expect("penlog starts");
-    penlog
-        .stdin
-        .take()
-        .unwrap()
-        .write_all(web_log.as_bytes())
-        .unwrap();
-    assert!(penlog.wait().unwrap().success());
-    wait_until(Duration::from_secs(5), "penlogd writes three lines", || {
-        fs::read_to_string(&merged).is_ok_and(|t| t.lines().count() == 3)
-    });
+    // The web server's lines, as it logs them (quill's address as the client's).
+    penlogd.web_server_logs(
+        "127.0.0.1",
+        "127.0.0.1 - - [29/Nov/2026:03:30:00 +0000] \"GET /first HTTP/1.0\" 200 5\n\
+         127.0.0.1 - - [29/Nov/2026:03:30:01 +0000] \"GET /second?x=1 HTTP/1.0\" 200 5\n\
+         127.0.0.1 - - [29/Nov/2026:03:30:02 +0000] \"GET /elsewhere HTTP/1.0\" 200 5\n",
+    );
+    assert_eq!(
+        penlogd.clients(3),
+        ["127.0.0.2", "127.0.0.3", "127.0.0.1"],
+        "a request quill never saw keeps quill's address"
+    );
     drop(open);
-    let _ = daemon.kill();
-    let _ = daemon.wait();
-    let text = fs::read_to_string(&merged).unwrap();
-    let clients: Vec<&str> = text.lines().map(|l| l.split(' ').next().unwrap()).collect();
-    assert_eq!(clients, ["127.0.0.2", "127.0.0.3", "127.0.0.1"], "{text}");
 }
 
 #[test]

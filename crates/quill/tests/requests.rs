@@ -1360,35 +1360,16 @@ fn a_stalled_access_log_does_not_stall_requests() {
 /// (several clients' requests share a server connection).
 #[test]
 fn penlogd_hears_of_each_request_served_over_pooled_connections() {
-    let found = |name: &str| {
-        std::env::var_os("PATH")
-            .is_some_and(|p| std::env::split_paths(&p).any(|d| d.join(name).is_file()))
-    };
-    if !found("penlogd") || !found("penlog") {
-        eprintln!("SKIP: penlogd or penlog missing (Debian's pen package)");
+    let Some(penlogd) = support::penlogd::Penlogd::start() else {
         return;
-    }
+    };
     let Some((_nginx, port)) = backend() else {
         return;
     };
-    let udp = free_port();
-    let dir = std::env::temp_dir().join(format!("quill-penlogd-{}", std::process::id()));
-    std::fs::create_dir_all(&dir).unwrap();
-    let merged = dir.join("merged.log");
-    // To stdout, line-buffered (its log file is written only when it exits).
-    let mut penlogd = Command::new("stdbuf")
-        .args(["-oL", "penlogd", "-f", &udp.to_string()])
-        .stdout(std::fs::File::create(&merged).unwrap())
-        .stderr(std::process::Stdio::null())
-        .spawn()
-        .expect("penlogd starts");
-    wait_until(Duration::from_secs(5), "penlogd listens", || {
-        std::net::UdpSocket::bind(("0.0.0.0", udp)).is_err()
-    });
     let q = Quill::start(&[
         "-H",
         "-l",
-        &format!("127.0.0.1:{udp}"),
+        &format!("127.0.0.1:{}", penlogd.port),
         "127.0.0.1:{port}",
         &format!("127.0.0.1:{port}"),
     ]);
@@ -1414,31 +1395,11 @@ fn penlogd_hears_of_each_request_served_over_pooled_connections() {
             format!("127.0.0.1 - - [29/Nov/2026:04:00:00 +0000] \"GET {p} HTTP/1.1\" 200 1024\n")
         })
         .collect();
-    let mut penlog = Command::new("penlog")
-        .args(["127.0.0.1", &udp.to_string(), "127.0.0.1"])
-        .stdin(std::process::Stdio::piped())
-        .spawn()
-        .expect("penlog starts");
-    penlog
-        .stdin
-        .take()
-        .unwrap()
-        .write_all(web_log.as_bytes())
-        .unwrap();
-    assert!(penlog.wait().unwrap().success());
-    wait_until(Duration::from_secs(5), "penlogd writes four lines", || {
-        std::fs::read_to_string(&merged).is_ok_and(|t| t.lines().count() == 4)
-    });
-    let _ = penlogd.kill();
-    let _ = penlogd.wait();
-    let text = std::fs::read_to_string(&merged).unwrap();
-    let clients: Vec<&str> = text.lines().map(|l| l.split(' ').next().unwrap()).collect();
+    penlogd.web_server_logs("127.0.0.1", &web_log);
     assert_eq!(
-        clients,
-        ["127.0.0.2", "127.0.0.3", "127.0.0.2", "127.0.0.3"],
-        "{text}"
+        penlogd.clients(4),
+        ["127.0.0.2", "127.0.0.3", "127.0.0.2", "127.0.0.3"]
     );
-    std::fs::remove_dir_all(&dir).unwrap();
 }
 
 /// Lines wait for the log's thread (up to 0.1 s), but not past the end: a request answered

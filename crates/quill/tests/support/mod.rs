@@ -33,6 +33,7 @@ pub mod http;
 pub mod http_echo;
 pub mod load;
 pub mod netns;
+pub mod penlogd;
 
 use std::collections::{HashMap, HashSet};
 use std::fmt::Display;

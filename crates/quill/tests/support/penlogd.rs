@@ -1,0 +1,90 @@
+//! Debian's `penlogd` (Pen's log consolidator) and `penlog` (what web servers pipe their
+//! access logs through to it), for the tests of `-l IP:PORT`.
+#![allow(dead_code)]
+
+use std::io::Write;
+use std::path::PathBuf;
+use std::process::{Child, Command, Stdio};
+use std::time::Duration;
+
+use super::{free_port, wait_until, TempDir};
+
+/// A running penlogd, its consolidated log on a line-buffered stdout.
+pub struct Penlogd {
+    child: Child,
+    /// The UDP port it receives on.
+    pub port: u16,
+    out: PathBuf,
+    _dir: TempDir,
+}
+
+impl Penlogd {
+    /// Starts penlogd and waits until it listens; `None` (with a SKIP line) without
+    /// Debian's pen package.
+    pub fn start() -> Option<Penlogd> {
+        let found = |name: &str| {
+            std::env::var_os("PATH")
+                .is_some_and(|p| std::env::split_paths(&p).any(|d| d.join(name).is_file()))
+        };
+        if !found("penlogd") || !found("penlog") || !found("stdbuf") {
+            eprintln!("SKIP: penlogd, penlog or stdbuf missing (Debian's pen package)");
+            return None;
+        }
+        let dir = TempDir::new("penlogd");
+        let out = dir.path().join("merged.log");
+        let port = free_port();
+        // To stdout, line-buffered: its own log file is written only when it exits.
+        let child = Command::new("stdbuf")
+            .args(["-oL", "penlogd", "-f", &port.to_string()])
+            .stdout(std::fs::File::create(&out).unwrap())
+            .stderr(Stdio::null())
+            .spawn()
+            .expect("penlogd starts");
+        wait_until(Duration::from_secs(5), "penlogd listens", || {
+            std::net::UdpSocket::bind(("0.0.0.0", port)).is_err()
+        });
+        Some(Penlogd {
+            child,
+            port,
+            out,
+            _dir: dir,
+        })
+    }
+
+    /// A web server at `server_ip` logs `lines` (Apache's common format) through penlog.
+    pub fn web_server_logs(&self, server_ip: &str, lines: &str) {
+        let mut penlog = Command::new("penlog")
+            .args([server_ip, &self.port.to_string(), server_ip])
+            .stdin(Stdio::piped())
+            .spawn()
+            .expect("penlog starts");
+        penlog
+            .stdin
+            .take()
+            .unwrap()
+            .write_all(lines.as_bytes())
+            .unwrap();
+        assert!(penlog.wait().unwrap().success());
+    }
+
+    /// The first field (the client's address) of each of the `n` lines penlogd writes.
+    pub fn clients(&self, n: usize) -> Vec<String> {
+        let text = || std::fs::read_to_string(&self.out).unwrap_or_default();
+        wait_until(
+            Duration::from_secs(5),
+            format!("penlogd writes {n} lines"),
+            || text().lines().count() >= n,
+        );
+        let text = text();
+        text.lines()
+            .map(|l| l.split(' ').next().unwrap_or_default().to_string())
+            .collect()
+    }
+}
+
+impl Drop for Penlogd {
+    fn drop(&mut self) {
+        let _ = self.child.kill();
+        let _ = self.child.wait();
+    }
+}
