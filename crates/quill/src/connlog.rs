@@ -75,6 +75,9 @@ impl ConnLog {
         let ConnLog::Penlogd(socket) = self else {
             return;
         };
+        // As much of the request as the file's line keeps: a long target must not make
+        // a datagram of the size of a head.
+        let request = &request[..request.len().min(REQUEST_BYTES)];
         let first = String::from_utf8_lossy(first_line(request));
         let server = server.map_or_else(|| "-".to_string(), |ip| ip.to_string());
         let entry = format!("+ {} {server} {first}\n", client.to_canonical());
@@ -146,6 +149,27 @@ pub fn unix_now() -> u64 {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn penlogd_gets_pens_entry_cut_as_the_files_line() {
+        let penlogd = UdpSocket::bind("127.0.0.1:0").unwrap();
+        penlogd
+            .set_read_timeout(Some(std::time::Duration::from_secs(5)))
+            .unwrap();
+        let log = ConnLog::open(&penlogd.local_addr().unwrap().to_string()).unwrap();
+        assert!(log.tells());
+        let long = format!("GET /{} HTTP/1.1\r\nHost: a\r\n", "x".repeat(60_000));
+        log.tell(
+            "::ffff:10.0.0.1".parse().unwrap(),
+            Some("10.0.0.9".parse().unwrap()),
+            long.as_bytes(),
+        );
+        let mut buf = [0u8; 65_536];
+        let n = penlogd.recv(&mut buf).unwrap();
+        let entry = std::str::from_utf8(&buf[..n]).unwrap();
+        let kept = &long[..REQUEST_BYTES];
+        assert_eq!(entry, format!("+ 10.0.0.1 10.0.0.9 {kept}\n"));
+    }
 
     #[test]
     fn lines_have_pens_format() {

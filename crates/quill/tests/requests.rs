@@ -1366,8 +1366,11 @@ fn penlogd_hears_of_each_request_served_over_pooled_connections() {
     let Some((_nginx, port)) = backend() else {
         return;
     };
+    // With the access log too: both logs take their fields from each request's head.
     let q = Quill::start(&[
         "-H",
+        "-O",
+        "access_log {dir}/access.log",
         "-l",
         &format!("127.0.0.1:{}", penlogd.port),
         "127.0.0.1:{port}",
@@ -1400,6 +1403,10 @@ fn penlogd_hears_of_each_request_served_over_pooled_connections() {
         penlogd.clients(4),
         ["127.0.0.2", "127.0.0.3", "127.0.0.2", "127.0.0.3"]
     );
+    let log = q.dir().join("access.log");
+    wait_until(Duration::from_secs(5), "four access log lines", || {
+        std::fs::read_to_string(&log).is_ok_and(|t| t.lines().count() == 4)
+    });
 }
 
 /// Lines wait for the log's thread (up to 0.1 s), but not past the end: a request answered

@@ -286,15 +286,16 @@ async fn one_request<C: Parkable>(
     peer: Peer,
     ask: &Since<'_>,
 ) -> Served {
-    // The logs are looked up only for a request whose head was kept for them.
-    let record = http.exchange.logged_newest().and_then(|l| {
-        let log = state.access_log.load_full()?;
-        Some(pump::record(log, peer.addr.ip(), l))
-    });
+    // The logs are looked up only for a request whose head was kept for them. penlogd's
+    // line first: the access log's record takes the method and target out of the head.
     let penlogd = http.exchange.logged_newest().and_then(|l| {
         let log = state.log.load_full().filter(|log| log.tells())?;
         let version = if l.http10 { "HTTP/1.0" } else { "HTTP/1.1" };
         Some((log, format!("{} {} {version}", l.method, l.target)))
+    });
+    let record = http.exchange.logged_newest().and_then(|l| {
+        let log = state.access_log.load_full()?;
+        Some(pump::record(log, peer.addr.ip(), l))
     });
     let tell = |to: &To<'_>| {
         if let Some((log, line)) = &penlogd {

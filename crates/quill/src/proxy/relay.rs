@@ -177,7 +177,8 @@ pub struct RelayOptions {
     /// Stop quiet (to be parked) after this much silence in both directions. Only the raw
     /// relay parks; the TLS and HTTP relays ignore it.
     pub park_after: Option<Duration>,
-    /// Keep the first bytes the client sends (for the connection log).
+    /// Keep the first bytes the client sends (for the connection log), in the `http` pump;
+    /// the raw and TLS relays are given a `connlog::Capture` instead.
     pub capture: bool,
 }
 
