@@ -13,6 +13,7 @@
 //! * [`query`] / [`answer`] build and read just enough DNS for that.
 #![allow(dead_code)]
 
+use std::collections::HashSet;
 use std::fs;
 use std::io;
 use std::net::{IpAddr, Ipv4Addr, SocketAddr, UdpSocket};
@@ -549,8 +550,20 @@ impl UdpQuill {
     }
 
     /// The daemon's UDP sockets connected to `server`: one per live flow to that server.
-    /// (Read from /proc/net/udp*; only the balancer connects sockets to a test backend.)
+    /// Read from /proc/net/udp*, keeping only sockets among the daemon's descriptors: a
+    /// test running beside this one may hold a socket still connected to a port it used,
+    /// which the kernel has since given to this test's backend.
     pub fn flows_to(&self, server: SocketAddr) -> usize {
+        let own: HashSet<String> = fs::read_dir(format!("/proc/{}/fd", self.pid()))
+            .map(|dir| {
+                dir.filter_map(|e| fs::read_link(e.ok()?.path()).ok())
+                    .filter_map(|target| {
+                        let t = target.to_string_lossy();
+                        Some(t.strip_prefix("socket:[")?.strip_suffix(']')?.to_owned())
+                    })
+                    .collect()
+            })
+            .unwrap_or_default();
         let want = match server.ip() {
             IpAddr::V4(ip) => format!(
                 "{:08X}:{:04X}",
@@ -572,7 +585,12 @@ impl UdpQuill {
             .map(|text| {
                 text.lines()
                     .skip(1)
-                    .filter(|l| l.split_whitespace().nth(2) == Some(want.as_str()))
+                    .map(|l| l.split_whitespace().collect::<Vec<_>>())
+                    // Columns: 2 is the remote address, 9 the socket's inode.
+                    .filter(|cols| {
+                        cols.get(2) == Some(&want.as_str())
+                            && cols.get(9).is_some_and(|inode| own.contains(*inode))
+                    })
                     .count()
             })
             .sum()
