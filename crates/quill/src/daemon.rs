@@ -170,8 +170,11 @@ pub fn init_logging(foreground: bool) {
     use tracing_subscriber::util::SubscriberInitExt;
     let filter = tracing_subscriber::filter::filter_fn(|meta| level_enabled(meta.level()));
     if foreground {
+        // Colours only for a terminal: journald, a file or a log shipper would keep the
+        // escape sequences as part of every line.
         let layer = tracing_subscriber::fmt::layer()
-            .with_writer(io::stderr)
+            .with_ansi(io::IsTerminal::is_terminal(&io::stderr()))
+            .with_writer(crate::logfile::StderrLines)
             .with_target(false);
         let _ = tracing_subscriber::registry()
             .with(layer.with_filter(filter))
@@ -359,6 +362,13 @@ pub fn run(inv: Invocation) -> Result<(), StartError> {
         rustix::stdio::dup2_stdout(&null).map_err(|e| StartError::Daemon(e.into()))?;
         rustix::stdio::dup2_stderr(&null).map_err(|e| StartError::Daemon(e.into()))?;
     }
+    // In the foreground the event loops never write to stderr themselves: a reader that
+    // stalls (a paused pager, a blocked container log driver) would stop them.
+    let _stderr = if inv.foreground {
+        Some(crate::logfile::StderrThread::start().map_err(StartError::Runtime)?)
+    } else {
+        None
+    };
     // The signal handlers exist before the pid file does: `kill -HUP $(cat pidfile)` must
     // never meet the default action, which would end the process.
     let rt = tokio::runtime::Builder::new_current_thread()

@@ -7,14 +7,21 @@
 //! [`FLUSH_AT`] bytes are waiting); what waits is bounded by [`MAX_PENDING`], beyond which
 //! lines are dropped and counted ([`dropped`]) rather than held or waited for. Dropping a
 //! `LogFile` writes out what it holds on its thread; [`finish`] waits for that at exit.
+//!
+//! In the foreground, quill's own log (stderr) goes the same way while the daemon runs
+//! ([`StderrThread`]), without the gathering: a terminal or journald sees each line at
+//! once, and a stalled reader of stderr costs lines, not a frozen event loop.
 
 use std::fs::{File, OpenOptions};
 use std::io::{self, Write};
+use std::os::fd::AsFd;
 use std::path::Path;
 use std::sync::atomic::{AtomicU64, Ordering::Relaxed};
 use std::sync::{Arc, Condvar, Mutex, MutexGuard};
 use std::thread::JoinHandle;
 use std::time::{Duration, Instant};
+
+use arc_swap::ArcSwapOption;
 
 /// How long the first line of a batch waits for others before the batch is written.
 pub const GATHER: Duration = Duration::from_millis(100);
@@ -50,6 +57,8 @@ pub struct LogFile {
 
 #[derive(Debug)]
 struct Shared {
+    /// How long the first line of a batch waits for others ([`GATHER`] for log files).
+    gather: Duration,
     pending: Mutex<Pending>,
     /// Rung when the writer has something to do: the first line after an empty buffer,
     /// [`FLUSH_AT`] bytes, or the end.
@@ -72,7 +81,13 @@ impl LogFile {
     /// the log in the writer's messages ("access log").
     pub fn open(path: &Path, what: &'static str) -> io::Result<LogFile> {
         let file = OpenOptions::new().create(true).append(true).open(path)?;
+        LogFile::start(file, what, GATHER)
+    }
+
+    /// Starts the writer of an open `file`, which gathers lines for `gather`.
+    fn start(file: File, what: &'static str, gather: Duration) -> io::Result<LogFile> {
         let shared = Arc::new(Shared {
+            gather,
             pending: Mutex::new(Pending::default()),
             ring: Condvar::new(),
         });
@@ -127,7 +142,7 @@ impl Shared {
             while pending.lines.is_empty() && !pending.closing {
                 pending = self.ring.wait(pending).unwrap_or_else(|p| p.into_inner());
             }
-            let due = Instant::now() + GATHER;
+            let due = Instant::now() + self.gather;
             while pending.lines.len() < FLUSH_AT && !pending.closing {
                 let left = due.saturating_duration_since(Instant::now());
                 if left.is_zero() {
@@ -191,6 +206,71 @@ pub fn finish(patience: Duration) {
         if w.thread.is_finished() {
             let _ = w.thread.join();
         }
+    }
+}
+
+/// stderr's writer thread while the daemon runs in the foreground; `None` before (start-up
+/// errors are written at once, in order with what `main` prints) and after.
+static STDERR: ArcSwapOption<LogFile> = ArcSwapOption::const_empty();
+
+/// While it lives, quill's log lines for stderr ([`StderrLines`]) are written by a thread
+/// of their own; dropping it writes out what is left (up to 2 s) and goes back to writing
+/// them directly, so every path out of the daemon leaves its last lines in order.
+#[derive(Debug)]
+#[must_use = "stderr goes back to direct writes when this is dropped"]
+pub struct StderrThread(());
+
+impl StderrThread {
+    /// Starts the writer of a duplicate of stderr; lines are not gathered.
+    pub fn start() -> io::Result<StderrThread> {
+        let fd = io::stderr().as_fd().try_clone_to_owned()?;
+        STDERR.store(Some(Arc::new(LogFile::start(
+            File::from(fd),
+            "stderr",
+            Duration::ZERO,
+        )?)));
+        Ok(StderrThread(()))
+    }
+}
+
+impl Drop for StderrThread {
+    fn drop(&mut self) {
+        drop(STDERR.swap(None));
+        finish(Duration::from_secs(2));
+    }
+}
+
+/// `tracing`'s writer for stderr: each event's formatted line goes to stderr's writer
+/// thread while a [`StderrThread`] lives, straight to stderr otherwise.
+#[derive(Debug, Clone, Copy, Default)]
+pub struct StderrLines;
+
+impl<'a> tracing_subscriber::fmt::MakeWriter<'a> for StderrLines {
+    type Writer = StderrLine;
+
+    fn make_writer(&'a self) -> StderrLine {
+        StderrLine
+    }
+}
+
+/// One event's writer (see [`StderrLines`]). The formatter hands it the whole line in one
+/// `write_all`, which [`LogFile::append`] takes whole.
+#[derive(Debug)]
+pub struct StderrLine;
+
+impl Write for StderrLine {
+    fn write(&mut self, buf: &[u8]) -> io::Result<usize> {
+        match &*STDERR.load() {
+            Some(file) => {
+                file.append(buf);
+                Ok(buf.len())
+            }
+            None => io::stderr().write(buf),
+        }
+    }
+
+    fn flush(&mut self) -> io::Result<()> {
+        Ok(())
     }
 }
 

@@ -545,3 +545,64 @@ fn a_storm_of_reloads_under_traffic_loses_no_request() {
     let (name, _s) = q.name_from("127.0.0.9");
     assert!(name == "a" || name == "b");
 }
+
+#[test]
+fn a_stalled_reader_of_stderr_stalls_no_connection() {
+    if skip_on_pen("Pen writes its log lines itself") {
+        return;
+    }
+    let backend = IdentityBackend::start("a");
+    let port = free_port();
+    let addr: SocketAddr = format!("127.0.0.1:{port}").parse().unwrap();
+    // stderr is a pipe nobody reads for now (a paused pager, a blocked container log
+    // driver); with -dd every connection writes a line, and the pipe's 64 KiB are full
+    // after a few hundred.
+    let mut child = std::process::Command::new(bin())
+        .args(["-f", "-dd", &addr.to_string(), &backend.spec()])
+        .stdin(std::process::Stdio::null())
+        .stdout(std::process::Stdio::null())
+        .stderr(std::process::Stdio::piped())
+        .env_remove("RUST_LOG")
+        .spawn()
+        .unwrap();
+    let mut stderr = child.stderr.take().unwrap();
+    wait_until(START_DEADLINE, "quill listening", || {
+        try_connect(addr).is_ok()
+    });
+    const CONNECTIONS: usize = 2000;
+    for i in 0..CONNECTIONS {
+        let mut c = connect(addr);
+        assert_eq!(
+            backend_name(&mut c).as_deref(),
+            Some("a"),
+            "connection {i} of {CONNECTIONS}"
+        );
+    }
+    // Read at last, stderr gets every line, and plain text: no colours outside a terminal.
+    let text = Arc::new(std::sync::Mutex::new(Vec::new()));
+    let reader = {
+        let text = Arc::clone(&text);
+        thread::spawn(move || {
+            let mut chunk = [0u8; 65536];
+            while let Ok(n @ 1..) = stderr.read(&mut chunk) {
+                text.lock().unwrap().extend_from_slice(&chunk[..n]);
+            }
+        })
+    };
+    let served_lines = |text: &[u8]| {
+        String::from_utf8_lossy(text)
+            .lines()
+            .filter(|l| l.contains("DEBUG") && l.contains(&backend.addr().to_string()))
+            .count()
+    };
+    wait_until(
+        Duration::from_secs(10),
+        "a line for every connection",
+        || served_lines(&text.lock().unwrap()) >= CONNECTIONS,
+    );
+    let _ = child.kill();
+    let _ = child.wait();
+    reader.join().unwrap();
+    let text = text.lock().unwrap();
+    assert!(!text.contains(&0x1b), "escape sequences in stderr");
+}

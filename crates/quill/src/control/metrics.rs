@@ -284,8 +284,9 @@ pub static FAMILIES: &[Family] = &[
     },
     Family {
         name: "log_lines_dropped",
-        help: "Lines of the connection log and the access log dropped because their file \
-               was not taking them (4 MiB were waiting: a full disk, a stalled pipe).",
+        help: "Lines of the connection log, the access log and (in the foreground) stderr \
+               dropped because their file was not taking them (4 MiB were waiting: a full \
+               disk, a stalled pipe).",
         unit: None,
         kind: Kind::Counter,
         source: Source::Global(|_| crate::logfile::dropped()),
