@@ -260,6 +260,10 @@ pub enum Command {
     UpstreamKeepalive(u32),
     /// `upstream_idle_timeout N` (extension): seconds an idle pooled connection is kept.
     UpstreamIdleTimeout(u64),
+    /// `queue_timeout N` (extension): seconds a client connection (or a request, with
+    /// `http`) that finds every server it may use at its `max` waits for one to have room,
+    /// before the emergency server or a refusal; 0 = no wait, as Pen.
+    QueueTimeout(u64),
     /// `access_log FILE` / `no access_log` (extension): with `http`, one line per request
     /// (see `accesslog`), reopened on SIGHUP like `log`.
     AccessLog(Option<Word>),
@@ -1092,6 +1096,7 @@ pub const NAMES: &[&str] = &[
     "upstream_keepalive",
     "upstream_idle_timeout",
     "upstream_max_requests",
+    "queue_timeout",
     "upstream_h2",
     "access_log",
 ];
@@ -1465,6 +1470,7 @@ fn parse_positive(command: &'static str, w: &mut Words<'_>) -> Result<Command, P
         }
         "upstream_keepalive" => Command::UpstreamKeepalive(w.number("number of connections")?),
         "upstream_idle_timeout" => Command::UpstreamIdleTimeout(w.number("number of seconds")?),
+        "queue_timeout" => Command::QueueTimeout(w.number("number of seconds")?),
         "upstream_max_requests" => Command::UpstreamMaxRequests(w.number("number of requests")?),
         "hsts" => {
             let max_age = w.number("max-age in seconds")?;
@@ -1852,6 +1858,7 @@ impl fmt::Display for Command {
             Command::H2MaxStreams(n) => write!(f, "h2_max_streams {n}"),
             Command::UpstreamKeepalive(n) => write!(f, "upstream_keepalive {n}"),
             Command::UpstreamIdleTimeout(n) => write!(f, "upstream_idle_timeout {n}"),
+            Command::QueueTimeout(n) => write!(f, "queue_timeout {n}"),
             Command::UpstreamMaxRequests(n) => write!(f, "upstream_max_requests {n}"),
             Command::UpstreamH2(on) => on_off(f, *on, "upstream_h2"),
             Command::HttpRequestTimeout(n) => with_optional(f, "http_request_timeout", n),
@@ -2214,6 +2221,7 @@ mod roundtrip {
             (1u32..).prop_map(Command::H2MaxStreams),
             any::<u32>().prop_map(Command::UpstreamKeepalive),
             any::<u64>().prop_map(Command::UpstreamIdleTimeout),
+            any::<u64>().prop_map(Command::QueueTimeout),
             any::<u64>().prop_map(Command::UpstreamMaxRequests),
             any::<bool>().prop_map(Command::UpstreamH2),
             tls_command(),

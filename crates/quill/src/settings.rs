@@ -231,6 +231,9 @@ pub struct Settings {
     pub upstream_keepalive: u32,
     /// Seconds an idle pooled connection is kept (`upstream_idle_timeout`).
     pub upstream_idle_timeout: u64,
+    /// Seconds a client with every server it may use full waits for room (`queue_timeout`;
+    /// 0: none, as Pen).
+    pub queue_timeout: u64,
     /// Requests over one pooled connection (`upstream_max_requests`; 0 = no limit).
     pub upstream_max_requests: u64,
     /// Requests served per request go to servers over HTTP/2 where they speak it
@@ -335,6 +338,7 @@ impl Default for Settings {
             h2_max_streams: crate::proxy::h2::DEFAULT_MAX_STREAMS,
             upstream_keepalive: crate::proxy::pool::DEFAULT_KEEPALIVE,
             upstream_idle_timeout: crate::proxy::pool::DEFAULT_IDLE_TIMEOUT,
+            queue_timeout: 0,
             upstream_max_requests: crate::proxy::pool::DEFAULT_MAX_REQUESTS,
             upstream_h2: false,
             proxy_protocol: None,
@@ -624,6 +628,7 @@ impl Settings {
             Command::H2MaxStreams(n) => set(&mut self.h2_max_streams, *n),
             Command::UpstreamKeepalive(n) => set(&mut self.upstream_keepalive, *n),
             Command::UpstreamIdleTimeout(n) => set(&mut self.upstream_idle_timeout, *n),
+            Command::QueueTimeout(n) => set(&mut self.queue_timeout, *n),
             Command::UpstreamMaxRequests(n) => set(&mut self.upstream_max_requests, *n),
             Command::UpstreamH2(on) => set(&mut self.upstream_h2, *on),
             Command::HttpHeaderMax(v) => query_or_set(&mut self.http_header_max, *v),
@@ -848,6 +853,9 @@ impl Settings {
         }
         if self.upstream_idle_timeout != d.upstream_idle_timeout {
             out.push(Command::UpstreamIdleTimeout(self.upstream_idle_timeout));
+        }
+        if self.queue_timeout != d.queue_timeout {
+            out.push(Command::QueueTimeout(self.queue_timeout));
         }
         if self.upstream_max_requests != d.upstream_max_requests {
             out.push(Command::UpstreamMaxRequests(self.upstream_max_requests));

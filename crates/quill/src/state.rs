@@ -51,6 +51,11 @@ pub struct Counters {
     pub refused_acl: AtomicU64,
     /// Client connections closed because no server (nor emergency server) was reachable.
     pub no_server: AtomicU64,
+    /// Client connections (or requests) waiting now for a full server to have room
+    /// (`queue_timeout`).
+    pub queued: AtomicU64,
+    /// Of those, the ones whose wait ran out (then the emergency server, or a refusal).
+    pub queue_timeouts: AtomicU64,
     /// TLS handshakes completed with clients.
     pub tls_handshakes: AtomicU64,
     /// TLS handshakes with clients that failed (protocol, certificate, timeout, reset).

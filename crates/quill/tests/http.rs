@@ -628,3 +628,68 @@ fn an_http_listener_takes_a_connection_with_its_first_bytes_unless_told_otherwis
         || accepted() == 2,
     );
 }
+
+/// With `queue_timeout`, a request that finds its server at `max` (requests in flight,
+/// served request by request) waits for the one in flight to end instead of getting 503.
+#[test]
+fn a_request_waits_for_a_full_server_within_queue_timeout() {
+    if skip_on_pen("queue_timeout is a quill extension") {
+        return;
+    }
+    let backend = EchoServer::start();
+    let spec = format!("{}:1", backend.spec());
+    let (q, ctl) = support::ctl::start_with_tcp_control(&[
+        "-H",
+        "-O",
+        "queue_timeout 10",
+        "127.0.0.1:{port}",
+        &spec,
+    ]);
+    let queued = || support::ctl::status_json(&ctl)["connections"]["queued"].as_u64();
+    // The first request is in flight while its body comes: the server is at its max.
+    let mut first = q.connect_from("127.0.0.5");
+    first
+        .write_all(b"POST /first HTTP/1.1\r\nHost: a\r\nContent-Length: 10\r\n\r\n12345")
+        .unwrap();
+    wait_until(
+        Duration::from_secs(5),
+        "the first request at the server",
+        || backend.connections() == 1,
+    );
+    let mut second = q.connect_from("127.0.0.6");
+    second
+        .write_all(b"GET /second HTTP/1.1\r\nHost: a\r\n\r\n")
+        .unwrap();
+    wait_until(Duration::from_secs(5), "the second request queued", || {
+        queued() == Some(1)
+    });
+    // The first ends; the second goes to the server then.
+    first.write_all(b"67890").unwrap();
+    let one = read_response(&mut first).expect("the first answer");
+    assert_eq!((one.status, one.seen().body_len), (200, 10));
+    let two = read_response(&mut second).expect("the second answer");
+    assert_eq!(two.status, 200, "{}", two.head);
+    assert_eq!(two.seen().request_line(), "GET /second HTTP/1.1");
+    assert_eq!(queued(), Some(0));
+
+    // Without it, Pen's way: refused at once (503) while the server is full.
+    support::ctl::ctl_ok(&ctl, "queue_timeout 0");
+    first
+        .write_all(b"POST /third HTTP/1.1\r\nHost: a\r\nContent-Length: 2\r\n\r\n1")
+        .unwrap();
+    wait_until(
+        Duration::from_secs(5),
+        "the third request at the server",
+        || backend.requests() == 2,
+    );
+    let mut fourth = q.connect_from("127.0.0.7");
+    fourth
+        .write_all(b"GET /fourth HTTP/1.1\r\nHost: a\r\n\r\n")
+        .unwrap();
+    assert_eq!(read_response(&mut fourth).expect("an answer").status, 503);
+    first.write_all(b"2").unwrap();
+    assert_eq!(
+        read_response(&mut first).expect("the third answer").status,
+        200
+    );
+}

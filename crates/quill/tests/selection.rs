@@ -383,3 +383,61 @@ fn without_stubborn_a_tracked_client_fails_over_when_its_server_does_not_answer(
         "the client was not failed over to the live server"
     );
 }
+
+/// `status json`'s count of clients waiting for room (`queue_timeout`), and of waits
+/// that ran out.
+fn queue_counts(ctl: &str) -> (u64, u64) {
+    let status = support::ctl::status_json(ctl);
+    let c = &status["connections"];
+    (
+        c["queued"].as_u64().expect("queued"),
+        c["queue_timeouts"].as_u64().expect("queue_timeouts"),
+    )
+}
+
+#[test]
+fn a_client_finding_its_servers_full_waits_for_room_within_queue_timeout() {
+    if skip_on_pen("queue_timeout is a quill extension") {
+        return;
+    }
+    let a = IdentityBackend::start("a");
+    let (q, ctl) = support::ctl::start_with_tcp_control(&[
+        "-O",
+        "queue_timeout 10",
+        "127.0.0.1:{port}",
+        &a.spec_with("1"),
+    ]);
+    let (name, first) = q.name_from("127.0.0.21");
+    assert_eq!(name, "a");
+    // Server a is at its max: the next client waits instead of being closed...
+    let addr = q.addr();
+    let second = std::thread::spawn(move || {
+        let mut s = client_from("127.0.0.22", addr).expect("connect");
+        backend_name(&mut s)
+    });
+    wait_until(Duration::from_secs(5), "the second client queued", || {
+        queue_counts(&ctl) == (1, 0)
+    });
+    assert_eq!(a.open(), 1, "server a went past its max");
+    // ...and gets the server as soon as the first client leaves it.
+    drop(first);
+    assert_eq!(second.join().unwrap().as_deref(), Some("a"));
+    assert_eq!(queue_counts(&ctl), (0, 0));
+
+    // A wait that runs out ends as Pen ends a client with no server: closed.
+    support::ctl::ctl_ok(&ctl, "queue_timeout 1");
+    let (_, holder) = q.name_from("127.0.0.23");
+    let mut third = q.connect_from("127.0.0.24");
+    wait_until(Duration::from_secs(5), "the third client queued", || {
+        queue_counts(&ctl).0 == 1
+    });
+    expect_closed_without_data(&mut third, Duration::from_secs(5));
+    assert_eq!(queue_counts(&ctl), (0, 1));
+
+    // Without queue_timeout (Pen's way, the default) such a client is closed at once.
+    support::ctl::ctl_ok(&ctl, "queue_timeout 0");
+    let mut fourth = q.connect_from("127.0.0.25");
+    expect_closed_without_data(&mut fourth, Duration::from_secs(5));
+    assert_eq!(queue_counts(&ctl), (0, 1));
+    drop(holder);
+}

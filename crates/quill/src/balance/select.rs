@@ -19,9 +19,9 @@ use std::hash::{Hash, Hasher};
 use std::net::{IpAddr, SocketAddr};
 use std::sync::atomic::{AtomicUsize, Ordering::Relaxed};
 
-use super::servers::ServerTable;
+use super::servers::{ServerState, ServerTable};
 use super::tracking::ClientTable;
-use crate::settings::Settings;
+use crate::settings::{ServerConf, Settings};
 
 /// The outcome of a selection.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -73,34 +73,54 @@ impl<'a> Selector<'a> {
 
     /// Whether server `i` can take this client now; `returning` selects the hard limit.
     fn available(&self, i: usize, returning: bool) -> bool {
+        self.eligible(i).is_some_and(|(conf, state)| {
+            let limit = if returning {
+                conf.hard_limit()
+            } else {
+                conf.max
+            };
+            limit == 0 || state.conns.load(Relaxed) < limit
+        })
+    }
+
+    /// Server `i`, if it could take this client were it below its limits.
+    fn eligible(&self, i: usize) -> Option<(&'a ServerConf, &'a ServerState)> {
         if self.tried.get(i).copied().unwrap_or(false) {
-            return false;
+            return None;
         }
-        let Some(conf) = self.settings.servers.get(i) else {
-            return false;
-        };
-        if conf.addr().is_none() {
-            return false;
-        }
-        let Some(state) = self.servers.get(i) else {
-            return false;
-        };
+        let conf = self.settings.servers.get(i)?;
+        conf.addr()?;
+        let state = self.servers.get(i)?;
         // A server the health check took down, or one being drained, is skipped exactly
         // like a blacklisted one (tracked clients of it move elsewhere too).
         if state.is_blacklisted(self.now) || state.is_out() {
-            return false;
+            return None;
         }
         if let Some(acl) = conf.acl {
             if !self.settings.acls[acl.index()].permits(self.ip()) {
-                return false;
+                return None;
             }
         }
-        let limit = if returning {
-            conf.hard_limit()
-        } else {
-            conf.max
-        };
-        limit == 0 || state.conns.load(Relaxed) < limit
+        Some((conf, state))
+    }
+
+    /// The servers that could take this client but are at their limit (`max`): what a
+    /// client with nowhere to go may wait for (`queue_timeout`).
+    pub fn full(&self) -> Vec<usize> {
+        (0..self.settings.servers.len())
+            .filter(|&i| {
+                self.eligible(i).is_some_and(|(conf, state)| {
+                    conf.max != 0 && state.conns.load(Relaxed) >= conf.max
+                })
+            })
+            .collect()
+    }
+
+    /// The choice made again, at `now`, after a wait for room; servers that failed stay
+    /// tried.
+    pub fn again(&mut self, now: u64) -> Choice {
+        self.now = now;
+        self.initial()
     }
 
     /// The first choice for this connection.

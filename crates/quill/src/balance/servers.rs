@@ -5,7 +5,11 @@
 //! is an atomic: the per-connection path takes no lock. Each slot is cache-line aligned so
 //! two cores updating neighbouring servers do not contend.
 
-use std::sync::atomic::{AtomicBool, AtomicU32, AtomicU64, AtomicU8, Ordering::Relaxed};
+use std::sync::atomic::{
+    AtomicBool, AtomicU32, AtomicU64, AtomicU8, Ordering::Relaxed, Ordering::SeqCst,
+};
+
+use tokio::sync::Notify;
 
 use crate::command::MAX_SERVERS;
 
@@ -44,6 +48,11 @@ pub struct ServerState {
     pub pool_open: AtomicU32,
     /// Of those, the ones idle in the pool.
     pub pool_idle: AtomicU32,
+    /// Clients (connections, or requests) waiting for this server to have room
+    /// (`queue_timeout`): only then does a lease that ends ring [`ServerState::freed`].
+    pub waiting: AtomicU32,
+    /// Rung for one waiting client when a connection or request to this server ends.
+    pub freed: Notify,
 }
 
 /// The verdict of a server's active health check.
@@ -103,6 +112,21 @@ impl Condition {
 }
 
 impl ServerState {
+    /// A connection (or, request by request, a request) to this server begins.
+    pub fn take(&self) {
+        self.conns.fetch_add(1, Relaxed);
+    }
+
+    /// It ends: a client waiting for room here looks again.
+    pub fn release(&self) {
+        // SeqCst against the waiter's `waiting` increment and its look at `conns` (see
+        // `proxy::candidates`): either this sees the waiter, or the waiter the lower count.
+        self.conns.fetch_sub(1, SeqCst);
+        if self.waiting.load(SeqCst) > 0 {
+            self.freed.notify_one();
+        }
+    }
+
     /// Whether the server is blacklisted at `now` (milliseconds of [`super::clock`]).
     pub fn is_blacklisted(&self, now: u64) -> bool {
         self.blacklisted_until.load(Relaxed) > now

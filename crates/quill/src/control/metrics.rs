@@ -269,6 +269,23 @@ pub static FAMILIES: &[Family] = &[
         source: Source::Global(|s| s.pending.load(Relaxed) as u64),
     },
     Family {
+        name: "queued",
+        help: "Client connections (requests, with http) waiting now for a server at its max \
+               to have room (queue_timeout).",
+        unit: None,
+        kind: Kind::Gauge,
+        source: Source::Global(|s| load(&s.counters.queued)),
+    },
+    Family {
+        name: "queue_timeouts",
+        help: "Client connections (requests, with http) whose wait for a server with room \
+               ran out (queue_timeout); each then went to the emergency server or was \
+               refused (a refusal counts in connections_refused, reason no_server, too).",
+        unit: None,
+        kind: Kind::Counter,
+        source: Source::Global(|s| load(&s.counters.queue_timeouts)),
+    },
+    Family {
         name: "clients_tracked",
         help: "Entries in the client tracking table.",
         unit: None,

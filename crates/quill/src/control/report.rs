@@ -225,6 +225,8 @@ pub fn json(ctx: &Context) -> String {
             "refused_conn_max": state.counters.refused_conn_max.load(Relaxed),
             "refused_acl": state.counters.refused_acl.load(Relaxed),
             "no_server": state.counters.no_server.load(Relaxed),
+            "queued": state.counters.queued.load(Relaxed),
+            "queue_timeouts": state.counters.queue_timeouts.load(Relaxed),
             "refused_proxy_header": state.counters.bad_proxy_header.load(Relaxed),
             "http_refused": state.counters.http_refused.load(Relaxed),
             "http_request_timeouts": state.counters.http_request_timeouts.load(Relaxed),

@@ -5,11 +5,25 @@
 //! Shared by the raw relay (`tcp`), the byte pump's requests (`h1_pump`) and hyper's
 //! (`gateway`), so that failover means the same on every path.
 //!
+//! With `queue_timeout`, a client whose servers are all at their `max` waits for one of
+//! them to end a connection or request (its lease rings the server's `freed`), then is
+//! chosen for again, until the time is up; only then comes the last resort.
+//!
 //! Invariants: a table server is offered until it is reported failed, then never again
 //! (the selector does not retry one); the last resort is offered once, after the table.
+//! A waiting client counts in each full server's `waiting` before it looks at their
+//! counts again, so that a lease ending in between either sees it or is seen.
 
+use std::future::Future;
 use std::io;
 use std::net::SocketAddr;
+use std::pin::Pin;
+use std::sync::atomic::{fence, Ordering::Relaxed, Ordering::SeqCst};
+use std::task::Poll;
+use std::time::Duration;
+
+use tokio::sync::futures::Notified;
+use tokio::time::Instant;
 
 use super::pool::Target;
 use crate::balance::clock;
@@ -50,6 +64,8 @@ pub(super) struct Candidates<'a, 's> {
     choice: Option<Choice>,
     /// The last resort has been offered.
     last_offered: bool,
+    /// When waiting for room ends (`queue_timeout`), from the first wait.
+    queue_until: Option<Instant>,
 }
 
 impl<'a, 's: 'a> Candidates<'a, 's> {
@@ -78,11 +94,37 @@ impl<'a, 's: 'a> Candidates<'a, 's> {
             selector,
             choice,
             last_offered: false,
+            queue_until: None,
         }
     }
 
-    /// The server to try now; `None` when none is left.
-    pub(super) fn next(&mut self) -> Option<Candidate<'a, 's>> {
+    /// The server to try now (after waiting for room, with `queue_timeout`); `None` when
+    /// none is left.
+    pub(super) async fn next(&mut self) -> Option<Candidate<'a, 's>> {
+        loop {
+            if let Some(c) = self.in_table() {
+                return Some(c);
+            }
+            if !self.wait_for_room().await {
+                break;
+            }
+        }
+        if std::mem::replace(&mut self.last_offered, true) {
+            return None;
+        }
+        let (target, server, extra) = self.last_resort();
+        let extra = extra?;
+        Some(Candidate {
+            target,
+            index: None,
+            addr: extra.addr,
+            host: Some(&extra.name.host),
+            server,
+        })
+    }
+
+    /// The table's server to try now, if the selector has one.
+    fn in_table(&mut self) -> Option<Candidate<'a, 's>> {
         while let Some(Choice::Server(index)) = self.choice {
             let spec = self.settings.servers.get(index);
             match (spec.and_then(|s| s.addr()), self.state.servers.get(index)) {
@@ -99,18 +141,57 @@ impl<'a, 's: 'a> Candidates<'a, 's> {
                 _ => self.choice = self.selector.as_mut().map(|s| s.failover(index)),
             }
         }
-        if std::mem::replace(&mut self.last_offered, true) {
-            return None;
+        None
+    }
+
+    /// With `queue_timeout`, when servers this client may use are full: waits until one
+    /// of them ends a connection or request, and chooses again (true); false when none is
+    /// full (they are down, blacklisted or failed) or the time is up.
+    async fn wait_for_room(&mut self) -> bool {
+        let Some(selector) = self.selector.as_mut() else {
+            return false; // a client the ACL denies goes to the abuse server only
+        };
+        if self.settings.queue_timeout == 0 || self.last_offered {
+            return false;
         }
-        let (target, server, extra) = self.last_resort();
-        let extra = extra?;
-        Some(Candidate {
-            target,
-            index: None,
-            addr: extra.addr,
-            host: Some(&extra.name.host),
-            server,
-        })
+        let full: Vec<&'s ServerState> = selector
+            .full()
+            .into_iter()
+            .filter_map(|i| self.state.servers.get(i))
+            .collect();
+        if full.is_empty() {
+            return false;
+        }
+        let until = *self.queue_until.get_or_insert_with(|| {
+            Instant::now() + Duration::from_secs(self.settings.queue_timeout)
+        });
+        let _waiting = Waiting::enter(self.state, &full);
+        let mut rung: Vec<Pin<Box<Notified<'s>>>> =
+            full.iter().map(|s| Box::pin(s.freed.notified())).collect();
+        for r in &mut rung {
+            r.as_mut().enable();
+        }
+        // Looked at again only now that a lease ending would ring: none is missed.
+        fence(SeqCst);
+        self.choice = Some(selector.again(clock::now_ms()));
+        if matches!(self.choice, Some(Choice::Server(_))) {
+            return true;
+        }
+        let freed = std::future::poll_fn(|cx| {
+            // Every one polled until one is ready, so that each has this task's waker.
+            if rung.iter_mut().any(|r| r.as_mut().poll(cx).is_ready()) {
+                Poll::Ready(())
+            } else {
+                Poll::Pending
+            }
+        });
+        if tokio::time::timeout_at(until, freed).await.is_err() {
+            self.state.counters.queue_timeouts.fetch_add(1, Relaxed);
+            tracing::debug!(peer = %self.peer, "no server had room within queue_timeout");
+            return false;
+        }
+        self.choice = Some(selector.again(clock::now_ms()));
+        true
     }
 
     /// `c` took the client: a tracked client goes back to it next time.
@@ -167,6 +248,32 @@ impl<'a, 's: 'a> Candidates<'a, 's> {
                 self.settings.abuse.as_ref(),
             )
         }
+    }
+}
+
+/// A client counted as waiting, in the process's gauge and in each full server's `waiting`
+/// (which makes their leases ring), while it lives.
+struct Waiting<'s> {
+    state: &'s State,
+    servers: &'s [&'s ServerState],
+}
+
+impl<'s> Waiting<'s> {
+    fn enter(state: &'s State, servers: &'s [&'s ServerState]) -> Waiting<'s> {
+        state.counters.queued.fetch_add(1, Relaxed);
+        for s in servers {
+            s.waiting.fetch_add(1, SeqCst);
+        }
+        Waiting { state, servers }
+    }
+}
+
+impl Drop for Waiting<'_> {
+    fn drop(&mut self) {
+        for s in self.servers {
+            s.waiting.fetch_sub(1, SeqCst);
+        }
+        self.state.counters.queued.fetch_sub(1, Relaxed);
     }
 }
 

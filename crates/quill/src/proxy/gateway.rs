@@ -191,14 +191,14 @@ pub(super) struct Lease(&'static ServerState);
 
 impl Lease {
     pub(super) fn take(server: &'static ServerState) -> Lease {
-        server.conns.fetch_add(1, Relaxed);
+        server.take();
         Lease(server)
     }
 }
 
 impl Drop for Lease {
     fn drop(&mut self) {
-        self.0.conns.fetch_sub(1, Relaxed);
+        self.0.release();
     }
 }
 
@@ -581,7 +581,7 @@ async fn route(
         return answer(StatusCode::FORBIDDEN, "Forbidden\n");
     }
     let mut candidates = Candidates::new(state, &settings, peer.addr, peer.permitted);
-    while let Some(c) = candidates.next() {
+    while let Some(c) = candidates.next().await {
         match send(state, &settings, peer, &c, req, how).await {
             Sent::Answer(answered) => {
                 candidates.served(&c);
@@ -683,6 +683,8 @@ async fn send(
         return send_own(state, settings, peer, to, req, how).await;
     }
     let mut retried = false;
+    // Counted from the choice, before any connect: `max` and `queue_timeout` see it at once.
+    let mut early = Some(Lease::take(server));
     loop {
         // Sent again after a refusal (or a GOAWAY on a new connection), a request takes a
         // new connection, on which it is the first stream: no GOAWAY can cross it there.
@@ -691,7 +693,7 @@ async fn send(
                 Ok(picked) => picked,
                 Err(e) => return Sent::Unsent(req, e),
             };
-        let lease = Lease::take(server);
+        let lease = early.take().unwrap_or_else(|| Lease::take(server));
         // Per request, whichever connection it takes: a flag left from an earlier request
         // must not excuse this one's failure.
         let activity = Rc::clone(&req.body().activity);
@@ -843,6 +845,8 @@ async fn send_own(
     let mut req = Some(req);
     let mut out: Option<Outgoing> = None;
     let mut reuse = true;
+    // Counted from the choice, before any connect: `max` and `queue_timeout` see it at once.
+    let mut early = Some(Lease::take(to.server));
     loop {
         let pooled = if reuse {
             pool::take::<Link>(to.target, to.addr)
@@ -871,7 +875,7 @@ async fn send_own(
             return Sent::Failed(std::io::Error::other("request lost"));
         };
         link.used();
-        let lease = Lease::take(to.server);
+        let lease = early.take().unwrap_or_else(|| Lease::take(to.server));
         let back = Back {
             state,
             target: to.target,

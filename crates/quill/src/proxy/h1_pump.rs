@@ -322,7 +322,7 @@ async fn choose_and_send<C: Parkable>(
 ) -> Served {
     let settings = state.settings();
     let mut candidates = Candidates::new(state, &settings, peer.addr, peer.permitted);
-    while let Some(c) = candidates.next() {
+    while let Some(c) = candidates.next().await {
         tell(&c);
         match send(state, &settings, client, http, peer, c, ask, record).await {
             Tried::Served(served) => {
@@ -372,6 +372,8 @@ async fn send<C: Parkable>(
         capture: false,
     };
     let mut reuse = poolable;
+    // Counted from the choice, before any connect: `max` and `queue_timeout` see it at once.
+    let mut early = Some(Lease::take(to.server));
     loop {
         let pooled = if reuse {
             pool::take::<Link>(to.target, to.addr)
@@ -393,7 +395,7 @@ async fn send<C: Parkable>(
             to.server.reused.fetch_add(1, Relaxed);
         }
         http.exchange.new_server();
-        let lease = Lease::take(to.server);
+        let lease = early.take().unwrap_or_else(|| Lease::take(to.server));
         // Boxed: between requests the connection's task keeps none of the relay's state.
         let outcome = match &mut link.stream {
             Server::Plain(s) => Box::pin(pump::relay(client, s, Some(&mut *http), opts, ask)).await,

@@ -363,14 +363,14 @@ struct Lease<'a> {
 
 impl<'a> Lease<'a> {
     fn take(server: &'a ServerState, index: Option<usize>) -> Lease<'a> {
-        server.conns.fetch_add(1, Relaxed);
+        server.take();
         Lease { server, index }
     }
 }
 
 impl Drop for Lease<'_> {
     fn drop(&mut self) {
-        self.server.conns.fetch_sub(1, Relaxed);
+        self.server.release();
     }
 }
 
@@ -1266,7 +1266,7 @@ async fn choose_and_connect<'s>(
     // was seen may pass it briefly, which is better than closing those clients.
     let _pending = Connecting::start(state);
     let mut candidates = Candidates::new(state, settings, peer, permitted);
-    while let Some(c) = candidates.next() {
+    while let Some(c) = candidates.next().await {
         let lease = Lease::take(c.server, c.index);
         match open_upstream(
             state, settings, c.addr, c.index, c.host, preamble, opts, false,
