@@ -693,3 +693,87 @@ fn a_request_waits_for_a_full_server_within_queue_timeout() {
         200
     );
 }
+
+/// A keep-alive HTTP/1.1 server that takes 20 ms over each bodiless request and records
+/// the most requests it ever had in hand at once.
+struct SlowServer {
+    addr: std::net::SocketAddr,
+    most: std::sync::Arc<std::sync::atomic::AtomicUsize>,
+}
+
+impl SlowServer {
+    fn start() -> SlowServer {
+        use std::io::BufRead;
+        use std::sync::atomic::{AtomicUsize, Ordering::SeqCst};
+        use std::sync::Arc;
+        let listener = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
+        let addr = listener.local_addr().unwrap();
+        let most = Arc::new(AtomicUsize::new(0));
+        let now = Arc::new(AtomicUsize::new(0));
+        let (most2, now2) = (Arc::clone(&most), Arc::clone(&now));
+        std::thread::spawn(move || {
+            for conn in listener.incoming().flatten() {
+                let (most, now) = (Arc::clone(&most2), Arc::clone(&now2));
+                std::thread::spawn(move || {
+                    let mut w = conn.try_clone().unwrap();
+                    let mut r = std::io::BufReader::new(conn);
+                    loop {
+                        let mut line = String::new();
+                        // The head, to its empty line.
+                        loop {
+                            line.clear();
+                            match r.read_line(&mut line) {
+                                Ok(0) | Err(_) => return,
+                                Ok(_) if line == "\r\n" => break,
+                                Ok(_) => {}
+                            }
+                        }
+                        most.fetch_max(now.fetch_add(1, SeqCst) + 1, SeqCst);
+                        std::thread::sleep(Duration::from_millis(20)); // the work, not sync
+                        now.fetch_sub(1, SeqCst);
+                        if w.write_all(b"HTTP/1.1 200 OK\r\nContent-Length: 3\r\n\r\nok\n")
+                            .is_err()
+                        {
+                            return;
+                        }
+                    }
+                });
+            }
+        });
+        SlowServer { addr, most }
+    }
+}
+
+/// A server's `max` holds across event loops: a request's place is taken in the step that
+/// checks it, so two loops choosing at once do not both get the last one.
+#[test]
+fn a_full_server_never_has_more_requests_than_its_max() {
+    if skip_on_pen("queue_timeout is a quill extension") {
+        return;
+    }
+    let backend = SlowServer::start();
+    let spec = format!("127.0.0.1:{}:1", backend.addr.port());
+    let q = Quill::start(&["-H", "-O", "queue_timeout 30", "127.0.0.1:{port}", &spec]);
+    // Eight keep-alive clients, spread over quill's event loops by their ports.
+    let clients: Vec<_> = (0..8)
+        .map(|n| {
+            let mut s = q.connect_from(&format!("127.0.0.{}", 10 + n));
+            std::thread::spawn(move || {
+                (0..10)
+                    .map(|_| {
+                        s.write_all(b"GET / HTTP/1.1\r\nHost: a\r\n\r\n").unwrap();
+                        read_response(&mut s).map(|r| r.status)
+                    })
+                    .collect::<Vec<_>>()
+            })
+        })
+        .collect();
+    for c in clients {
+        assert_eq!(c.join().unwrap(), vec![Some(200); 10]);
+    }
+    assert_eq!(
+        backend.most.load(std::sync::atomic::Ordering::SeqCst),
+        1,
+        "the server had more requests at once than its max"
+    );
+}

@@ -44,6 +44,8 @@ pub struct Selector<'a> {
     tried: Vec<bool>,
     /// The first choice has been made (later calls are failovers).
     started: bool,
+    /// The last choice was a tracked client's own server (its `hard` limit applied).
+    returning: bool,
 }
 
 impl<'a> Selector<'a> {
@@ -64,6 +66,7 @@ impl<'a> Selector<'a> {
             now,
             tried: Vec::new(),
             started: false,
+            returning: false,
         }
     }
 
@@ -104,6 +107,18 @@ impl<'a> Selector<'a> {
         Some((conf, state))
     }
 
+    /// The connection limit under which server `i`, the last choice, was chosen (its `hard`
+    /// for a tracked client going back to it, else its `max`; 0: none).
+    pub fn limit_of(&self, i: usize) -> u32 {
+        self.settings.servers.get(i).map_or(0, |conf| {
+            if self.returning {
+                conf.hard_limit()
+            } else {
+                conf.max
+            }
+        })
+    }
+
     /// The servers that could take this client but are at their limit (`max`): what a
     /// client with nowhere to go may wait for (`queue_timeout`).
     pub fn full(&self) -> Vec<usize> {
@@ -126,11 +141,13 @@ impl<'a> Selector<'a> {
     /// The first choice for this connection.
     pub fn initial(&mut self) -> Choice {
         self.started = true;
+        self.returning = false;
         let policy = self.settings.policy;
         if !policy.roundrobin && !policy.hash_only {
             let tracking_ms = self.settings.tracking.saturating_mul(1000);
             if let Some(i) = self.clients.lookup(self.ip(), self.now, tracking_ms) {
                 if self.available(i, true) {
+                    self.returning = true;
                     return Choice::Server(i);
                 }
                 if policy.stubborn {

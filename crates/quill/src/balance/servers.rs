@@ -117,6 +117,18 @@ impl ServerState {
         self.conns.fetch_add(1, Relaxed);
     }
 
+    /// One begins only if the server is below `limit` (0: no limit): the check and the
+    /// count in one step, so that event loops choosing at once never pass the limit.
+    pub fn claim(&self, limit: u32) -> bool {
+        if limit == 0 {
+            self.take();
+            return true;
+        }
+        self.conns
+            .fetch_update(Relaxed, Relaxed, |n| (n < limit).then_some(n + 1))
+            .is_ok()
+    }
+
     /// It ends: a client waiting for room here looks again.
     pub fn release(&self) {
         // SeqCst against the waiter's `waiting` increment and its look at `conns` (see

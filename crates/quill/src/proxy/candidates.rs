@@ -11,6 +11,8 @@
 //!
 //! Invariants: a table server is offered until it is reported failed, then never again
 //! (the selector does not retry one); the last resort is offered once, after the table.
+//! A server is offered with its place taken ([`Claim`]: counted in `conns` in the same
+//! step that checked its limit), so that event loops choosing at once never pass a `max`.
 //! A waiting client counts in each full server's `waiting` before it looks at their
 //! counts again, so that a lease ending in between either sees it or is seen.
 
@@ -98,9 +100,9 @@ impl<'a, 's: 'a> Candidates<'a, 's> {
         }
     }
 
-    /// The server to try now (after waiting for room, with `queue_timeout`); `None` when
-    /// none is left.
-    pub(super) async fn next(&mut self) -> Option<Candidate<'a, 's>> {
+    /// The server to try now (after waiting for room, with `queue_timeout`), with its
+    /// place taken; `None` when none is left.
+    pub(super) async fn next(&mut self) -> Option<(Candidate<'a, 's>, Claim<'s>)> {
         loop {
             if let Some(c) = self.in_table() {
                 return Some(c);
@@ -114,31 +116,47 @@ impl<'a, 's: 'a> Candidates<'a, 's> {
         }
         let (target, server, extra) = self.last_resort();
         let extra = extra?;
-        Some(Candidate {
-            target,
-            index: None,
-            addr: extra.addr,
-            host: Some(&extra.name.host),
-            server,
-        })
+        server.take();
+        Some((
+            Candidate {
+                target,
+                index: None,
+                addr: extra.addr,
+                host: Some(&extra.name.host),
+                server,
+            },
+            Claim(Some(server)),
+        ))
     }
 
-    /// The table's server to try now, if the selector has one.
-    fn in_table(&mut self) -> Option<Candidate<'a, 's>> {
+    /// The table's server to try now, its place taken, if the selector has one.
+    fn in_table(&mut self) -> Option<(Candidate<'a, 's>, Claim<'s>)> {
+        // A place another event loop took between the selector's look and the claim makes
+        // the selector look again; a few such races in a row, and the servers count as full.
+        let mut races = 0;
         while let Some(Choice::Server(index)) = self.choice {
             let spec = self.settings.servers.get(index);
+            let selector = self.selector.as_mut()?;
             match (spec.and_then(|s| s.addr()), self.state.servers.get(index)) {
-                (Some(addr), Some(server)) => {
-                    return Some(Candidate {
-                        target: Target::Server(index),
-                        index: Some(index),
-                        addr,
-                        host: spec.and_then(|s| s.host.as_ref()),
-                        server,
-                    })
+                (Some(addr), Some(server)) if server.claim(selector.limit_of(index)) => {
+                    return Some((
+                        Candidate {
+                            target: Target::Server(index),
+                            index: Some(index),
+                            addr,
+                            host: spec.and_then(|s| s.host.as_ref()),
+                            server,
+                        },
+                        Claim(Some(server)),
+                    ));
                 }
+                (Some(_), Some(_)) if races < 4 => {
+                    races += 1;
+                    self.choice = Some(selector.again(clock::now_ms()));
+                }
+                (Some(_), Some(_)) => self.choice = Some(Choice::NoServer),
                 // Removed or without an address since the selector looked.
-                _ => self.choice = self.selector.as_mut().map(|s| s.failover(index)),
+                _ => self.choice = Some(selector.failover(index)),
             }
         }
         None
@@ -247,6 +265,27 @@ impl<'a, 's: 'a> Candidates<'a, 's> {
                 &self.state.abuse,
                 self.settings.abuse.as_ref(),
             )
+        }
+    }
+}
+
+/// A place taken on a server for a connection or request ([`Candidates::next`]): counted
+/// in its `conns` until the lease that it becomes ([`Claim::keep`]) ends, or given back
+/// when dropped unused.
+#[must_use = "dropping a claim gives the server's place back"]
+pub(super) struct Claim<'s>(Option<&'s ServerState>);
+
+impl Claim<'_> {
+    /// The place is kept by the caller's lease, which releases it when it ends.
+    pub(super) fn keep(mut self) {
+        self.0 = None;
+    }
+}
+
+impl Drop for Claim<'_> {
+    fn drop(&mut self) {
+        if let Some(server) = self.0 {
+            server.release();
         }
     }
 }

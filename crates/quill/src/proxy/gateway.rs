@@ -32,7 +32,7 @@ use hyper::header::{self, HeaderMap, HeaderName, HeaderValue};
 use hyper::{Method, Request, Response, StatusCode, Uri, Version};
 use hyper_util::rt::TokioIo;
 
-use super::candidates::{self, Candidate, Candidates};
+use super::candidates::{self, Candidate, Candidates, Claim};
 use super::h1_client::{self, Back, Failure, Outgoing};
 use super::h1_pump::{self, Link};
 use super::h2_client;
@@ -192,6 +192,12 @@ pub(super) struct Lease(&'static ServerState);
 impl Lease {
     pub(super) fn take(server: &'static ServerState) -> Lease {
         server.take();
+        Lease(server)
+    }
+
+    /// The place `Candidates` took on `server` for this request.
+    pub(super) fn claimed(claim: Claim<'static>, server: &'static ServerState) -> Lease {
+        claim.keep();
         Lease(server)
     }
 }
@@ -581,8 +587,8 @@ async fn route(
         return answer(StatusCode::FORBIDDEN, "Forbidden\n");
     }
     let mut candidates = Candidates::new(state, &settings, peer.addr, peer.permitted);
-    while let Some(c) = candidates.next().await {
-        match send(state, &settings, peer, &c, req, how).await {
+    while let Some((c, claim)) = candidates.next().await {
+        match send(state, &settings, peer, &c, claim, req, how).await {
             Sent::Answer(answered) => {
                 candidates.served(&c);
                 return reply(
@@ -667,6 +673,7 @@ async fn send(
     settings: &Settings,
     peer: Peer,
     to: &To<'_>,
+    claim: Claim<'static>,
     mut req: Request<RequestBody>,
     how: How,
 ) -> Sent {
@@ -680,11 +687,11 @@ async fn send(
     if poolable && !h2 && how.version == Version::HTTP_2 {
         // HTTP/1.x clients' field names keep their case through hyper's client; HTTP/2's
         // are lowercase, and quill's own framing writes them in title case.
-        return send_own(state, settings, peer, to, req, how).await;
+        return send_own(state, settings, peer, to, claim, req, how).await;
     }
     let mut retried = false;
-    // Counted from the choice, before any connect: `max` and `queue_timeout` see it at once.
-    let mut early = Some(Lease::take(server));
+    // Counted from the choice (`Candidates` took the place), before any connect.
+    let mut early = Some(Lease::claimed(claim, server));
     loop {
         // Sent again after a refusal (or a GOAWAY on a new connection), a request takes a
         // new connection, on which it is the first stream: no GOAWAY can cross it there.
@@ -838,6 +845,7 @@ async fn send_own(
     settings: &Settings,
     peer: Peer,
     to: &To<'_>,
+    claim: Claim<'static>,
     req: Request<RequestBody>,
     how: How,
 ) -> Sent {
@@ -845,8 +853,8 @@ async fn send_own(
     let mut req = Some(req);
     let mut out: Option<Outgoing> = None;
     let mut reuse = true;
-    // Counted from the choice, before any connect: `max` and `queue_timeout` see it at once.
-    let mut early = Some(Lease::take(to.server));
+    // Counted from the choice (`Candidates` took the place), before any connect.
+    let mut early = Some(Lease::claimed(claim, to.server));
     loop {
         let pooled = if reuse {
             pool::take::<Link>(to.target, to.addr)

@@ -28,7 +28,7 @@ use std::time::{Duration, Instant};
 
 use tokio::io::{AsyncRead, AsyncWriteExt, ReadBuf};
 
-use super::candidates::{self, Candidate, Candidates};
+use super::candidates::{self, Candidate, Candidates, Claim};
 use super::gateway::{secs, Lease, Peer};
 use super::h1::Parkable;
 use super::pool::{self, Limits, Pool, Pooled};
@@ -322,9 +322,9 @@ async fn choose_and_send<C: Parkable>(
 ) -> Served {
     let settings = state.settings();
     let mut candidates = Candidates::new(state, &settings, peer.addr, peer.permitted);
-    while let Some(c) = candidates.next().await {
+    while let Some((c, claim)) = candidates.next().await {
         tell(&c);
-        match send(state, &settings, client, http, peer, c, ask, record).await {
+        match send(state, &settings, client, http, peer, c, claim, ask, record).await {
             Tried::Served(served) => {
                 candidates.served(&c);
                 return served;
@@ -355,6 +355,7 @@ async fn send<C: Parkable>(
     http: &mut Http,
     peer: Peer,
     to: To<'_>,
+    claim: Claim<'static>,
     ask: &Since<'_>,
     record: Option<&Record>,
 ) -> Tried {
@@ -372,8 +373,8 @@ async fn send<C: Parkable>(
         capture: false,
     };
     let mut reuse = poolable;
-    // Counted from the choice, before any connect: `max` and `queue_timeout` see it at once.
-    let mut early = Some(Lease::take(to.server));
+    // Counted from the choice (`Candidates` took the place), before any connect.
+    let mut early = Some(Lease::claimed(claim, to.server));
     loop {
         let pooled = if reuse {
             pool::take::<Link>(to.target, to.addr)

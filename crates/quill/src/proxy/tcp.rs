@@ -27,7 +27,7 @@ use tokio::io::{AsyncRead, AsyncWrite};
 use tokio::net::{TcpListener, TcpStream, UnixListener};
 use tokio::sync::{mpsc, watch};
 
-use super::candidates::Candidates;
+use super::candidates::{Candidates, Claim};
 use super::gateway::Peer;
 use super::http::{Exchange, HttpParams, Scheme};
 use super::park::{self, Parked};
@@ -362,8 +362,9 @@ struct Lease<'a> {
 }
 
 impl<'a> Lease<'a> {
-    fn take(server: &'a ServerState, index: Option<usize>) -> Lease<'a> {
-        server.take();
+    /// The place `Candidates` took on `server` for this connection.
+    fn claimed(claim: Claim<'a>, server: &'a ServerState, index: Option<usize>) -> Lease<'a> {
+        claim.keep();
         Lease { server, index }
     }
 }
@@ -1266,8 +1267,8 @@ async fn choose_and_connect<'s>(
     // was seen may pass it briefly, which is better than closing those clients.
     let _pending = Connecting::start(state);
     let mut candidates = Candidates::new(state, settings, peer, permitted);
-    while let Some(c) = candidates.next().await {
-        let lease = Lease::take(c.server, c.index);
+    while let Some((c, claim)) = candidates.next().await {
+        let lease = Lease::claimed(claim, c.server, c.index);
         match open_upstream(
             state, settings, c.addr, c.index, c.host, preamble, opts, false,
         )
