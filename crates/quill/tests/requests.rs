@@ -2332,3 +2332,54 @@ fn denied_clients_requests_go_to_the_abuse_server_over_http11_and_http2() {
         assert_eq!(out, format!("{abuse}\n"), "HTTP/2");
     }
 }
+
+/// `queue_timeout` under real clients: h2load's 200 concurrent HTTP/2 streams and 50
+/// HTTP/1.1 clients to a server at `max 4` all wait their turn and are answered; without
+/// it, Pen's way, the same load gets refusals (503), so the load does reach the limit.
+#[test]
+fn requests_beyond_a_servers_max_wait_their_turn_with_queue_timeout() {
+    let _one = ONE_AT_A_TIME.lock().unwrap_or_else(|e| e.into_inner());
+    if skip_on_pen("queue_timeout is a quill extension") {
+        return;
+    }
+    let Some((_nginx, port)) = backend() else {
+        return;
+    };
+    let server = format!("127.0.0.1:{port}:4");
+    let status_codes = |q: &Quill, h1: bool| {
+        let url = format!("http://127.0.0.1:{}/1k", q.port);
+        let mut args = vec!["-c10", "-m20", "-n10000", &url];
+        if h1 {
+            args = vec!["--h1", "-c50", "-n10000", &url];
+        }
+        let out = tool("h2load", &args)?;
+        out.lines()
+            .find(|l| l.starts_with("status codes:"))
+            .map(str::to_owned)
+    };
+    let q = Quill::start(&[
+        "-H",
+        "-O",
+        "h2c",
+        "-O",
+        "queue_timeout 5",
+        "{port}",
+        &server,
+    ]);
+    for h1 in [false, true] {
+        let Some(codes) = status_codes(&q, h1) else {
+            return;
+        };
+        assert_eq!(
+            codes, "status codes: 10000 2xx, 0 3xx, 0 4xx, 0 5xx",
+            "h1: {h1}"
+        );
+    }
+    drop(q);
+    let q = Quill::start(&["-H", "-O", "h2c", "{port}", &server]);
+    let codes = status_codes(&q, false).expect("h2load ran before");
+    assert!(
+        !codes.ends_with(" 0 5xx"),
+        "no refusal without queue_timeout: {codes}"
+    );
+}

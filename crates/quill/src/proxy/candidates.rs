@@ -68,7 +68,14 @@ pub(super) struct Candidates<'a, 's> {
     last_offered: bool,
     /// When waiting for room ends (`queue_timeout`), from the first wait.
     queue_until: Option<Instant>,
+    /// Times the selector looked again for a place that came free (see [`MAX_LOOKS`]).
+    looks: u32,
 }
+
+/// Looks again after a place came free between the selector's look and the claim (or the
+/// wait), before the client counts as having no server: each one means another client
+/// took the place first, so this bounds the work of one client under contention.
+const MAX_LOOKS: u32 = 64;
 
 impl<'a, 's: 'a> Candidates<'a, 's> {
     /// Starts the search for a client at `peer`; `permitted`: the client ACL let it in.
@@ -97,6 +104,7 @@ impl<'a, 's: 'a> Candidates<'a, 's> {
             choice,
             last_offered: false,
             queue_until: None,
+            looks: 0,
         }
     }
 
@@ -178,7 +186,14 @@ impl<'a, 's: 'a> Candidates<'a, 's> {
             .filter_map(|i| self.state.servers.get(i))
             .collect();
         if full.is_empty() {
-            return false;
+            // None full: they are down, blacklisted or failed, or a place came free since
+            // the selector looked (then it finds it, a bounded number of times).
+            self.looks += 1;
+            if self.looks > MAX_LOOKS {
+                return false;
+            }
+            self.choice = Some(selector.again(clock::now_ms()));
+            return matches!(self.choice, Some(Choice::Server(_)));
         }
         let until = *self.queue_until.get_or_insert_with(|| {
             Instant::now() + Duration::from_secs(self.settings.queue_timeout)
