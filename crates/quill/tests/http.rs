@@ -677,10 +677,11 @@ fn a_request_waits_for_a_full_server_within_queue_timeout() {
     first
         .write_all(b"POST /third HTTP/1.1\r\nHost: a\r\nContent-Length: 2\r\n\r\n1")
         .unwrap();
+    let at_server = || support::ctl::status_json(&ctl)["servers"][0]["connections"].as_u64();
     wait_until(
         Duration::from_secs(5),
         "the third request at the server",
-        || backend.requests() == 2,
+        || at_server() == Some(1),
     );
     let mut fourth = q.connect_from("127.0.0.7");
     fourth
@@ -692,6 +693,9 @@ fn a_request_waits_for_a_full_server_within_queue_timeout() {
         read_response(&mut first).expect("the third answer").status,
         200
     );
+    wait_until(Duration::from_secs(5), "every place given back", || {
+        at_server() == Some(0)
+    });
 }
 
 /// A keep-alive HTTP/1.1 server that takes 20 ms over each bodiless request and records

@@ -2357,7 +2357,7 @@ fn requests_beyond_a_servers_max_wait_their_turn_with_queue_timeout() {
             .find(|l| l.starts_with("status codes:"))
             .map(str::to_owned)
     };
-    let q = Quill::start(&[
+    let (q, ctl) = support::ctl::start_with_tcp_control(&[
         "-H",
         "-O",
         "h2c",
@@ -2374,6 +2374,11 @@ fn requests_beyond_a_servers_max_wait_their_turn_with_queue_timeout() {
             codes, "status codes: 10000 2xx, 0 3xx, 0 4xx, 0 5xx",
             "h1: {h1}"
         );
+        // Every place taken, handed over or given back is free again.
+        wait_until(Duration::from_secs(5), "the server's places free", || {
+            let status = support::ctl::status_json(&ctl);
+            status["servers"][0]["connections"] == 0 && status["connections"]["queued"] == 0
+        });
     }
     drop(q);
     let q = Quill::start(&["-H", "-O", "h2c", "{port}", &server]);

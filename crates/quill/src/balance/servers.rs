@@ -49,10 +49,25 @@ pub struct ServerState {
     /// Of those, the ones idle in the pool.
     pub pool_idle: AtomicU32,
     /// Clients (connections, or requests) waiting for this server to have room
-    /// (`queue_timeout`): only then does a lease that ends ring [`ServerState::freed`].
-    pub waiting: AtomicU32,
-    /// Rung for one waiting client when a connection or request to this server ends.
+    /// (`queue_timeout`), low 32 bits, and places handed to them by leases that ended,
+    /// not yet taken, high 32 bits (never more than are waiting): one word, so that a
+    /// lease ending and a client leaving the queue agree on who has a place.
+    queue: AtomicU64,
+    /// Rung for one waiting client (the longest waiting) when a place is handed over.
     pub freed: Notify,
+}
+
+/// The two halves of [`ServerState::queue`]: clients waiting, places handed to them.
+fn split(queue: u64) -> (u32, u32) {
+    (queue as u32, (queue >> 32) as u32)
+}
+
+fn join(waiting: u32, handed: u32) -> u64 {
+    u64::from(waiting) | (u64::from(handed) << 32)
+}
+
+fn waiting(queue: u64) -> u32 {
+    split(queue).0
 }
 
 /// The verdict of a server's active health check.
@@ -129,13 +144,64 @@ impl ServerState {
             .is_ok()
     }
 
-    /// It ends: a client waiting for room here looks again.
+    /// It ends. A client waiting for room here gets the place: it stays counted in
+    /// `conns`, so that no client arriving now takes it first, and the longest waiting is
+    /// woken to take it ([`ServerState::take_handed`]).
     pub fn release(&self) {
-        // SeqCst against the waiter's `waiting` increment and its look at `conns` (see
-        // `proxy::candidates`): either this sees the waiter, or the waiter the lower count.
-        self.conns.fetch_sub(1, SeqCst);
-        if self.waiting.load(SeqCst) > 0 {
+        let handed = self
+            .queue
+            .fetch_update(SeqCst, SeqCst, |q| {
+                let (waiting, handed) = split(q);
+                (waiting > handed).then(|| join(waiting, handed + 1))
+            })
+            .is_ok();
+        if handed {
             self.freed.notify_one();
+            return;
+        }
+        self.conns.fetch_sub(1, SeqCst);
+        // A client that began to wait since the look above may have looked at `conns`
+        // before the decrement (SeqCst both sides: one of the two sees the other).
+        if waiting(self.queue.load(SeqCst)) > 0 {
+            self.freed.notify_one();
+        }
+    }
+
+    /// Clients waiting for room here now.
+    pub fn waiting(&self) -> u32 {
+        waiting(self.queue.load(Relaxed))
+    }
+
+    /// A client begins to wait for room here; it looks at `conns` again only after this.
+    pub fn start_waiting(&self) {
+        self.queue.fetch_add(1, SeqCst);
+    }
+
+    /// A waiting client takes a place a lease handed over (counted in `conns` already),
+    /// and no longer waits here; false when none is there.
+    pub fn take_handed(&self) -> bool {
+        self.queue
+            .fetch_update(SeqCst, SeqCst, |q| {
+                let (waiting, handed) = split(q);
+                (handed > 0).then(|| join(waiting - 1, handed - 1))
+            })
+            .is_ok()
+    }
+
+    /// A waiting client leaves without a handed place (it found room elsewhere, gave up,
+    /// or went away). A place handed over that no client is left to take is given back.
+    pub fn stop_waiting(&self) {
+        let before = self
+            .queue
+            .fetch_update(SeqCst, SeqCst, |q| {
+                let (waiting, handed) = split(q);
+                let waiting = waiting.saturating_sub(1);
+                Some(join(waiting, handed.min(waiting)))
+            })
+            .unwrap_or_default();
+        let (waiting, handed) = split(before);
+        if handed > waiting.saturating_sub(1) {
+            self.conns.fetch_sub(1, SeqCst);
         }
     }
 
@@ -234,5 +300,66 @@ impl ServerTable {
     /// State of server `index`; indexes come from settings, which the parser bounds.
     pub fn get(&self, index: usize) -> Option<&ServerState> {
         self.slots.get(index)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn conns(s: &ServerState) -> u32 {
+        s.conns.load(Relaxed)
+    }
+
+    #[test]
+    fn a_claim_stops_at_the_limit() {
+        let s = ServerState::default();
+        assert!(s.claim(2) && s.claim(2));
+        assert!(!s.claim(2), "a third place under max 2");
+        assert!(s.claim(0), "no limit");
+        assert_eq!(conns(&s), 3);
+    }
+
+    #[test]
+    fn an_ending_lease_hands_its_place_to_a_waiting_client() {
+        let s = ServerState::default();
+        assert!(s.claim(1));
+        s.start_waiting();
+        s.release();
+        // The place stays counted: a client arriving now finds the server full.
+        assert_eq!(conns(&s), 1);
+        assert!(!s.claim(1));
+        assert!(s.take_handed());
+        assert_eq!(s.waiting(), 0);
+        assert!(!s.take_handed(), "one place, taken once");
+        s.release();
+        assert_eq!(conns(&s), 0, "nobody waits: the place is free");
+    }
+
+    #[test]
+    fn a_place_handed_to_a_client_that_left_is_given_back() {
+        let s = ServerState::default();
+        assert!(s.claim(1));
+        s.start_waiting();
+        s.start_waiting();
+        s.release();
+        // One of two waiters leaves: the other is there to take the place.
+        s.stop_waiting();
+        assert_eq!(conns(&s), 1);
+        // The last one leaves too without taking it: nobody will; it is free again.
+        s.stop_waiting();
+        assert_eq!((conns(&s), s.waiting()), (0, 0));
+        assert!(s.claim(1));
+    }
+
+    #[test]
+    fn a_waiting_client_that_leaves_before_any_lease_ends_changes_nothing() {
+        let s = ServerState::default();
+        assert!(s.claim(1));
+        s.start_waiting();
+        s.stop_waiting();
+        assert_eq!((conns(&s), s.waiting()), (1, 0));
+        s.release();
+        assert_eq!(conns(&s), 0);
     }
 }

@@ -70,6 +70,8 @@ pub(super) struct Candidates<'a, 's> {
     queue_until: Option<Instant>,
     /// Times the selector looked again for a place that came free (see [`MAX_LOOKS`]).
     looks: u32,
+    /// A server whose place a lease handed to this client while it waited.
+    handed: Option<usize>,
 }
 
 /// Looks again after a place came free between the selector's look and the claim (or the
@@ -105,6 +107,7 @@ impl<'a, 's: 'a> Candidates<'a, 's> {
             last_offered: false,
             queue_until: None,
             looks: 0,
+            handed: None,
         }
     }
 
@@ -139,6 +142,23 @@ impl<'a, 's: 'a> Candidates<'a, 's> {
 
     /// The table's server to try now, its place taken, if the selector has one.
     fn in_table(&mut self) -> Option<(Candidate<'a, 's>, Claim<'s>)> {
+        if let Some(index) = self.handed.take() {
+            let server = self.state.servers.get(index)?;
+            // The place is this client's already; given back if the server went away.
+            let claim = Claim(Some(server));
+            if let Some(spec) = self.settings.servers.get(index) {
+                if let Some(addr) = spec.addr() {
+                    let c = Candidate {
+                        target: Target::Server(index),
+                        index: Some(index),
+                        addr,
+                        host: spec.host.as_ref(),
+                        server,
+                    };
+                    return Some((c, claim));
+                }
+            }
+        }
         // A place another event loop took between the selector's look and the claim makes
         // the selector look again; a few such races in a row, and the servers count as full.
         let mut races = 0;
@@ -180,10 +200,10 @@ impl<'a, 's: 'a> Candidates<'a, 's> {
         if self.settings.queue_timeout == 0 || self.last_offered {
             return false;
         }
-        let full: Vec<&'s ServerState> = selector
+        let full: Vec<(usize, &'s ServerState)> = selector
             .full()
             .into_iter()
-            .filter_map(|i| self.state.servers.get(i))
+            .filter_map(|i| Some((i, self.state.servers.get(i)?)))
             .collect();
         if full.is_empty() {
             // None full: they are down, blacklisted or failed, or a place came free since
@@ -198,13 +218,16 @@ impl<'a, 's: 'a> Candidates<'a, 's> {
         let until = *self.queue_until.get_or_insert_with(|| {
             Instant::now() + Duration::from_secs(self.settings.queue_timeout)
         });
-        let _waiting = Waiting::enter(self.state, &full);
-        let mut rung: Vec<Pin<Box<Notified<'s>>>> =
-            full.iter().map(|s| Box::pin(s.freed.notified())).collect();
+        let mut rung: Vec<Pin<Box<Notified<'s>>>> = full
+            .iter()
+            .map(|(_, s)| Box::pin(s.freed.notified()))
+            .collect();
+        let mut waiting = Waiting::enter(self.state, full);
         for r in &mut rung {
             r.as_mut().enable();
         }
-        // Looked at again only now that a lease ending would ring: none is missed.
+        // Looked at again only now that a lease ending would hand its place over or ring:
+        // none is missed.
         fence(SeqCst);
         self.choice = Some(selector.again(clock::now_ms()));
         if matches!(self.choice, Some(Choice::Server(_))) {
@@ -218,11 +241,18 @@ impl<'a, 's: 'a> Candidates<'a, 's> {
                 Poll::Pending
             }
         });
-        if tokio::time::timeout_at(until, freed).await.is_err() {
+        let woken = tokio::time::timeout_at(until, freed).await;
+        // A place handed over comes first, even one that came as the time ran out.
+        if let Some(index) = waiting.take_handed() {
+            self.handed = Some(index);
+            return true;
+        }
+        if woken.is_err() {
             self.state.counters.queue_timeouts.fetch_add(1, Relaxed);
             tracing::debug!(peer = %self.peer, "no server had room within queue_timeout");
             return false;
         }
+        // Rung without a place (a lease ended as this client began to wait): look again.
         self.choice = Some(selector.again(clock::now_ms()));
         true
     }
@@ -305,27 +335,35 @@ impl Drop for Claim<'_> {
     }
 }
 
-/// A client counted as waiting, in the process's gauge and in each full server's `waiting`
-/// (which makes their leases ring), while it lives.
+/// A client counted as waiting, in the process's gauge and in each full server's queue
+/// (their leases then hand their places over), until it takes a handed place or drops.
 struct Waiting<'s> {
     state: &'s State,
-    servers: &'s [&'s ServerState],
+    /// The servers (index, state) it still waits for.
+    servers: Vec<(usize, &'s ServerState)>,
 }
 
 impl<'s> Waiting<'s> {
-    fn enter(state: &'s State, servers: &'s [&'s ServerState]) -> Waiting<'s> {
+    fn enter(state: &'s State, servers: Vec<(usize, &'s ServerState)>) -> Waiting<'s> {
         state.counters.queued.fetch_add(1, Relaxed);
-        for s in servers {
-            s.waiting.fetch_add(1, SeqCst);
+        for (_, s) in &servers {
+            s.start_waiting();
         }
         Waiting { state, servers }
+    }
+
+    /// The server whose place was handed to this client, if one was: the client has it
+    /// (counted in its `conns`) and no longer waits there.
+    fn take_handed(&mut self) -> Option<usize> {
+        let at = self.servers.iter().position(|(_, s)| s.take_handed())?;
+        Some(self.servers.swap_remove(at).0)
     }
 }
 
 impl Drop for Waiting<'_> {
     fn drop(&mut self) {
-        for s in self.servers {
-            s.waiting.fetch_sub(1, SeqCst);
+        for (_, s) in &self.servers {
+            s.stop_waiting();
         }
         self.state.counters.queued.fetch_sub(1, Relaxed);
     }
