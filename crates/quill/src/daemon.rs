@@ -362,13 +362,6 @@ pub fn run(inv: Invocation) -> Result<(), StartError> {
         rustix::stdio::dup2_stdout(&null).map_err(|e| StartError::Daemon(e.into()))?;
         rustix::stdio::dup2_stderr(&null).map_err(|e| StartError::Daemon(e.into()))?;
     }
-    // In the foreground the event loops never write to stderr themselves: a reader that
-    // stalls (a paused pager, a blocked container log driver) would stop them.
-    let _stderr = if inv.foreground {
-        Some(crate::logfile::StderrThread::start().map_err(StartError::Runtime)?)
-    } else {
-        None
-    };
     // The signal handlers exist before the pid file does: `kill -HUP $(cat pidfile)` must
     // never meet the default action, which would end the process.
     let rt = tokio::runtime::Builder::new_current_thread()
@@ -443,6 +436,14 @@ pub fn run(inv: Invocation) -> Result<(), StartError> {
     ctx.carry_out(start_actions);
     ctx.reopen_log();
 
+    // In the foreground the event loops never write to stderr themselves: a reader that
+    // stalls (a paused pager, a blocked container log driver) would stop them. Start-up
+    // (up to here) writes its lines at once, in order with an error `main` prints.
+    let _stderr = if inv.foreground {
+        Some(crate::logfile::StderrThread::start().map_err(StartError::Runtime)?)
+    } else {
+        None
+    };
     let mut threads = Vec::with_capacity(listeners.len());
     for ((i, listener), rx) in listeners.into_iter().enumerate().zip(receivers) {
         let state = Arc::clone(&state);

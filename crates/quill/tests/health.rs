@@ -82,11 +82,9 @@ fn tcp_check_takes_a_killed_backend_out_and_brings_it_back() {
     // Taken out by exactly `fall` failed checks in a row, i.e. within interval x fall of
     // the first failure (the log says how many), and by the check, not by a client's
     // failed connect.
-    assert!(
-        q.stderr().contains("is down: 3 health check(s) failed"),
-        "{}",
-        q.stderr()
-    );
+    wait_until(Duration::from_secs(5), "the change logged", || {
+        q.stderr().contains("is down: 3 health check(s) failed")
+    });
     assert!(down["checks_failed"].as_u64().unwrap() >= 3, "{down}");
     assert_eq!(down["state"], "down");
     assert_eq!(down["failures"], 0, "no client connect was tried: {down}");
@@ -101,11 +99,9 @@ fn tcp_check_takes_a_killed_backend_out_and_brings_it_back() {
     a.restart();
     let up = wait_health(&ctl, 0, "up");
     // Back after exactly `rise` successes (and the change is logged).
-    assert!(
-        q.stderr().contains("is up: 2 health check(s) passed"),
-        "{}",
-        q.stderr()
-    );
+    wait_until(Duration::from_secs(5), "the change logged", || {
+        q.stderr().contains("is up: 2 health check(s) passed")
+    });
     assert!(
         up["checks_passed"].as_u64().unwrap() >= down["checks_passed"].as_u64().unwrap() + 2,
         "{up}"
