@@ -107,6 +107,12 @@ impl<'a> Selector<'a> {
         Some((conf, state))
     }
 
+    /// Whether server `i` could take this client, its limits aside (a place handed to the
+    /// client while it waited is used only then).
+    pub fn could_take(&self, i: usize) -> bool {
+        self.eligible(i).is_some()
+    }
+
     /// The connection limit under which server `i`, the last choice, was chosen (its `hard`
     /// for a tracked client going back to it, else its `max`; 0: none).
     pub fn limit_of(&self, i: usize) -> u32 {
@@ -129,6 +135,11 @@ impl<'a> Selector<'a> {
                 })
             })
             .collect()
+    }
+
+    /// The time the next look is made at (blacklist deadlines are compared with it).
+    pub fn set_now(&mut self, now: u64) {
+        self.now = now;
     }
 
     /// The choice made again, at `now`, after a wait for room; servers that failed stay

@@ -5,16 +5,17 @@
 //! Shared by the raw relay (`tcp`), the byte pump's requests (`h1_pump`) and hyper's
 //! (`gateway`), so that failover means the same on every path.
 //!
-//! With `queue_timeout`, a client whose servers are all at their `max` waits for one of
-//! them to end a connection or request (its lease rings the server's `freed`), then is
-//! chosen for again, until the time is up; only then comes the last resort.
+//! With `queue_timeout`, a client whose servers are all at their `max` waits in their
+//! queues until a connection or request to one of them ends and hands its place over
+//! (`ServerState::release`; the longest-waiting client gets it), until the time is up;
+//! only then comes the last resort.
 //!
 //! Invariants: a table server is offered until it is reported failed, then never again
 //! (the selector does not retry one); the last resort is offered once, after the table.
 //! A server is offered with its place taken ([`Claim`]: counted in `conns` in the same
 //! step that checked its limit), so that event loops choosing at once never pass a `max`.
-//! A waiting client counts in each full server's `waiting` before it looks at their
-//! counts again, so that a lease ending in between either sees it or is seen.
+//! A waiting client counts in each full server's queue before it looks at their counts
+//! again, so that a lease ending in between either sees it or is seen.
 
 use std::future::Future;
 use std::io;
@@ -144,18 +145,25 @@ impl<'a, 's: 'a> Candidates<'a, 's> {
     fn in_table(&mut self) -> Option<(Candidate<'a, 's>, Claim<'s>)> {
         if let Some(index) = self.handed.take() {
             let server = self.state.servers.get(index)?;
-            // The place is this client's already; given back if the server went away.
+            // The place is this client's already; given back (and another server chosen)
+            // if the server was blacklisted, taken down or drained while it waited.
             let claim = Claim(Some(server));
-            if let Some(spec) = self.settings.servers.get(index) {
-                if let Some(addr) = spec.addr() {
+            let selector = self.selector.as_mut()?;
+            selector.set_now(clock::now_ms());
+            match self.settings.servers.get(index) {
+                Some(spec) if selector.could_take(index) => {
                     let c = Candidate {
                         target: Target::Server(index),
                         index: Some(index),
-                        addr,
+                        addr: spec.addr()?,
                         host: spec.host.as_ref(),
                         server,
                     };
                     return Some((c, claim));
+                }
+                _ => {
+                    drop(claim);
+                    self.choice = Some(selector.again(clock::now_ms()));
                 }
             }
         }
