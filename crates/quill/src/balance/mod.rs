@@ -7,5 +7,5 @@ pub mod servers;
 pub mod tracking;
 
 pub use select::{Choice, Selector};
-pub use servers::{ServerState, ServerTable};
+pub use servers::{Place, ServerState, ServerTable};
 pub use tracking::ClientTable;

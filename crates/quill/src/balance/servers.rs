@@ -57,6 +57,46 @@ pub struct ServerState {
     pub freed: Notify,
 }
 
+/// A place on a server for one connection or request: counted in the server's `conns`
+/// while it lives, given back (or handed to a waiting client) when it drops, so that every
+/// place taken is given back exactly once. (UDP flows, which never wait, count directly.)
+#[derive(Debug)]
+#[must_use = "dropping a place gives it back"]
+pub struct Place<'s>(&'s ServerState);
+
+impl<'s> Place<'s> {
+    /// A place whatever the server's limit (the emergency and abuse servers, a request
+    /// sent again on a new connection).
+    pub fn take(server: &'s ServerState) -> Place<'s> {
+        server.conns.fetch_add(1, Relaxed);
+        Place(server)
+    }
+
+    /// A place only if the server is below `limit` (0: no limit): the check and the count
+    /// in one step, so that event loops choosing at once never pass the limit.
+    pub fn claim(server: &'s ServerState, limit: u32) -> Option<Place<'s>> {
+        if limit == 0 {
+            return Some(Place::take(server));
+        }
+        server
+            .conns
+            .fetch_update(Relaxed, Relaxed, |n| (n < limit).then_some(n + 1))
+            .ok()
+            .map(|_| Place(server))
+    }
+
+    /// The server the place is on.
+    pub fn server(&self) -> &'s ServerState {
+        self.0
+    }
+}
+
+impl Drop for Place<'_> {
+    fn drop(&mut self) {
+        self.0.release();
+    }
+}
+
 /// The two halves of [`ServerState::queue`]: clients waiting, places handed to them.
 fn split(queue: u64) -> (u32, u32) {
     (queue as u32, (queue >> 32) as u32)
@@ -127,27 +167,10 @@ impl Condition {
 }
 
 impl ServerState {
-    /// A connection (or, request by request, a request) to this server begins.
-    pub fn take(&self) {
-        self.conns.fetch_add(1, Relaxed);
-    }
-
-    /// One begins only if the server is below `limit` (0: no limit): the check and the
-    /// count in one step, so that event loops choosing at once never pass the limit.
-    pub fn claim(&self, limit: u32) -> bool {
-        if limit == 0 {
-            self.take();
-            return true;
-        }
-        self.conns
-            .fetch_update(Relaxed, Relaxed, |n| (n < limit).then_some(n + 1))
-            .is_ok()
-    }
-
-    /// It ends. A client waiting for room here gets the place: it stays counted in
-    /// `conns`, so that no client arriving now takes it first, and the longest waiting is
-    /// woken to take it ([`ServerState::take_handed`]).
-    pub fn release(&self) {
+    /// A place ends ([`Place`]'s drop). A client waiting for room here gets it: it stays
+    /// counted in `conns`, so that no client arriving now takes it first, and the longest
+    /// waiting is woken to take it ([`ServerState::take_handed`]).
+    fn release(&self) {
         let handed = self
             .queue
             .fetch_update(SeqCst, SeqCst, |q| {
@@ -178,14 +201,15 @@ impl ServerState {
     }
 
     /// A waiting client takes a place a lease handed over (counted in `conns` already),
-    /// and no longer waits here; false when none is there.
-    pub fn take_handed(&self) -> bool {
+    /// and no longer waits here; `None` when none is there.
+    pub fn take_handed(&self) -> Option<Place<'_>> {
         self.queue
             .fetch_update(SeqCst, SeqCst, |q| {
                 let (waiting, handed) = split(q);
                 (handed > 0).then(|| join(waiting - 1, handed - 1))
             })
-            .is_ok()
+            .ok()
+            .map(|_| Place(self))
     }
 
     /// A waiting client leaves without a handed place (it found room elsewhere, gave up,
@@ -314,52 +338,57 @@ mod tests {
     #[test]
     fn a_claim_stops_at_the_limit() {
         let s = ServerState::default();
-        assert!(s.claim(2) && s.claim(2));
-        assert!(!s.claim(2), "a third place under max 2");
-        assert!(s.claim(0), "no limit");
+        let (a, b) = (Place::claim(&s, 2), Place::claim(&s, 2));
+        assert!(a.is_some() && b.is_some());
+        assert!(Place::claim(&s, 2).is_none(), "a third place under max 2");
+        let c = Place::claim(&s, 0);
+        assert!(c.is_some(), "no limit");
         assert_eq!(conns(&s), 3);
+        drop((a, b, c));
+        assert_eq!(conns(&s), 0);
     }
 
     #[test]
     fn an_ending_lease_hands_its_place_to_a_waiting_client() {
         let s = ServerState::default();
-        assert!(s.claim(1));
+        let first = Place::claim(&s, 1);
         s.start_waiting();
-        s.release();
+        drop(first);
         // The place stays counted: a client arriving now finds the server full.
         assert_eq!(conns(&s), 1);
-        assert!(!s.claim(1));
-        assert!(s.take_handed());
+        assert!(Place::claim(&s, 1).is_none());
+        let handed = s.take_handed();
+        assert!(handed.is_some());
         assert_eq!(s.waiting(), 0);
-        assert!(!s.take_handed(), "one place, taken once");
-        s.release();
+        assert!(s.take_handed().is_none(), "one place, taken once");
+        drop(handed);
         assert_eq!(conns(&s), 0, "nobody waits: the place is free");
     }
 
     #[test]
     fn a_place_handed_to_a_client_that_left_is_given_back() {
         let s = ServerState::default();
-        assert!(s.claim(1));
+        let first = Place::claim(&s, 1);
         s.start_waiting();
         s.start_waiting();
-        s.release();
+        drop(first);
         // One of two waiters leaves: the other is there to take the place.
         s.stop_waiting();
         assert_eq!(conns(&s), 1);
         // The last one leaves too without taking it: nobody will; it is free again.
         s.stop_waiting();
         assert_eq!((conns(&s), s.waiting()), (0, 0));
-        assert!(s.claim(1));
+        assert!(Place::claim(&s, 1).is_some());
     }
 
     #[test]
     fn a_waiting_client_that_leaves_before_any_lease_ends_changes_nothing() {
         let s = ServerState::default();
-        assert!(s.claim(1));
+        let first = Place::claim(&s, 1);
         s.start_waiting();
         s.stop_waiting();
         assert_eq!((conns(&s), s.waiting()), (1, 0));
-        s.release();
+        drop(first);
         assert_eq!(conns(&s), 0);
     }
 }

@@ -7,12 +7,12 @@
 //!
 //! With `queue_timeout`, a client whose servers are all at their `max` waits in their
 //! queues until a connection or request to one of them ends and hands its place over
-//! (`ServerState::release`; the longest-waiting client gets it), until the time is up;
+//! (a dropped `Place`; the longest-waiting client gets it), until the time is up;
 //! only then comes the last resort.
 //!
 //! Invariants: a table server is offered until it is reported failed, then never again
 //! (the selector does not retry one); the last resort is offered once, after the table.
-//! A server is offered with its place taken ([`Claim`]: counted in `conns` in the same
+//! A server is offered with its place taken (a `Place`, counted in `conns` in the same
 //! step that checked its limit), so that event loops choosing at once never pass a `max`.
 //! A waiting client counts in each full server's queue before it looks at their counts
 //! again, so that a lease ending in between either sees it or is seen.
@@ -31,7 +31,7 @@ use tokio::time::Instant;
 use super::pool::Target;
 use crate::balance::clock;
 use crate::balance::select::{Choice, Selector};
-use crate::balance::ServerState;
+use crate::balance::{Place, ServerState};
 use crate::settings::Settings;
 use crate::state::State;
 
@@ -71,8 +71,8 @@ pub(super) struct Candidates<'a, 's> {
     queue_until: Option<Instant>,
     /// Times the selector looked again for a place that came free (see [`MAX_LOOKS`]).
     looks: u32,
-    /// A server whose place a lease handed to this client while it waited.
-    handed: Option<usize>,
+    /// A server (index) whose place a lease handed to this client while it waited.
+    handed: Option<(usize, Place<'s>)>,
 }
 
 /// Looks again after a place came free between the selector's look and the claim (or the
@@ -114,7 +114,7 @@ impl<'a, 's: 'a> Candidates<'a, 's> {
 
     /// The server to try now (after waiting for room, with `queue_timeout`), with its
     /// place taken; `None` when none is left.
-    pub(super) async fn next(&mut self) -> Option<(Candidate<'a, 's>, Claim<'s>)> {
+    pub(super) async fn next(&mut self) -> Option<(Candidate<'a, 's>, Place<'s>)> {
         loop {
             if let Some(c) = self.in_table() {
                 return Some(c);
@@ -128,74 +128,65 @@ impl<'a, 's: 'a> Candidates<'a, 's> {
         }
         let (target, server, extra) = self.last_resort();
         let extra = extra?;
-        server.take();
-        Some((
-            Candidate {
-                target,
-                index: None,
-                addr: extra.addr,
-                host: Some(&extra.name.host),
-                server,
-            },
-            Claim(Some(server)),
-        ))
+        let c = Candidate {
+            target,
+            index: None,
+            addr: extra.addr,
+            host: Some(&extra.name.host),
+            server,
+        };
+        Some((c, Place::take(server)))
     }
 
     /// The table's server to try now, its place taken, if the selector has one.
-    fn in_table(&mut self) -> Option<(Candidate<'a, 's>, Claim<'s>)> {
-        if let Some(index) = self.handed.take() {
-            let server = self.state.servers.get(index)?;
-            // The place is this client's already; given back (and another server chosen)
-            // if the server was blacklisted, taken down or drained while it waited.
-            let claim = Claim(Some(server));
-            let selector = self.selector.as_mut()?;
-            selector.set_now(clock::now_ms());
-            match self.settings.servers.get(index) {
-                Some(spec) if selector.could_take(index) => {
-                    let c = Candidate {
-                        target: Target::Server(index),
-                        index: Some(index),
-                        addr: spec.addr()?,
-                        host: spec.host.as_ref(),
-                        server,
-                    };
-                    return Some((c, claim));
-                }
-                _ => {
-                    drop(claim);
-                    self.choice = Some(selector.again(clock::now_ms()));
-                }
+    fn in_table(&mut self) -> Option<(Candidate<'a, 's>, Place<'s>)> {
+        if let Some((index, place)) = self.handed.take() {
+            // The place is this client's already: used if the server could still take it,
+            // else (blacklisted, taken down or drained while it waited) given back.
+            let now = clock::now_ms();
+            let usable = self.selector.as_mut().is_some_and(|s| {
+                s.set_now(now);
+                s.could_take(index)
+            });
+            if let Some(c) = self.candidate(index).filter(|_| usable) {
+                return Some((c, place));
             }
+            drop(place);
+            self.choice = self.selector.as_mut().map(|s| s.again(now));
         }
         // A place another event loop took between the selector's look and the claim makes
         // the selector look again; a few such races in a row, and the servers count as full.
         let mut races = 0;
         while let Some(Choice::Server(index)) = self.choice {
-            let spec = self.settings.servers.get(index);
+            let c = self.candidate(index);
             let selector = self.selector.as_mut()?;
-            match (spec.and_then(|s| s.addr()), self.state.servers.get(index)) {
-                (Some(addr), Some(server)) if server.claim(selector.limit_of(index)) => {
-                    return Some((
-                        Candidate {
-                            target: Target::Server(index),
-                            index: Some(index),
-                            addr,
-                            host: spec.and_then(|s| s.host.as_ref()),
-                            server,
-                        },
-                        Claim(Some(server)),
-                    ));
-                }
-                (Some(_), Some(_)) if races < 4 => {
+            // Removed or without an address since the selector looked.
+            let Some(c) = c else {
+                self.choice = Some(selector.failover(index));
+                continue;
+            };
+            match Place::claim(c.server, selector.limit_of(index)) {
+                Some(place) => return Some((c, place)),
+                None if races < 4 => {
                     races += 1;
                     self.choice = Some(selector.again(clock::now_ms()));
                 }
-                (Some(_), Some(_)) => self.choice = Some(Choice::NoServer),
-                // Removed or without an address since the selector looked.
-                _ => self.choice = Some(selector.failover(index)),
+                None => self.choice = Some(Choice::NoServer),
             }
         }
         None
+    }
+
+    /// Table server `index` as a candidate, if it has an address.
+    fn candidate(&self, index: usize) -> Option<Candidate<'a, 's>> {
+        let spec = self.settings.servers.get(index)?;
+        Some(Candidate {
+            target: Target::Server(index),
+            index: Some(index),
+            addr: spec.addr()?,
+            host: spec.host.as_ref(),
+            server: self.state.servers.get(index)?,
+        })
     }
 
     /// With `queue_timeout`, when servers this client may use are full: waits until one
@@ -251,8 +242,8 @@ impl<'a, 's: 'a> Candidates<'a, 's> {
         });
         let woken = tokio::time::timeout_at(until, freed).await;
         // A place handed over comes first, even one that came as the time ran out.
-        if let Some(index) = waiting.take_handed() {
-            self.handed = Some(index);
+        if let Some(handed) = waiting.take_handed() {
+            self.handed = Some(handed);
             return true;
         }
         if woken.is_err() {
@@ -322,27 +313,6 @@ impl<'a, 's: 'a> Candidates<'a, 's> {
     }
 }
 
-/// A place taken on a server for a connection or request ([`Candidates::next`]): counted
-/// in its `conns` until the lease that it becomes ([`Claim::keep`]) ends, or given back
-/// when dropped unused.
-#[must_use = "dropping a claim gives the server's place back"]
-pub(super) struct Claim<'s>(Option<&'s ServerState>);
-
-impl Claim<'_> {
-    /// The place is kept by the caller's lease, which releases it when it ends.
-    pub(super) fn keep(mut self) {
-        self.0 = None;
-    }
-}
-
-impl Drop for Claim<'_> {
-    fn drop(&mut self) {
-        if let Some(server) = self.0 {
-            server.release();
-        }
-    }
-}
-
 /// A client counted as waiting, in the process's gauge and in each full server's queue
 /// (their leases then hand their places over), until it takes a handed place or drops.
 struct Waiting<'s> {
@@ -360,11 +330,15 @@ impl<'s> Waiting<'s> {
         Waiting { state, servers }
     }
 
-    /// The server whose place was handed to this client, if one was: the client has it
-    /// (counted in its `conns`) and no longer waits there.
-    fn take_handed(&mut self) -> Option<usize> {
-        let at = self.servers.iter().position(|(_, s)| s.take_handed())?;
-        Some(self.servers.swap_remove(at).0)
+    /// The server (index) whose place was handed to this client, with the place, if one
+    /// was: the client no longer waits there.
+    fn take_handed(&mut self) -> Option<(usize, Place<'s>)> {
+        let (at, place) = self
+            .servers
+            .iter()
+            .enumerate()
+            .find_map(|(at, (_, s))| Some((at, s.take_handed()?)))?;
+        Some((self.servers.swap_remove(at).0, place))
     }
 }
 

@@ -32,7 +32,7 @@ use hyper::header::{self, HeaderMap, HeaderName, HeaderValue};
 use hyper::{Method, Request, Response, StatusCode, Uri, Version};
 use hyper_util::rt::TokioIo;
 
-use super::candidates::{self, Candidate, Candidates, Claim};
+use super::candidates::{self, Candidate, Candidates};
 use super::h1_client::{self, Back, Failure, Outgoing};
 use super::h1_pump::{self, Link};
 use super::h2_client;
@@ -40,7 +40,7 @@ use super::pool::{self, Conn, Limits, Target};
 use super::pool_h2::{self, Take};
 use super::tcp::{open_upstream, Preamble, Server};
 use crate::accesslog::{AccessLog, Record};
-use crate::balance::ServerState;
+use crate::balance::{Place, ServerState};
 use crate::command::Hsts;
 use crate::net::connect::{is_local_failure, SocketOptions};
 use crate::settings::Settings;
@@ -186,27 +186,9 @@ impl Body for ResponseBody {
 
 pub(super) type Reply = Response<Either<ResponseBody, Full<Bytes>>>;
 
-/// One request in flight on a server: counts in its `conns` until dropped.
-pub(super) struct Lease(&'static ServerState);
-
-impl Lease {
-    pub(super) fn take(server: &'static ServerState) -> Lease {
-        server.take();
-        Lease(server)
-    }
-
-    /// The place `Candidates` took on `server` for this request.
-    pub(super) fn claimed(claim: Claim<'static>, server: &'static ServerState) -> Lease {
-        claim.keep();
-        Lease(server)
-    }
-}
-
-impl Drop for Lease {
-    fn drop(&mut self) {
-        self.0.release();
-    }
-}
+/// A request's place on its server (counted as a request in flight for `max`, `servers`
+/// and the queue), from its choice to the end of its answer.
+pub(super) type Lease = Place<'static>;
 
 /// The requests of one client connection in flight, and when bytes last moved for one:
 /// the connection's watchdog ([`supervise`]) reads both.
@@ -587,8 +569,8 @@ async fn route(
         return answer(StatusCode::FORBIDDEN, "Forbidden\n");
     }
     let mut candidates = Candidates::new(state, &settings, peer.addr, peer.permitted);
-    while let Some((c, claim)) = candidates.next().await {
-        match send(state, &settings, peer, &c, claim, req, how).await {
+    while let Some((c, place)) = candidates.next().await {
+        match send(state, &settings, peer, &c, place, req, how).await {
             Sent::Answer(answered) => {
                 candidates.served(&c);
                 return reply(
@@ -673,7 +655,7 @@ async fn send(
     settings: &Settings,
     peer: Peer,
     to: &To<'_>,
-    claim: Claim<'static>,
+    place: Lease,
     mut req: Request<RequestBody>,
     how: How,
 ) -> Sent {
@@ -687,11 +669,11 @@ async fn send(
     if poolable && !h2 && how.version == Version::HTTP_2 {
         // HTTP/1.x clients' field names keep their case through hyper's client; HTTP/2's
         // are lowercase, and quill's own framing writes them in title case.
-        return send_own(state, settings, peer, to, claim, req, how).await;
+        return send_own(state, settings, peer, to, place, req, how).await;
     }
     let mut retried = false;
     // Counted from the choice (`Candidates` took the place), before any connect.
-    let mut early = Some(Lease::claimed(claim, server));
+    let mut early = Some(place);
     loop {
         // Sent again after a refusal (or a GOAWAY on a new connection), a request takes a
         // new connection, on which it is the first stream: no GOAWAY can cross it there.
@@ -845,7 +827,7 @@ async fn send_own(
     settings: &Settings,
     peer: Peer,
     to: &To<'_>,
-    claim: Claim<'static>,
+    place: Lease,
     req: Request<RequestBody>,
     how: How,
 ) -> Sent {
@@ -854,7 +836,7 @@ async fn send_own(
     let mut out: Option<Outgoing> = None;
     let mut reuse = true;
     // Counted from the choice (`Candidates` took the place), before any connect.
-    let mut early = Some(Lease::claimed(claim, to.server));
+    let mut early = Some(place);
     loop {
         let pooled = if reuse {
             pool::take::<Link>(to.target, to.addr)

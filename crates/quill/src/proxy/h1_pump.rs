@@ -28,7 +28,7 @@ use std::time::{Duration, Instant};
 
 use tokio::io::{AsyncRead, AsyncWriteExt, ReadBuf};
 
-use super::candidates::{self, Candidate, Candidates, Claim};
+use super::candidates::{self, Candidate, Candidates};
 use super::gateway::{secs, Lease, Peer};
 use super::h1::Parkable;
 use super::pool::{self, Limits, Pool, Pooled};
@@ -322,9 +322,9 @@ async fn choose_and_send<C: Parkable>(
 ) -> Served {
     let settings = state.settings();
     let mut candidates = Candidates::new(state, &settings, peer.addr, peer.permitted);
-    while let Some((c, claim)) = candidates.next().await {
+    while let Some((c, place)) = candidates.next().await {
         tell(&c);
-        match send(state, &settings, client, http, peer, c, claim, ask, record).await {
+        match send(state, &settings, client, http, peer, c, place, ask, record).await {
             Tried::Served(served) => {
                 candidates.served(&c);
                 return served;
@@ -355,7 +355,7 @@ async fn send<C: Parkable>(
     http: &mut Http,
     peer: Peer,
     to: To<'_>,
-    claim: Claim<'static>,
+    place: Lease,
     ask: &Since<'_>,
     record: Option<&Record>,
 ) -> Tried {
@@ -374,7 +374,7 @@ async fn send<C: Parkable>(
     };
     let mut reuse = poolable;
     // Counted from the choice (`Candidates` took the place), before any connect.
-    let mut early = Some(Lease::claimed(claim, to.server));
+    let mut early = Some(place);
     loop {
         let pooled = if reuse {
             pool::take::<Link>(to.target, to.addr)

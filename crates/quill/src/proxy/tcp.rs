@@ -27,7 +27,7 @@ use tokio::io::{AsyncRead, AsyncWrite};
 use tokio::net::{TcpListener, TcpStream, UnixListener};
 use tokio::sync::{mpsc, watch};
 
-use super::candidates::{Candidates, Claim};
+use super::candidates::Candidates;
 use super::gateway::Peer;
 use super::http::{Exchange, HttpParams, Scheme};
 use super::park::{self, Parked};
@@ -37,7 +37,7 @@ use super::registry::{ConnInfo, Registered, Upstream};
 use super::relay::{self, relay, Outcome, RelayOptions, Stop, Stream, Totals};
 use super::replay::{Prefixed, Recording};
 use super::stream;
-use crate::balance::{clock, ServerState};
+use crate::balance::{clock, Place};
 use crate::command::{Host, ProxyVersion, ServerProxy};
 use crate::connlog::{unix_now, Capture, Tell};
 use crate::net::connect::{apply_options, connect, is_local_failure, source_for, SocketOptions};
@@ -355,24 +355,11 @@ impl Drop for Connecting<'_> {
     }
 }
 
-/// A connection slot held on one upstream (server, emergency or abuse).
+/// A connection's place on one upstream (server, emergency or abuse), and which it is.
 struct Lease<'a> {
-    server: &'a ServerState,
+    place: Place<'a>,
+    /// The server's index in the table (none for the emergency and abuse servers).
     index: Option<usize>,
-}
-
-impl<'a> Lease<'a> {
-    /// The place `Candidates` took on `server` for this connection.
-    fn claimed(claim: Claim<'a>, server: &'a ServerState, index: Option<usize>) -> Lease<'a> {
-        claim.keep();
-        Lease { server, index }
-    }
-}
-
-impl Drop for Lease<'_> {
-    fn drop(&mut self) {
-        self.server.release();
-    }
 }
 
 async fn handle<C: ClientStream>(
@@ -589,8 +576,12 @@ impl<'a, E> Session<'a, E> {
     fn finish(&self, state: &State, outcome: Outcome) {
         let books = &self.books;
         let lease = &books.lease;
-        lease.server.bytes_to.fetch_add(outcome.up, Relaxed);
-        lease.server.bytes_from.fetch_add(outcome.down, Relaxed);
+        lease.place.server().bytes_to.fetch_add(outcome.up, Relaxed);
+        lease
+            .place
+            .server()
+            .bytes_from
+            .fetch_add(outcome.down, Relaxed);
         if let Some(r) = &self.registered {
             r.info.bytes_up.store(outcome.up, Relaxed);
             r.info.bytes_down.store(outcome.down, Relaxed);
@@ -1267,8 +1258,11 @@ async fn choose_and_connect<'s>(
     // was seen may pass it briefly, which is better than closing those clients.
     let _pending = Connecting::start(state);
     let mut candidates = Candidates::new(state, settings, peer, permitted);
-    while let Some((c, claim)) = candidates.next().await {
-        let lease = Lease::claimed(claim, c.server, c.index);
+    while let Some((c, place)) = candidates.next().await {
+        let lease = Lease {
+            place,
+            index: c.index,
+        };
         match open_upstream(
             state, settings, c.addr, c.index, c.host, preamble, opts, false,
         )
