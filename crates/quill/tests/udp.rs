@@ -357,6 +357,36 @@ fn conn_max_bounds_the_flows() {
 }
 
 #[test]
+fn a_servers_max_bounds_its_flows_from_every_event_loop() {
+    let a = DnsBackend::start(1);
+    let b = DnsBackend::start(2);
+    let limited = format!("{}:2", a.spec());
+    let q = UdpQuill::start(&["-r", "{port}", &limited, &b.spec()]);
+    // Forty new flows at once, from as many addresses (spread over the event loops by
+    // the kernel): server a takes two of them, whichever loops they arrived on.
+    let clients: Vec<_> = (10..50)
+        .map(|i| q.client(&format!("127.0.0.{i}")))
+        .collect();
+    let barrier = std::sync::Barrier::new(clients.len());
+    let answers: Vec<_> = std::thread::scope(|scope| {
+        let asks: Vec<_> = clients
+            .iter()
+            .map(|c| {
+                let barrier = &barrier;
+                scope.spawn(move || {
+                    barrier.wait();
+                    c.ask(WAIT)
+                })
+            })
+            .collect();
+        asks.into_iter().map(|t| t.join().unwrap()).collect()
+    });
+    assert!(answers.iter().all(Option::is_some), "{answers:?}");
+    let on_a = answers.iter().filter(|&&ip| ip == Some(a.ip())).count();
+    assert!(on_a <= 2, "{on_a} flows on server a, max 2");
+}
+
+#[test]
 fn ten_thousand_flows_expire_and_memory_returns() {
     if skip_on_pen("Pen 0.34 keeps UDP flows in a fixed table") {
         return;

@@ -56,7 +56,7 @@ use tokio::sync::watch;
 use tokio::task::AbortHandle;
 
 use super::polling::Load;
-use crate::balance::{clock, Choice, Selector, ServerState};
+use crate::balance::{clock, Choice, Place, Selector, ServerState};
 use crate::net::udp::{self as sock, Received, RecvBatch, UdpListener};
 use crate::settings::Settings;
 use crate::state::State;
@@ -104,16 +104,15 @@ struct Flow {
     /// Bytes not yet added to the server's totals (added on the timer and at the end).
     bytes_up: Cell<u64>,
     bytes_down: Cell<u64>,
-    state: Arc<State>,
+    /// The flow's place on its server, counted in the server's connections until the
+    /// flow ends.
+    place: Place<'static>,
+    state: &'static State,
 }
 
 impl Flow {
-    fn server_state(&self) -> Option<&ServerState> {
-        match self.upstream {
-            Upstream::Server(i) => self.state.servers.get(i),
-            Upstream::Emergency => Some(&self.state.emergency),
-            Upstream::Abuse => Some(&self.state.abuse),
-        }
+    fn server_state(&self) -> &'static ServerState {
+        self.place.server()
     }
 
     /// A datagram of `len` bytes went to the server at `now`.
@@ -158,14 +157,13 @@ impl Flow {
     }
 
     fn flush_bytes(&self) {
-        if let Some(s) = self.server_state() {
-            let (up, down) = (self.bytes_up.take(), self.bytes_down.take());
-            if up > 0 {
-                s.bytes_to.fetch_add(up, Relaxed);
-            }
-            if down > 0 {
-                s.bytes_from.fetch_add(down, Relaxed);
-            }
+        let s = self.server_state();
+        let (up, down) = (self.bytes_up.take(), self.bytes_down.take());
+        if up > 0 {
+            s.bytes_to.fetch_add(up, Relaxed);
+        }
+        if down > 0 {
+            s.bytes_from.fetch_add(down, Relaxed);
         }
     }
 
@@ -192,9 +190,7 @@ impl Flow {
 impl Drop for Flow {
     fn drop(&mut self) {
         self.flush_bytes();
-        if let Some(s) = self.server_state() {
-            s.conns.fetch_sub(1, Relaxed);
-        }
+        // The place is given back as the fields drop.
         self.state.active.fetch_sub(1, Relaxed);
     }
 }
@@ -206,7 +202,7 @@ struct Entry {
 
 /// The state of one event loop.
 struct Worker {
-    state: Arc<State>,
+    state: &'static State,
     listener: AsyncFd<std::net::UdpSocket>,
     flows: RefCell<HashMap<SocketAddr, Entry>>,
     /// Receive buffers for replies, shared by the flows of this loop (one runs at a time).
@@ -277,6 +273,9 @@ pub async fn serve(
     mut shutdown: watch::Receiver<bool>,
 ) -> io::Result<()> {
     let pktinfo = listener.pktinfo;
+    // The state lives as long as the process (as for the TCP loops): each flow's place
+    // borrows it without a reference count.
+    let state: &'static State = Box::leak(Box::new(state));
     let worker = Rc::new(Worker {
         state,
         listener: sock::register_readable(listener.socket)?,
@@ -452,7 +451,7 @@ impl Worker {
         if self.stopping.get() {
             return None;
         }
-        let state = &self.state;
+        let state = self.state;
         let settings = state.settings();
         // Counted like a TCP accept: every new flow, including those refused below.
         state.counters.accepted.fetch_add(1, Relaxed);
@@ -469,7 +468,7 @@ impl Worker {
         } else if let Some(abuse) = &settings.abuse {
             tracing::debug!(client = %r.from, "denied by client_acl {}: sent to the abuse server", settings.client_acl);
             match sock::upstream(abuse.addr, &settings, r.from) {
-                Ok(s) => Some((s, Upstream::Abuse)),
+                Ok(s) => Some((s, Upstream::Abuse, Place::take(&state.abuse))),
                 Err(e) => {
                     tracing::warn!(client = %r.from, "abuse server {}: {e}", abuse.name);
                     None
@@ -480,27 +479,16 @@ impl Worker {
             tracing::debug!(client = %r.from, "denied by client_acl {}", settings.client_acl);
             None
         };
-        let Some((std_sock, upstream)) = opened else {
+        let Some((std_sock, upstream, place)) = opened else {
             state.active.fetch_sub(1, Relaxed);
             return None;
         };
-        let server = match upstream {
-            Upstream::Server(i) => state.servers.get(i),
-            Upstream::Emergency => Some(&state.emergency),
-            Upstream::Abuse => Some(&state.abuse),
-        };
-        if let Some(s) = server {
-            s.conns.fetch_add(1, Relaxed);
-            s.total.fetch_add(1, Relaxed);
-        }
+        place.server().total.fetch_add(1, Relaxed);
         // From here on the flow's Drop gives back what was taken above.
         let sock = match sock::register_readable(std_sock) {
             Ok(s) => s,
             Err(e) => {
                 tracing::warn!("cannot register an upstream udp socket: {e}");
-                if let Some(s) = server {
-                    s.conns.fetch_sub(1, Relaxed);
-                }
                 state.active.fetch_sub(1, Relaxed);
                 return None;
             }
@@ -518,7 +506,8 @@ impl Worker {
             first: RefCell::new(None),
             bytes_up: Cell::new(0),
             bytes_down: Cell::new(0),
-            state: Arc::clone(state),
+            place,
+            state,
         });
         drop(settings);
         tracing::debug!(client = %r.from, "udp flow to {upstream:?}");
@@ -537,14 +526,14 @@ impl Worker {
     }
 
     /// Selection with failover (servers whose socket cannot even be connected), then the
-    /// emergency server.
+    /// emergency server; the server's place taken in the step that checks its limit.
     fn choose(
         &self,
         settings: &Settings,
         client: SocketAddr,
         now: u64,
-    ) -> Option<(std::net::UdpSocket, Upstream)> {
-        let state = &self.state;
+    ) -> Option<(std::net::UdpSocket, Upstream, Place<'static>)> {
+        let state = self.state;
         let mut selector = Selector::new(
             settings,
             &state.servers,
@@ -554,9 +543,24 @@ impl Worker {
             now,
         );
         let mut choice = selector.initial();
+        let mut races = 0;
         while let Choice::Server(index) = choice {
-            let Some(addr) = settings.servers.get(index).and_then(|s| s.addr()) else {
+            let spec = settings.servers.get(index);
+            let (Some(addr), Some(server)) =
+                (spec.and_then(|s| s.addr()), state.servers.get(index))
+            else {
                 choice = selector.failover(index);
+                continue;
+            };
+            // Another event loop took the last place since the selector looked: it looks
+            // again, a few times (as `proxy::candidates` does for TCP).
+            let Some(place) = Place::claim(server, selector.limit_of(index)) else {
+                races += 1;
+                choice = if races <= 4 {
+                    selector.again(now)
+                } else {
+                    Choice::NoServer
+                };
                 continue;
             };
             match sock::upstream(addr, settings, client) {
@@ -564,7 +568,7 @@ impl Worker {
                     if selector.tracks() {
                         state.clients.record(client.ip().to_canonical(), index, now);
                     }
-                    return Some((s, Upstream::Server(index)));
+                    return Some((s, Upstream::Server(index), place));
                 }
                 Err(e) if is_local_shortage(&e) => {
                     tracing::warn!(%client, "cannot open an upstream udp socket: {e}");
@@ -584,7 +588,7 @@ impl Worker {
             match sock::upstream(em.addr, settings, client) {
                 Ok(s) => {
                     tracing::debug!(%client, "emergency server {}", em.name);
-                    return Some((s, Upstream::Emergency));
+                    return Some((s, Upstream::Emergency, Place::take(&state.emergency)));
                 }
                 Err(e) => tracing::warn!("emergency server {} failed: {e}", em.name),
             }
