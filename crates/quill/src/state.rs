@@ -133,11 +133,13 @@ pub struct State {
 impl State {
     /// Shared state starting from `settings`; `registry` keeps a table of open connections.
     pub fn new(settings: Settings, registry: bool) -> Arc<State> {
+        let servers = ServerTable::default();
+        servers.mirror_limits(&settings);
         Arc::new(State {
             clients: ClientTable::new(settings.clients_max),
             settings: ArcSwap::from_pointee(settings),
             writer: Mutex::new(()),
-            servers: ServerTable::default(),
+            servers,
             emergency: ServerState::default(),
             abuse: ServerState::default(),
             cursor: AtomicUsize::new(usize::MAX),
@@ -199,8 +201,7 @@ impl State {
             next.build_tls(Some(&current.tls_built))
                 .map_err(|e| ApplyError::Tls(e.to_string()))?;
         }
-        self.settings.store(Arc::new(next));
-        self.generation.send_modify(|g| *g = g.wrapping_add(1));
+        self.publish(next);
         let rest = applied
             .actions
             .into_iter()
@@ -209,14 +210,23 @@ impl State {
         Ok((applied.reply, rest))
     }
 
+    /// Makes `settings` the snapshot new connections and requests read; the servers'
+    /// limits are mirrored into their states first, and clients waiting for room look
+    /// again once it is out (a `max` raised or a server added may give them some).
+    fn publish(&self, settings: Settings) {
+        self.servers.mirror_limits(&settings);
+        self.settings.store(Arc::new(settings));
+        self.generation.send_modify(|g| *g = g.wrapping_add(1));
+        self.servers.changed.notify_waiters();
+    }
+
     /// Replaces the whole configuration (a reload), carrying out `actions` like `execute`.
     pub fn replace(&self, settings: Settings, actions: Vec<Action>) -> Vec<Action> {
         let _guard = self.writer.lock().unwrap_or_else(|p| p.into_inner());
         if settings.clients_max != self.settings.load().clients_max {
             self.clients.resize(settings.clients_max);
         }
-        self.settings.store(Arc::new(settings));
-        self.generation.send_modify(|g| *g = g.wrapping_add(1));
+        self.publish(settings);
         actions
             .into_iter()
             .filter_map(|a| self.perform(a))
@@ -230,6 +240,9 @@ impl State {
             Action::Blacklist { index, seconds } => {
                 if let Some(s) = self.servers.get(index) {
                     s.blacklist(clock::now_ms(), seconds);
+                    if seconds == 0 {
+                        self.servers.changed.notify_waiters();
+                    }
                 }
                 None
             }
@@ -241,6 +254,7 @@ impl State {
                             tracing::warn!("server {index} draining: no new connections, {open} open ones finish");
                         } else {
                             tracing::warn!("server {index} no longer draining");
+                            self.servers.changed.notify_waiters();
                         }
                     }
                 }

@@ -441,3 +441,112 @@ fn a_client_finding_its_servers_full_waits_for_room_within_queue_timeout() {
     assert_eq!(queue_counts(&ctl), (0, 1));
     drop(holder);
 }
+
+/// Server `index`'s open connections and waiting clients, from `status json`.
+fn server_queue(ctl: &str, index: usize) -> (u64, u64) {
+    let status = support::ctl::status_json(ctl);
+    let s = &status["servers"][index];
+    (
+        s["connections"].as_u64().expect("connections"),
+        s["queued"].as_u64().expect("queued"),
+    )
+}
+
+#[test]
+fn waiting_clients_take_room_as_soon_as_a_change_makes_it() {
+    if skip_on_pen("queue_timeout is a quill extension") {
+        return;
+    }
+    let (a, b) = (IdentityBackend::start("a"), IdentityBackend::start("b"));
+    let (q, ctl) = support::ctl::start_with_tcp_control(&[
+        "-O",
+        "queue_timeout 30",
+        "127.0.0.1:{port}",
+        &a.spec_with("1"),
+        &b.spec_with("1"),
+    ]);
+    support::ctl::ctl_ok(&ctl, "server 1 blacklist 60");
+    let addr = q.addr();
+    let waiting_client = move |src: &'static str| {
+        std::thread::spawn(move || {
+            // Each waits far less than queue_timeout: only the change can serve it in time.
+            let mut s = client_from(src, addr).expect("connect");
+            let name = backend_name(&mut s);
+            (name, s)
+        })
+    };
+    let (_, first) = q.name_from("127.0.0.31");
+
+    // A raised max lets the waiting client in at once, while the first one stays.
+    let second = waiting_client("127.0.0.32");
+    wait_until(Duration::from_secs(5), "the second client queued", || {
+        server_queue(&ctl, 0) == (1, 1)
+    });
+    support::ctl::ctl_ok(&ctl, "server 0 max 2");
+    let (name, second) = second.join().unwrap();
+    assert_eq!(name.as_deref(), Some("a"));
+
+    // A server whose blacklist is lifted takes a client that waited for a full one.
+    let third = waiting_client("127.0.0.33");
+    wait_until(Duration::from_secs(5), "the third client queued", || {
+        server_queue(&ctl, 0) == (2, 1)
+    });
+    support::ctl::ctl_ok(&ctl, "server 1 blacklist 0");
+    let (name, third) = third.join().unwrap();
+    assert_eq!(name.as_deref(), Some("b"));
+
+    // So does one whose blacklist runs out: nothing rings then, the client looks again.
+    drop(third);
+    wait_until(Duration::from_secs(5), "server b free", || {
+        server_queue(&ctl, 1).0 == 0
+    });
+    support::ctl::ctl_ok(&ctl, "server 1 blacklist 2");
+    let fourth = waiting_client("127.0.0.34");
+    let (name, _fourth) = fourth.join().unwrap();
+    assert_eq!(name.as_deref(), Some("b"));
+    assert_eq!(queue_counts(&ctl), (0, 0));
+    drop((first, second));
+}
+
+#[test]
+fn a_lowered_max_holds_while_clients_wait() {
+    if skip_on_pen("queue_timeout is a quill extension") {
+        return;
+    }
+    let a = IdentityBackend::start("a");
+    let (q, ctl) = support::ctl::start_with_tcp_control(&[
+        "-O",
+        "queue_timeout 30",
+        "127.0.0.1:{port}",
+        &a.spec_with("2"),
+    ]);
+    let (_, first) = q.name_from("127.0.0.41");
+    let (_, second) = q.name_from("127.0.0.42");
+    let addr = q.addr();
+    let third = std::thread::spawn(move || {
+        let mut s = client_from("127.0.0.43", addr).expect("connect");
+        backend_name(&mut s)
+    });
+    wait_until(Duration::from_secs(5), "the third client queued", || {
+        server_queue(&ctl, 0) == (2, 1)
+    });
+    support::ctl::ctl_ok(&ctl, "server 0 max 1");
+    // The first client's place leaves the server at its new max: it is freed, not handed
+    // to the waiting client.
+    drop(first);
+    wait_until(
+        Duration::from_secs(5),
+        "the first client's place freed",
+        || server_queue(&ctl, 0) != (2, 1),
+    );
+    assert_eq!(
+        server_queue(&ctl, 0),
+        (1, 1),
+        "the waiting client went past max 1"
+    );
+    assert_eq!(a.open(), 1);
+    // The second one's place is room under max 1: the waiting client gets it.
+    drop(second);
+    assert_eq!(third.join().unwrap().as_deref(), Some("a"));
+    assert_eq!(queue_counts(&ctl), (0, 0));
+}

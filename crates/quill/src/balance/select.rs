@@ -12,7 +12,9 @@
 //!
 //! "Available" means: has an address, is not blacklisted, not down by its health check,
 //! not being drained, its server ACL permits the
-//! client, and it is below the limit that applies. Nothing here blocks or allocates per
+//! client, and it is below the limit that applies (as published last, read from the
+//! server's state: a connection choosing under an older snapshot obeys a limit changed
+//! since). Nothing here blocks or allocates per
 //! server beyond one small bitmap of tried servers for failover.
 
 use std::hash::{Hash, Hasher};
@@ -76,18 +78,21 @@ impl<'a> Selector<'a> {
 
     /// Whether server `i` can take this client now; `returning` selects the hard limit.
     fn available(&self, i: usize, returning: bool) -> bool {
-        self.eligible(i).is_some_and(|(conf, state)| {
-            let limit = if returning {
-                conf.hard_limit()
-            } else {
-                conf.max
-            };
+        self.eligible(i).is_some_and(|(_, state)| {
+            let limit = limit(state, returning);
             limit == 0 || state.conns.load(Relaxed) < limit
         })
     }
 
     /// Server `i`, if it could take this client were it below its limits.
     fn eligible(&self, i: usize) -> Option<(&'a ServerConf, &'a ServerState)> {
+        self.eligible_but_blacklist(i)
+            .filter(|(_, state)| !state.is_blacklisted(self.now))
+    }
+
+    /// Server `i`, if it could take this client were it below its limits and not
+    /// blacklisted.
+    fn eligible_but_blacklist(&self, i: usize) -> Option<(&'a ServerConf, &'a ServerState)> {
         if self.tried.get(i).copied().unwrap_or(false) {
             return None;
         }
@@ -96,7 +101,7 @@ impl<'a> Selector<'a> {
         let state = self.servers.get(i)?;
         // A server the health check took down, or one being drained, is skipped exactly
         // like a blacklisted one (tracked clients of it move elsewhere too).
-        if state.is_blacklisted(self.now) || state.is_out() {
+        if state.is_out() {
             return None;
         }
         if let Some(acl) = conf.acl {
@@ -105,6 +110,19 @@ impl<'a> Selector<'a> {
             }
         }
         Some((conf, state))
+    }
+
+    /// When the first blacklisted server this client could otherwise use comes back
+    /// (milliseconds of [`super::clock`]), if any is blacklisted now: a client waiting for
+    /// room looks again then.
+    pub fn soonest_back(&self) -> Option<u64> {
+        (0..self.settings.servers.len())
+            .filter_map(|i| {
+                let (_, state) = self.eligible_but_blacklist(i)?;
+                let until = state.blacklisted_until.load(Relaxed);
+                (until > self.now).then_some(until)
+            })
+            .min()
     }
 
     /// Whether server `i` could take this client, its limits aside (a place handed to the
@@ -116,13 +134,9 @@ impl<'a> Selector<'a> {
     /// The connection limit under which server `i`, the last choice, was chosen (its `hard`
     /// for a tracked client going back to it, else its `max`; 0: none).
     pub fn limit_of(&self, i: usize) -> u32 {
-        self.settings.servers.get(i).map_or(0, |conf| {
-            if self.returning {
-                conf.hard_limit()
-            } else {
-                conf.max
-            }
-        })
+        self.servers
+            .get(i)
+            .map_or(0, |state| limit(state, self.returning))
     }
 
     /// The servers that could take this client but are at their limit (`max`): what a
@@ -130,8 +144,9 @@ impl<'a> Selector<'a> {
     pub fn full(&self) -> Vec<usize> {
         (0..self.settings.servers.len())
             .filter(|&i| {
-                self.eligible(i).is_some_and(|(conf, state)| {
-                    conf.max != 0 && state.conns.load(Relaxed) >= conf.max
+                self.eligible(i).is_some_and(|(_, state)| {
+                    let max = state.max.load(Relaxed);
+                    max != 0 && state.conns.load(Relaxed) >= max
                 })
             })
             .collect()
@@ -296,6 +311,16 @@ impl<'a> Selector<'a> {
     }
 }
 
+/// Server `state`'s limit for a client new to it (`max`) or a tracked one going back
+/// (`returning`: its `hard`), as last published (0: none).
+fn limit(state: &ServerState, returning: bool) -> u32 {
+    if returning {
+        state.hard.load(Relaxed)
+    } else {
+        state.max.load(Relaxed)
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -314,9 +339,11 @@ mod tests {
             for l in lines {
                 settings.apply(&l.parse::<Command>().unwrap()).unwrap();
             }
+            let servers = ServerTable::default();
+            servers.mirror_limits(&settings);
             World {
                 settings,
-                servers: ServerTable::default(),
+                servers,
                 clients: ClientTable::new(64),
                 cursor: AtomicUsize::new(usize::MAX),
             }
@@ -406,6 +433,28 @@ mod tests {
         assert_eq!(s.pick("10.0.0.1:1"), Choice::Server(0));
         s.servers.get(0).unwrap().blacklist(1000, 30);
         assert_eq!(s.pick("10.0.0.1:2"), Choice::NoServer);
+    }
+
+    #[test]
+    fn the_first_blacklisted_server_back_is_the_one_a_client_could_use() {
+        let w = World::new(&[TWO[0], TWO[1], "server 2 address 127.0.0.1 port 3"]);
+        fn selector(w: &World) -> Selector<'_> {
+            let addr = "10.0.0.1:1".parse().unwrap();
+            Selector::new(&w.settings, &w.servers, &w.clients, &w.cursor, addr, 1000)
+        }
+        assert_eq!(selector(&w).soonest_back(), None);
+        w.servers.get(0).unwrap().blacklist(1000, 30);
+        w.servers.get(1).unwrap().blacklist(1000, 10);
+        w.servers.get(2).unwrap().blacklist(1000, 5);
+        assert_eq!(selector(&w).soonest_back(), Some(6000));
+        // Drained meanwhile, server 2 is no sooner back for clients.
+        w.servers.get(2).unwrap().draining.store(true, Relaxed);
+        assert_eq!(selector(&w).soonest_back(), Some(11000));
+        // Nor is one this client already failed on.
+        let mut s = selector(&w);
+        s.initial();
+        s.failover(1);
+        assert_eq!(s.soonest_back(), Some(31000));
     }
 
     #[test]

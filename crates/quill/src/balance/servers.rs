@@ -12,6 +12,7 @@ use std::sync::atomic::{
 use tokio::sync::Notify;
 
 use crate::command::MAX_SERVERS;
+use crate::settings::Settings;
 
 /// Live state of one server (or of the emergency / abuse server).
 #[derive(Debug, Default)]
@@ -55,6 +56,13 @@ pub struct ServerState {
     queue: AtomicU64,
     /// Rung for one waiting client (the longest waiting) when a place is handed over.
     pub freed: Notify,
+    /// The server's `max`, and the limit for tracked clients going back to it (its `hard`,
+    /// else its `max`), of the settings published last (0: none): mirrored here by
+    /// [`ServerTable::mirror_limits`] at each publication, so that a client that chose
+    /// under an older snapshot, or waits in the queue, sees a limit changed since, and an
+    /// ending place knows whether it frees room under `max`.
+    pub max: AtomicU32,
+    pub hard: AtomicU32,
 }
 
 /// A place on a server for one connection or request: counted in the server's `conns`
@@ -169,23 +177,29 @@ impl Condition {
 impl ServerState {
     /// A place ends ([`Place`]'s drop). A client waiting for room here gets it: it stays
     /// counted in `conns`, so that no client arriving now takes it first, and the longest
-    /// waiting is woken to take it ([`ServerState::take_handed`]).
+    /// waiting is woken to take it ([`ServerState::take_handed`]). A place that leaves the
+    /// server at or over its `max` (lowered meanwhile, or passed by tracked clients under
+    /// `hard`) frees no room: it is given back, and nobody is woken.
     fn release(&self) {
-        let handed = self
-            .queue
-            .fetch_update(SeqCst, SeqCst, |q| {
-                let (waiting, handed) = split(q);
-                (waiting > handed).then(|| join(waiting, handed + 1))
-            })
-            .is_ok();
-        if handed {
-            self.freed.notify_one();
-            return;
+        let max = self.max.load(Relaxed);
+        let frees_room = max == 0 || self.conns.load(SeqCst) <= max;
+        if frees_room {
+            let handed = self
+                .queue
+                .fetch_update(SeqCst, SeqCst, |q| {
+                    let (waiting, handed) = split(q);
+                    (waiting > handed).then(|| join(waiting, handed + 1))
+                })
+                .is_ok();
+            if handed {
+                self.freed.notify_one();
+                return;
+            }
         }
-        self.conns.fetch_sub(1, SeqCst);
+        let left = self.conns.fetch_sub(1, SeqCst).saturating_sub(1);
         // A client that began to wait since the look above may have looked at `conns`
         // before the decrement (SeqCst both sides: one of the two sees the other).
-        if waiting(self.queue.load(SeqCst)) > 0 {
+        if (max == 0 || left < max) && waiting(self.queue.load(SeqCst)) > 0 {
             self.freed.notify_one();
         }
     }
@@ -310,12 +324,18 @@ impl ServerState {
 #[derive(Debug)]
 pub struct ServerTable {
     slots: Box<[ServerState]>,
+    /// Rung for every waiting client when a change may have given them room elsewhere
+    /// than in the queues they wait in: a publication (a `max` raised, a server added or
+    /// readdressed), a server back (its health check, the end of a drain, a blacklist
+    /// lifted by command). They look again, and wait again at the back if it did not.
+    pub changed: Notify,
 }
 
 impl Default for ServerTable {
     fn default() -> ServerTable {
         ServerTable {
             slots: (0..MAX_SERVERS).map(|_| ServerState::default()).collect(),
+            changed: Notify::new(),
         }
     }
 }
@@ -324,6 +344,19 @@ impl ServerTable {
     /// State of server `index`; indexes come from settings, which the parser bounds.
     pub fn get(&self, index: usize) -> Option<&ServerState> {
         self.slots.get(index)
+    }
+
+    /// Copies the servers' limits of `settings`, about to be published, into their states
+    /// (a slot without a server: none).
+    pub fn mirror_limits(&self, settings: &Settings) {
+        for (i, slot) in self.slots.iter().enumerate() {
+            let (max, hard) = settings
+                .servers
+                .get(i)
+                .map_or((0, 0), |conf| (conf.max, conf.hard_limit()));
+            slot.max.store(max, Relaxed);
+            slot.hard.store(hard, Relaxed);
+        }
     }
 }
 
@@ -379,6 +412,25 @@ mod tests {
         s.stop_waiting();
         assert_eq!((conns(&s), s.waiting()), (0, 0));
         assert!(Place::claim(&s, 1).is_some());
+    }
+
+    #[test]
+    fn a_place_over_a_lowered_max_is_given_back_not_handed_on() {
+        let s = ServerState::default();
+        s.max.store(3, Relaxed);
+        let places: Vec<_> = (0..3).filter_map(|_| Place::claim(&s, 3)).collect();
+        s.start_waiting();
+        s.max.store(1, Relaxed);
+        let mut places = places.into_iter();
+        // Three open under max 1: the first two that end free no room.
+        drop(places.next());
+        drop(places.next());
+        assert_eq!((conns(&s), s.waiting()), (1, 1));
+        assert!(s.take_handed().is_none());
+        // The last one's place is room under max 1: the waiting client gets it.
+        drop(places.next());
+        assert_eq!(conns(&s), 1);
+        assert!(s.take_handed().is_some());
     }
 
     #[test]

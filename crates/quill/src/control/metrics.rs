@@ -374,6 +374,15 @@ pub static FAMILIES: &[Family] = &[
         source: Source::PerServer(|s| u64::from(s.pool_idle.load(Relaxed))),
     },
     Family {
+        name: "server_queued",
+        help: "Client connections (requests, with http) waiting now for the server, at its \
+               max, to have room (queue_timeout); one waiting for several full servers \
+               counts at each.",
+        unit: None,
+        kind: Kind::Gauge,
+        source: Source::PerServer(|s| u64::from(s.waiting())),
+    },
+    Family {
         name: "server_failures",
         help: "Failed attempts to connect to the server.",
         unit: None,

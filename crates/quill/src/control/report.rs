@@ -190,6 +190,9 @@ pub fn json(ctx: &Context) -> String {
                 "checks_failed": rt.checks_failed.load(Relaxed),
                 "weight_now": rt.effective_weight(s.weight, now, settings.slow_start.saturating_mul(1000)),
                 "connections": rt.conns.load(Relaxed),
+                // Clients waiting for it to have room (`queue_timeout`); one waiting for
+                // several full servers counts at each.
+                "queued": rt.waiting(),
                 "max": s.max,
                 "hard": s.hard,
                 "weight": s.weight,

@@ -96,10 +96,12 @@ pub async fn supervise(state: Arc<State>) {
             task.abort();
             if !wanted.contains_key(index) {
                 if let Some(s) = state.servers.get(*index) {
-                    if s.health() == Health::Down {
-                        tracing::warn!("server {index}: health check removed, counted as up");
-                    }
+                    let was_down = s.health() == Health::Down;
                     s.set_health(Health::Unchecked);
+                    if was_down {
+                        tracing::warn!("server {index}: health check removed, counted as up");
+                        state.servers.changed.notify_waiters();
+                    }
                 }
             }
             false
@@ -140,6 +142,7 @@ async fn check_server(state: Arc<State>, index: usize, plan: Plan) {
                     Health::Down if passed >= plan.rise => {
                         server.up_since.store(clock::now_ms(), Relaxed);
                         server.set_health(Health::Up);
+                        state.servers.changed.notify_waiters();
                         tracing::warn!(
                             "server {index} ({addr}) is up: {passed} health check(s) passed"
                         );

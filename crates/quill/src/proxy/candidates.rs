@@ -217,9 +217,12 @@ impl<'a, 's: 'a> Candidates<'a, 's> {
         let until = *self.queue_until.get_or_insert_with(|| {
             Instant::now() + Duration::from_secs(self.settings.queue_timeout)
         });
+        // Each full server's ring, and the table's for changes that may give room
+        // elsewhere (a `max` raised, a server back).
         let mut rung: Vec<Pin<Box<Notified<'s>>>> = full
             .iter()
             .map(|(_, s)| Box::pin(s.freed.notified()))
+            .chain([Box::pin(self.state.servers.changed.notified())])
             .collect();
         let mut waiting = Waiting::enter(self.state, full);
         for r in &mut rung {
@@ -228,11 +231,16 @@ impl<'a, 's: 'a> Candidates<'a, 's> {
         // Looked at again only now that a lease ending would hand its place over or ring:
         // none is missed.
         fence(SeqCst);
-        self.choice = Some(selector.again(clock::now_ms()));
+        let now = clock::now_ms();
+        self.choice = Some(selector.again(now));
         if matches!(self.choice, Some(Choice::Server(_))) {
             return true;
         }
-        let freed = std::future::poll_fn(|cx| {
+        // A blacklisted server's time running out rings nothing: look again then.
+        let wake_at = selector.soonest_back().map_or(until, |back| {
+            until.min(Instant::now() + Duration::from_millis(back.saturating_sub(now)))
+        });
+        let rung_or_back = std::future::poll_fn(|cx| {
             // Every one polled until one is ready, so that each has this task's waker.
             if rung.iter_mut().any(|r| r.as_mut().poll(cx).is_ready()) {
                 Poll::Ready(())
@@ -240,18 +248,19 @@ impl<'a, 's: 'a> Candidates<'a, 's> {
                 Poll::Pending
             }
         });
-        let woken = tokio::time::timeout_at(until, freed).await;
+        let _ = tokio::time::timeout_at(wake_at, rung_or_back).await;
         // A place handed over comes first, even one that came as the time ran out.
         if let Some(handed) = waiting.take_handed() {
             self.handed = Some(handed);
             return true;
         }
-        if woken.is_err() {
+        if Instant::now() >= until {
             self.state.counters.queue_timeouts.fetch_add(1, Relaxed);
             tracing::debug!(peer = %self.peer, "no server had room within queue_timeout");
             return false;
         }
-        // Rung without a place (a lease ended as this client began to wait): look again.
+        // Rung without a place (a lease ended as this client began to wait, a change, a
+        // server back): look again, and wait again at the back if nothing is free.
         self.choice = Some(selector.again(clock::now_ms()));
         true
     }
