@@ -1409,6 +1409,53 @@ fn penlogd_hears_of_each_request_served_over_pooled_connections() {
     });
 }
 
+/// HTTP/2 clients' requests go to servers one by one too: penlogd hears of each, as the
+/// server will log it (`HTTP/1.1`), with the client it came from.
+#[test]
+fn penlogd_hears_of_each_request_of_an_http2_client() {
+    let Some(penlogd) = support::penlogd::Penlogd::start() else {
+        return;
+    };
+    let Some((_nginx, port)) = backend() else {
+        return;
+    };
+    let penlogd_at = format!("127.0.0.1:{}", penlogd.port);
+    let q = h2c_quill(port, &["-l", &penlogd_at]);
+    // Two clients, two requests each (a connection each: Debian's curl 7.88 fails a second
+    // request over a reused h2c connection, NGINX's own as well).
+    for (src, path) in [
+        ("127.0.0.2", "/1k?a"),
+        ("127.0.0.3", "/1k?c"),
+        ("127.0.0.2", "/1k?b"),
+        ("127.0.0.3", "/1k?d"),
+    ] {
+        let url = format!("http://127.0.0.1:{}{path}", q.port);
+        let out = curl(&[
+            "--http2-prior-knowledge",
+            "--interface",
+            src,
+            "-o",
+            "/dev/null",
+            "-w",
+            "%{http_version} %{http_code}",
+            &url,
+        ])
+        .expect("curl");
+        assert_eq!(out, "2 200");
+    }
+    let web_log: String = ["/1k?c", "/1k?a", "/1k?d", "/1k?b"]
+        .iter()
+        .map(|p| {
+            format!("127.0.0.1 - - [29/Nov/2026:04:00:00 +0000] \"GET {p} HTTP/1.1\" 200 1024\n")
+        })
+        .collect();
+    penlogd.web_server_logs("127.0.0.1", &web_log);
+    assert_eq!(
+        penlogd.clients(4),
+        ["127.0.0.3", "127.0.0.2", "127.0.0.3", "127.0.0.2"]
+    );
+}
+
 /// Lines wait for the log's thread (up to 0.1 s), but not past the end: a request answered
 /// just before SIGTERM has its line in the file when quill has exited.
 #[test]

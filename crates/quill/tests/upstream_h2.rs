@@ -655,3 +655,47 @@ fn a_server_that_turns_new_connections_away_is_busy_not_failed() {
         assert_eq!(n, 2 * round, "connections after round {round}");
     }
 }
+
+/// `-l IP:PORT`: penlogd hears of each request as the server logs it (`HTTP/2.0`), with
+/// the client it came from, though the clients share one server connection.
+#[test]
+fn penlogd_hears_of_each_request_sent_as_a_stream() {
+    let Some(penlogd) = support::penlogd::Penlogd::start() else {
+        return;
+    };
+    let port = free_port();
+    let Some(_nginx) = nginx_on(port, " http2", None) else {
+        return;
+    };
+    let penlogd_at = format!("127.0.0.1:{}", penlogd.port);
+    let server = format!("127.0.0.1:{port}");
+    let q = Quill::start(&[
+        "-H",
+        "-O",
+        "upstream_h2",
+        "-l",
+        &penlogd_at,
+        "{port}",
+        &server,
+    ]);
+    for (src, path) in [("127.0.0.2", "/who?a"), ("127.0.0.3", "/who?b")] {
+        let mut s = q.connect_from(src);
+        s.set_read_timeout(Some(Duration::from_secs(20))).unwrap();
+        write!(
+            s,
+            "GET {path} HTTP/1.1\r\nHost: a\r\nConnection: close\r\n\r\n"
+        )
+        .unwrap();
+        let mut answer = String::new();
+        s.read_to_string(&mut answer).unwrap();
+        assert!(answer.starts_with("HTTP/1.1 200"), "{answer}");
+    }
+    let web_log: String = ["/who?b", "/who?a"]
+        .iter()
+        .map(|p| {
+            format!("127.0.0.1 - - [29/Nov/2026:04:00:00 +0000] \"GET {p} HTTP/2.0\" 200 20\n")
+        })
+        .collect();
+    penlogd.web_server_logs("127.0.0.1", &web_log);
+    assert_eq!(penlogd.clients(2), ["127.0.0.3", "127.0.0.2"]);
+}
