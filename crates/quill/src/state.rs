@@ -211,13 +211,17 @@ impl State {
     }
 
     /// Makes `settings` the snapshot new connections and requests read; the servers'
-    /// limits are mirrored into their states first, and clients waiting for room look
-    /// again once it is out (a `max` raised or a server added may give them some).
+    /// limits are mirrored into their states first, and when the servers changed, clients
+    /// waiting for room look again once it is out (a `max` raised or a server added may
+    /// give them some; any other command, a query included, leaves them their turn).
     fn publish(&self, settings: Settings) {
+        let servers_changed = self.settings.load().servers != settings.servers;
         self.servers.mirror_limits(&settings);
         self.settings.store(Arc::new(settings));
         self.generation.send_modify(|g| *g = g.wrapping_add(1));
-        self.servers.changed.notify_waiters();
+        if servers_changed {
+            self.servers.changed.notify_waiters();
+        }
     }
 
     /// Replaces the whole configuration (a reload), carrying out `actions` like `execute`.
