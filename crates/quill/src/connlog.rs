@@ -10,7 +10,7 @@
 //! (`logfile`): an event loop never waits for the disk.
 
 use std::io;
-use std::net::{IpAddr, SocketAddr, UdpSocket};
+use std::net::{IpAddr, SocketAddr, ToSocketAddrs, UdpSocket};
 use std::path::Path;
 use std::sync::Arc;
 use std::time::{SystemTime, UNIX_EPOCH};
@@ -31,11 +31,13 @@ pub enum ConnLog {
 }
 
 impl ConnLog {
-    /// Opens `target`: penlogd's address if it is a literal `IP:PORT` (`[IPv6]:PORT`),
-    /// else a file (created if needed) to append to.
+    /// Opens `target`: penlogd's address if it is `IP:PORT` (`[IPv6]:PORT`) or
+    /// `HOST:PORT` (a host name, resolved now: its first address), else a file (created
+    /// if needed) to append to.
     pub fn open(target: &str) -> io::Result<ConnLog> {
-        match target.parse::<SocketAddr>() {
-            Ok(addr) => {
+        match penlogd_address(target) {
+            Some(addr) => {
+                let addr = addr?;
                 let local: SocketAddr = match addr {
                     SocketAddr::V4(_) => ([0, 0, 0, 0], 0).into(),
                     SocketAddr::V6(_) => (std::net::Ipv6Addr::UNSPECIFIED, 0).into(),
@@ -45,7 +47,7 @@ impl ConnLog {
                 socket.set_nonblocking(true)?;
                 Ok(ConnLog::Penlogd(socket))
             }
-            Err(_) => Ok(ConnLog::File(LogFile::open(
+            None => Ok(ConnLog::File(LogFile::open(
                 Path::new(target),
                 "connection log",
             )?)),
@@ -85,6 +87,32 @@ impl ConnLog {
             tracing::debug!("penlogd: {e}");
         }
     }
+}
+
+/// penlogd's address, if `target` names one rather than a file: a socket address, or a
+/// host name (letters, digits, dots and dashes, as Pen takes any `HOST:PORT`) and a port
+/// number, resolved here.
+fn penlogd_address(target: &str) -> Option<io::Result<SocketAddr>> {
+    if let Ok(addr) = target.parse::<SocketAddr>() {
+        return Some(Ok(addr));
+    }
+    let (host, port) = target.rsplit_once(':')?;
+    let port: u16 = port.parse().ok()?;
+    let is_host = !host.is_empty()
+        && host
+            .bytes()
+            .all(|b| b.is_ascii_alphanumeric() || b == b'.' || b == b'-');
+    if !is_host {
+        return None;
+    }
+    Some((host, port).to_socket_addrs().and_then(|mut addrs| {
+        addrs.next().ok_or_else(|| {
+            io::Error::new(
+                io::ErrorKind::NotFound,
+                format!("penlogd host {host} has no address"),
+            )
+        })
+    }))
 }
 
 /// The request's first line (up to the first CR or LF).
@@ -149,6 +177,28 @@ pub fn unix_now() -> u64 {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn a_host_name_and_a_port_name_penlogd_anything_else_a_file() {
+        let penlogd = UdpSocket::bind("127.0.0.1:0").unwrap();
+        let port = penlogd.local_addr().unwrap().port();
+        let at = |t: &str| penlogd_address(t).map(|r| r.unwrap().port());
+        assert_eq!(at(&format!("localhost:{port}")), Some(port));
+        assert_eq!(at(&format!("127.0.0.1:{port}")), Some(port));
+        assert_eq!(at(&format!("[::1]:{port}")), Some(port));
+        for file in [
+            "quill.log",
+            "/var/log/quill:1",
+            "logs:x",
+            ":80",
+            "a b:80",
+            "host:70000",
+        ] {
+            assert!(penlogd_address(file).is_none(), "{file}");
+        }
+        let log = ConnLog::open(&format!("localhost:{port}")).unwrap();
+        assert!(log.tells());
+    }
 
     #[test]
     fn penlogd_gets_pens_entry_cut_as_the_files_line() {

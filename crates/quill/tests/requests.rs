@@ -1419,7 +1419,8 @@ fn penlogd_hears_of_each_request_of_an_http2_client() {
     let Some((_nginx, port)) = backend() else {
         return;
     };
-    let penlogd_at = format!("127.0.0.1:{}", penlogd.port);
+    // Named as Pen users name it: a host name and a port.
+    let penlogd_at = format!("localhost:{}", penlogd.port);
     let q = h2c_quill(port, &["-l", &penlogd_at]);
     // Two clients, two requests each (a connection each: Debian's curl 7.88 fails a second
     // request over a reused h2c connection, NGINX's own as well).
