@@ -570,16 +570,22 @@ async fn route(
     }
     // penlogd's entry (`-l IP:PORT`) for each server the request goes to, before it has
     // it: the request line as the server logs it.
-    let penlogd = state.log.load_full().filter(|log| log.tells()).map(|log| {
-        let target = req.uri().path_and_query().map_or("/", |p| p.as_str());
-        let version = if settings.upstream_h2 {
-            "HTTP/2.0"
-        } else {
-            "HTTP/1.1"
-        };
-        let line = format!("{} {target} {version}", req.method());
-        (log, line)
-    });
+    let penlogd = state
+        .log
+        .load()
+        .as_ref()
+        .filter(|log| log.tells())
+        .map(|log| {
+            let log = std::sync::Arc::clone(log);
+            let target = req.uri().path_and_query().map_or("/", |p| p.as_str());
+            let version = if settings.upstream_h2 {
+                "HTTP/2.0"
+            } else {
+                "HTTP/1.1"
+            };
+            let line = format!("{} {target} {version}", req.method());
+            (log, line)
+        });
     let mut candidates = Candidates::new(state, &settings, peer.addr, peer.permitted);
     while let Some((c, place)) = candidates.next().await {
         if let Some((log, line)) = &penlogd {
