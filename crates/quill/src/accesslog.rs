@@ -35,6 +35,11 @@ impl AccessLog {
         })
     }
 
+    /// The file it writes.
+    pub fn file(&self) -> &LogFile {
+        &self.file
+    }
+
     fn write_line(&self, line: &[u8]) {
         self.file.append(line);
     }

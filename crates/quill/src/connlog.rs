@@ -66,6 +66,14 @@ impl ConnLog {
         file.append(line.as_bytes());
     }
 
+    /// The file, unless the log goes to penlogd.
+    pub fn file(&self) -> Option<&LogFile> {
+        match self {
+            ConnLog::File(file) => Some(file),
+            ConnLog::Penlogd(_) => None,
+        }
+    }
+
     /// Whether the log wants to hear of a connection as soon as its first bytes come.
     pub fn tells(&self) -> bool {
         matches!(self, ConnLog::Penlogd(_))

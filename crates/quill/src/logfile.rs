@@ -15,7 +15,7 @@
 use std::fs::{File, OpenOptions};
 use std::io::{self, Write};
 use std::os::fd::AsFd;
-use std::path::Path;
+use std::path::{Path, PathBuf};
 use std::sync::atomic::{AtomicU64, Ordering::Relaxed};
 use std::sync::{Arc, Condvar, Mutex, MutexGuard};
 use std::thread::JoinHandle;
@@ -53,6 +53,8 @@ pub fn dropped() -> u64 {
 #[derive(Debug)]
 pub struct LogFile {
     shared: Arc<Shared>,
+    /// The file's name (none for stderr), for [`LogFile::reopen`].
+    path: Option<PathBuf>,
 }
 
 #[derive(Debug)]
@@ -74,14 +76,44 @@ struct Pending {
     dropped: u64,
     /// Bytes the writer took and is writing (counted against [`MAX_PENDING`] too).
     writing: usize,
+    /// The file reopened under the same name ([`LogFile::reopen`]), and how many bytes of
+    /// `lines` were handed over before it: those go to the old file, the rest to it.
+    reopened: Option<(File, usize)>,
 }
 
 impl LogFile {
     /// Opens (creating if needed) `path` for appending and starts its writer; `what` names
     /// the log in the writer's messages ("access log").
     pub fn open(path: &Path, what: &'static str) -> io::Result<LogFile> {
-        let file = OpenOptions::new().create(true).append(true).open(path)?;
-        LogFile::start(file, what, GATHER)
+        let mut log = LogFile::start(open_for_appending(path)?, what, GATHER)?;
+        log.path = Some(path.to_path_buf());
+        Ok(log)
+    }
+
+    /// The file's name, if it has one (stderr has none).
+    pub fn path(&self) -> Option<&Path> {
+        self.path.as_deref()
+    }
+
+    /// Opens the file's name again (rotation: `mv`, then SIGHUP) and has the writer go on
+    /// there: lines handed over until now go to the old file, later ones to the new, whoever
+    /// holds this `LogFile` (connections that started before the rotation too, so no writer
+    /// is left behind for them). On error the writer stays with the old file.
+    pub fn reopen(&self) -> io::Result<()> {
+        let path = self.path.as_deref().ok_or_else(|| {
+            io::Error::new(io::ErrorKind::Unsupported, "stderr cannot be reopened")
+        })?;
+        let file = open_for_appending(path)?;
+        let mut pending = lock(&self.shared.pending);
+        let cut = match pending.reopened.take() {
+            // Reopened twice before the writer got to it: the earlier cut stands.
+            Some((_, cut)) => cut,
+            None => pending.lines.len(),
+        };
+        pending.reopened = Some((file, cut));
+        drop(pending);
+        self.shared.ring.notify_one();
+        Ok(())
     }
 
     /// Starts the writer of an open `file`, which gathers lines for `gather`.
@@ -101,7 +133,7 @@ impl LogFile {
             shared: Arc::clone(&shared),
             thread,
         });
-        Ok(LogFile { shared })
+        Ok(LogFile { shared, path: None })
     }
 
     /// Hands one whole line (with its newline) over to the writer.
@@ -139,11 +171,11 @@ impl Shared {
         let mut failing = false;
         loop {
             let mut pending = lock(&self.pending);
-            while pending.lines.is_empty() && !pending.closing {
+            while pending.lines.is_empty() && !pending.closing && pending.reopened.is_none() {
                 pending = self.ring.wait(pending).unwrap_or_else(|p| p.into_inner());
             }
             let due = Instant::now() + self.gather;
-            while pending.lines.len() < FLUSH_AT && !pending.closing {
+            while pending.lines.len() < FLUSH_AT && !pending.closing && pending.reopened.is_none() {
                 let left = due.saturating_duration_since(Instant::now());
                 if left.is_zero() {
                     break;
@@ -157,23 +189,19 @@ impl Shared {
             pending.writing = batch.len();
             let dropped = std::mem::take(&mut pending.dropped);
             let closing = pending.closing;
+            let reopened = pending.reopened.take();
             drop(pending);
             if dropped > 0 {
                 tracing::warn!("{what}: {dropped} line(s) dropped: the file was not taking them");
             }
-            match file.write_all(&batch) {
-                Ok(()) if failing => {
-                    failing = false;
-                    tracing::info!("{what}: writing again");
-                }
-                Ok(()) => {}
-                // Said once until it works again: a full disk must not flood the log.
-                Err(e) if !failing => {
-                    failing = true;
-                    tracing::warn!("{what}: {e}");
-                }
-                Err(_) => {}
+            let mut rest = &batch[..];
+            if let Some((new, cut)) = reopened {
+                let (old_lines, new_lines) = batch.split_at(cut.min(batch.len()));
+                write_batch(&mut file, old_lines, what, &mut failing);
+                file = new;
+                rest = new_lines;
             }
+            write_batch(&mut file, rest, what, &mut failing);
             batch.clear();
             lock(&self.pending).writing = 0;
             // A burst while the file stalled may have grown the buffer to MAX_PENDING.
@@ -185,6 +213,30 @@ impl Shared {
             }
         }
     }
+}
+
+/// Writes `lines` to `file`; a failure is said once until a write works again (a full
+/// disk must not flood the log).
+fn write_batch(file: &mut File, lines: &[u8], what: &str, failing: &mut bool) {
+    if lines.is_empty() {
+        return;
+    }
+    match file.write_all(lines) {
+        Ok(()) if *failing => {
+            *failing = false;
+            tracing::info!("{what}: writing again");
+        }
+        Ok(()) => {}
+        Err(e) if !*failing => {
+            *failing = true;
+            tracing::warn!("{what}: {e}");
+        }
+        Err(_) => {}
+    }
+}
+
+fn open_for_appending(path: &Path) -> io::Result<File> {
+    OpenOptions::new().create(true).append(true).open(path)
 }
 
 /// Waits, up to `patience`, for every log file dropped so far to be written out (at exit,
@@ -298,6 +350,27 @@ mod tests {
             }
             std::thread::sleep(Duration::from_millis(5));
         }
+    }
+
+    #[test]
+    fn a_reopened_file_gets_the_lines_handed_over_after_the_reopen() {
+        let path = scratch("reopen");
+        let rotated = path.with_extension("1");
+        let log = LogFile::open(&path, "test log").unwrap();
+        log.append(b"before\n");
+        // Still waiting in the buffer when the file is moved and reopened: the old file's.
+        std::fs::rename(&path, &rotated).unwrap();
+        log.reopen().unwrap();
+        log.append(b"after\n");
+        assert_eq!(wait_for(&path, 6), "after\n");
+        assert_eq!(wait_for(&rotated, 7), "before\n");
+        // Twice in a row before the writer looked: the lines go to the newest file.
+        log.reopen().unwrap();
+        log.reopen().unwrap();
+        log.append(b"again\n");
+        assert_eq!(wait_for(&path, 12), "after\nagain\n");
+        drop(log);
+        let _ = std::fs::remove_dir_all(path.parent().unwrap());
     }
 
     #[test]

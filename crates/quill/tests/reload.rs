@@ -674,6 +674,11 @@ fn log_rotation_by_mv_and_sighup_writes_to_the_new_file() {
     );
     assert!(f[1].parse::<u64>().is_ok(), "{line:?}");
 
+    // A connection open across the rotation.
+    let (_, mut held) = q.name_from("127.0.0.5");
+    held.write_all(b"GET /held HTTP/1.0\r\n\r\n").unwrap();
+    let writers = log_writers(&q);
+
     fs::rename(&log, &rotated).unwrap();
     signal_when_handled(&q, "HUP");
     // Connections that end after the reopen go to the new file.
@@ -694,6 +699,27 @@ fn log_rotation_by_mv_and_sighup_writes_to_the_new_file() {
         "the rotated file keeps its lines"
     );
     assert!(!has(&rotated, "GET /later"), "written to the rotated file");
+    // The file was reopened in place: no writer thread was left for the old one...
+    assert_eq!(log_writers(&q), writers, "a writer thread per rotation");
+    // ...and the connection that outlived the rotation has its line in the new file, as
+    // with Pen and NGINX (logrotate may compress the old one at once).
+    held.shutdown(Shutdown::Write).unwrap();
+    expect_closed(&mut held, Duration::from_secs(5));
+    wait_until(
+        Duration::from_secs(5),
+        "the held connection is logged",
+        || has(&log, "GET /held"),
+    );
+    assert!(!has(&rotated, "GET /held"));
+}
+
+/// quill's log writer threads (`quill-log`) now.
+fn log_writers(q: &Quill) -> usize {
+    fs::read_dir(format!("/proc/{}/task", q.pid()))
+        .unwrap()
+        .filter_map(|t| fs::read_to_string(t.ok()?.path().join("comm")).ok())
+        .filter(|name| name.trim() == "quill-log")
+        .count()
 }
 
 /// `-l IP:PORT` sends Pen's entries to `penlogd` (Debian's `pen` package: `penlogd`, and

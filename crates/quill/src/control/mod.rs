@@ -263,22 +263,39 @@ impl Context {
     }
 
     /// (Re)opens the connection log and the access log named in the settings, or closes
-    /// them.
+    /// them. A log file already open under the same name is reopened in place (rotation):
+    /// its writer goes on in the new file for every connection, old ones included.
     pub fn reopen_log(&self) {
         let settings = self.state.settings();
         match &settings.log {
             None => self.state.log.store(None),
-            Some(file) => match ConnLog::open(file.as_str()) {
-                Ok(log) => self.state.log.store(Some(Arc::new(log))),
-                Err(e) => tracing::error!("cannot open log file {file}: {e}"),
-            },
+            Some(file) => {
+                let current = self.state.log.load();
+                let open = current.as_ref().and_then(|l| l.file());
+                match reopen_in_place(open, file.as_str()) {
+                    Some(Ok(())) => {}
+                    Some(Err(e)) => tracing::error!("cannot reopen log file {file}: {e}"),
+                    None => match ConnLog::open(file.as_str()) {
+                        Ok(log) => self.state.log.store(Some(Arc::new(log))),
+                        Err(e) => tracing::error!("cannot open log file {file}: {e}"),
+                    },
+                }
+            }
         }
         match &settings.access_log {
             None => self.state.access_log.store(None),
-            Some(file) => match crate::accesslog::AccessLog::open(Path::new(file.as_str())) {
-                Ok(log) => self.state.access_log.store(Some(Arc::new(log))),
-                Err(e) => tracing::error!("cannot open access log {file}: {e}"),
-            },
+            Some(file) => {
+                let current = self.state.access_log.load();
+                let open = current.as_ref().map(|l| l.file());
+                match reopen_in_place(open, file.as_str()) {
+                    Some(Ok(())) => {}
+                    Some(Err(e)) => tracing::error!("cannot reopen access log {file}: {e}"),
+                    None => match crate::accesslog::AccessLog::open(Path::new(file.as_str())) {
+                        Ok(log) => self.state.access_log.store(Some(Arc::new(log))),
+                        Err(e) => tracing::error!("cannot open access log {file}: {e}"),
+                    },
+                }
+            }
         }
     }
 
@@ -292,6 +309,13 @@ impl Context {
             }
         }
     }
+}
+
+/// Reopens `open` if it is the log file named `name` (`None` when it is not: another file,
+/// penlogd, or no log yet).
+fn reopen_in_place(open: Option<&crate::logfile::LogFile>, name: &str) -> Option<io::Result<()>> {
+    let open = open.filter(|f| f.path() == Some(Path::new(name)))?;
+    Some(open.reopen())
 }
 
 /// Writes `bytes` to `path` through a temporary file and a rename, so readers never see
