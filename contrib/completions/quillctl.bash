@@ -21,7 +21,7 @@ check_interval check_timeout check_rise check_fall slow_start shutdown_grace ann
 announce_grace dsr_if dsr_path
 tarpit_acl transparent http http_header_max http_request_timeout hsts proxy_protocol
 accept_proxy alpn h2c h2_max_streams upstream_keepalive upstream_idle_timeout
-upstream_max_requests queue_timeout upstream_h2 access_log'
+upstream_max_requests queue_timeout queue_max upstream_h2 access_log'
 
 # Operations on the running process, for the control socket only.
 _quillctl_operations='servers status mode recent connection close control pid include write

@@ -264,6 +264,10 @@ pub enum Command {
     /// `http`) that finds every server it may use at its `max` waits for one to have room,
     /// before the emergency server or a refusal; 0 = no wait, as Pen.
     QueueTimeout(u64),
+    /// `queue_max N` (extension): clients that may wait for room at once (`queue_timeout`);
+    /// one more goes at once to the emergency server or is refused; 0 = no limit but
+    /// `conn_max`.
+    QueueMax(u64),
     /// `access_log FILE` / `no access_log` (extension): with `http`, one line per request
     /// (see `accesslog`), reopened on SIGHUP like `log`.
     AccessLog(Option<Word>),
@@ -1097,6 +1101,7 @@ pub const NAMES: &[&str] = &[
     "upstream_idle_timeout",
     "upstream_max_requests",
     "queue_timeout",
+    "queue_max",
     "upstream_h2",
     "access_log",
 ];
@@ -1471,6 +1476,7 @@ fn parse_positive(command: &'static str, w: &mut Words<'_>) -> Result<Command, P
         "upstream_keepalive" => Command::UpstreamKeepalive(w.number("number of connections")?),
         "upstream_idle_timeout" => Command::UpstreamIdleTimeout(w.number("number of seconds")?),
         "queue_timeout" => Command::QueueTimeout(w.number("number of seconds")?),
+        "queue_max" => Command::QueueMax(w.number("number of clients")?),
         "upstream_max_requests" => Command::UpstreamMaxRequests(w.number("number of requests")?),
         "hsts" => {
             let max_age = w.number("max-age in seconds")?;
@@ -1859,6 +1865,7 @@ impl fmt::Display for Command {
             Command::UpstreamKeepalive(n) => write!(f, "upstream_keepalive {n}"),
             Command::UpstreamIdleTimeout(n) => write!(f, "upstream_idle_timeout {n}"),
             Command::QueueTimeout(n) => write!(f, "queue_timeout {n}"),
+            Command::QueueMax(n) => write!(f, "queue_max {n}"),
             Command::UpstreamMaxRequests(n) => write!(f, "upstream_max_requests {n}"),
             Command::UpstreamH2(on) => on_off(f, *on, "upstream_h2"),
             Command::HttpRequestTimeout(n) => with_optional(f, "http_request_timeout", n),
@@ -2222,6 +2229,7 @@ mod roundtrip {
             any::<u32>().prop_map(Command::UpstreamKeepalive),
             any::<u64>().prop_map(Command::UpstreamIdleTimeout),
             any::<u64>().prop_map(Command::QueueTimeout),
+            any::<u64>().prop_map(Command::QueueMax),
             any::<u64>().prop_map(Command::UpstreamMaxRequests),
             any::<bool>().prop_map(Command::UpstreamH2),
             tls_command(),

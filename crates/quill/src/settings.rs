@@ -234,6 +234,8 @@ pub struct Settings {
     /// Seconds a client with every server it may use full waits for room (`queue_timeout`;
     /// 0: none, as Pen).
     pub queue_timeout: u64,
+    /// Clients that may wait at once (`queue_max`; 0: no limit but `conn_max`).
+    pub queue_max: u64,
     /// Requests over one pooled connection (`upstream_max_requests`; 0 = no limit).
     pub upstream_max_requests: u64,
     /// Requests served per request go to servers over HTTP/2 where they speak it
@@ -339,6 +341,7 @@ impl Default for Settings {
             upstream_keepalive: crate::proxy::pool::DEFAULT_KEEPALIVE,
             upstream_idle_timeout: crate::proxy::pool::DEFAULT_IDLE_TIMEOUT,
             queue_timeout: 0,
+            queue_max: 0,
             upstream_max_requests: crate::proxy::pool::DEFAULT_MAX_REQUESTS,
             upstream_h2: false,
             proxy_protocol: None,
@@ -629,6 +632,7 @@ impl Settings {
             Command::UpstreamKeepalive(n) => set(&mut self.upstream_keepalive, *n),
             Command::UpstreamIdleTimeout(n) => set(&mut self.upstream_idle_timeout, *n),
             Command::QueueTimeout(n) => set(&mut self.queue_timeout, *n),
+            Command::QueueMax(n) => set(&mut self.queue_max, *n),
             Command::UpstreamMaxRequests(n) => set(&mut self.upstream_max_requests, *n),
             Command::UpstreamH2(on) => set(&mut self.upstream_h2, *on),
             Command::HttpHeaderMax(v) => query_or_set(&mut self.http_header_max, *v),
@@ -856,6 +860,9 @@ impl Settings {
         }
         if self.queue_timeout != d.queue_timeout {
             out.push(Command::QueueTimeout(self.queue_timeout));
+        }
+        if self.queue_max != d.queue_max {
+            out.push(Command::QueueMax(self.queue_max));
         }
         if self.upstream_max_requests != d.upstream_max_requests {
             out.push(Command::UpstreamMaxRequests(self.upstream_max_requests));

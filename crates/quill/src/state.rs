@@ -56,6 +56,8 @@ pub struct Counters {
     pub queued: AtomicU64,
     /// Of those, the ones whose wait ran out (then the emergency server, or a refusal).
     pub queue_timeouts: AtomicU64,
+    /// Clients that found every server full and the queue at `queue_max`: not let wait.
+    pub queue_full: AtomicU64,
     /// TLS handshakes completed with clients.
     pub tls_handshakes: AtomicU64,
     /// TLS handshakes with clients that failed (protocol, certificate, timeout, reset).

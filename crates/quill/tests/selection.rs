@@ -509,6 +509,41 @@ fn waiting_clients_take_room_as_soon_as_a_change_makes_it() {
 }
 
 #[test]
+fn beyond_queue_max_a_client_finding_its_servers_full_is_not_let_wait() {
+    if skip_on_pen("queue_max is a quill extension") {
+        return;
+    }
+    let a = IdentityBackend::start("a");
+    let (q, ctl) = support::ctl::start_with_tcp_control(&[
+        "-O",
+        "queue_timeout 30",
+        "-O",
+        "queue_max 1",
+        "127.0.0.1:{port}",
+        &a.spec_with("1"),
+    ]);
+    let (_, first) = q.name_from("127.0.0.51");
+    let addr = q.addr();
+    let second = std::thread::spawn(move || {
+        let mut s = client_from("127.0.0.52", addr).expect("connect");
+        backend_name(&mut s)
+    });
+    wait_until(Duration::from_secs(5), "the second client queued", || {
+        queue_counts(&ctl) == (1, 0)
+    });
+    // The queue is full: the third client is closed at once, as without queue_timeout.
+    let mut third = q.connect_from("127.0.0.53");
+    let took = expect_closed_without_data(&mut third, Duration::from_secs(5));
+    assert!(took < Duration::from_secs(5), "{took:?}");
+    let status = support::ctl::status_json(&ctl);
+    assert_eq!(status["connections"]["queue_full"], 1, "{status}");
+    // The one waiting still gets its turn.
+    drop(first);
+    assert_eq!(second.join().unwrap().as_deref(), Some("a"));
+    assert_eq!(queue_counts(&ctl), (0, 0));
+}
+
+#[test]
 fn a_lowered_max_holds_while_clients_wait() {
     if skip_on_pen("queue_timeout is a quill extension") {
         return;

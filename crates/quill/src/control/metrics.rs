@@ -286,6 +286,15 @@ pub static FAMILIES: &[Family] = &[
         source: Source::Global(|s| load(&s.counters.queue_timeouts)),
     },
     Family {
+        name: "queue_full",
+        help: "Client connections (requests, with http) that found every server they may \
+               use full and queue_max clients waiting already: not let wait, each went to \
+               the emergency server or was refused.",
+        unit: None,
+        kind: Kind::Counter,
+        source: Source::Global(|s| load(&s.counters.queue_full)),
+    },
+    Family {
         name: "clients_tracked",
         help: "Entries in the client tracking table.",
         unit: None,

@@ -214,6 +214,14 @@ impl<'a, 's: 'a> Candidates<'a, 's> {
             self.choice = Some(selector.again(clock::now_ms()));
             return matches!(self.choice, Some(Choice::Server(_)));
         }
+        // A client's first wait joins the queue only below `queue_max` (one waiting
+        // already and looking again stays in it).
+        let first_wait = self.queue_until.is_none();
+        if first_wait && !may_join(self.state, self.settings.queue_max) {
+            self.state.counters.queue_full.fetch_add(1, Relaxed);
+            tracing::debug!(peer = %self.peer, "every server full and queue_max clients waiting");
+            return false;
+        }
         let until = *self.queue_until.get_or_insert_with(|| {
             Instant::now() + Duration::from_secs(self.settings.queue_timeout)
         });
@@ -224,7 +232,7 @@ impl<'a, 's: 'a> Candidates<'a, 's> {
             .map(|(_, s)| Box::pin(s.freed.notified()))
             .chain([Box::pin(self.state.servers.changed.notified())])
             .collect();
-        let mut waiting = Waiting::enter(self.state, full);
+        let mut waiting = Waiting::enter(self.state, full, first_wait);
         for r in &mut rung {
             r.as_mut().enable();
         }
@@ -330,9 +338,28 @@ struct Waiting<'s> {
     servers: Vec<(usize, &'s ServerState)>,
 }
 
+/// Whether a client may join the queue: fewer than `max` wait (0: no limit). Checked
+/// and counted in one step, so that event loops letting clients in at once stop at `max`;
+/// the place in `queued` is then the client's [`Waiting`]'s.
+fn may_join(state: &State, max: u64) -> bool {
+    state
+        .counters
+        .queued
+        .fetch_update(Relaxed, Relaxed, |n| (max == 0 || n < max).then_some(n + 1))
+        .is_ok()
+}
+
 impl<'s> Waiting<'s> {
-    fn enter(state: &'s State, servers: Vec<(usize, &'s ServerState)>) -> Waiting<'s> {
-        state.counters.queued.fetch_add(1, Relaxed);
+    /// Counts the client as waiting for `servers`; `counted`: its place in the process's
+    /// count was taken already ([`may_join`]).
+    fn enter(
+        state: &'s State,
+        servers: Vec<(usize, &'s ServerState)>,
+        counted: bool,
+    ) -> Waiting<'s> {
+        if !counted {
+            state.counters.queued.fetch_add(1, Relaxed);
+        }
         for (_, s) in &servers {
             s.start_waiting();
         }
