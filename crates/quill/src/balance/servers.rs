@@ -326,8 +326,9 @@ pub struct ServerTable {
     slots: Box<[ServerState]>,
     /// Rung for every waiting client when a change may have given them room elsewhere
     /// than in the queues they wait in: settings with other servers (a `max` raised, a
-    /// server added or readdressed), a server back (its health check, the end of a drain, a blacklist
-    /// lifted by command). They look again, and wait again at the back if it did not.
+    /// server added or readdressed), a server back (its health check, the end of a drain,
+    /// a blacklist lifted by command). They look again, and wait again at the back if it
+    /// did not.
     pub changed: Notify,
 }
 

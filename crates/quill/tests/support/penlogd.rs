@@ -67,6 +67,21 @@ impl Penlogd {
         assert!(penlog.wait().unwrap().success());
     }
 
+    /// A web server at 127.0.0.1 (quill's address as the client's) logs a `GET` of each of
+    /// `paths` over `protocol` (`HTTP/1.1`) through penlog; the clients penlogd gives them.
+    pub fn clients_of_gets(&self, protocol: &str, paths: &[&str]) -> Vec<String> {
+        let lines: String = paths
+            .iter()
+            .map(|p| {
+                format!(
+                    "127.0.0.1 - - [29/Nov/2026:04:00:00 +0000] \"GET {p} {protocol}\" 200 20\n"
+                )
+            })
+            .collect();
+        self.web_server_logs("127.0.0.1", &lines);
+        self.clients(paths.len())
+    }
+
     /// The first field (the client's address) of each of the `n` lines penlogd writes.
     pub fn clients(&self, n: usize) -> Vec<String> {
         let text = || std::fs::read_to_string(&self.out).unwrap_or_default();
