@@ -289,7 +289,8 @@ pub static FAMILIES: &[Family] = &[
         name: "queue_full",
         help: "Client connections (requests, with http) that found every server they may \
                use full and queue_max clients waiting already: not let wait, each went to \
-               the emergency server or was refused.",
+               the emergency server or was refused (a refusal counts in \
+               connections_refused, reason no_server, too).",
         unit: None,
         kind: Kind::Counter,
         source: Source::Global(|s| load(&s.counters.queue_full)),

@@ -101,6 +101,14 @@ function actionsCell(s) {
   return td;
 }
 
+// Open connections, and the clients waiting for room when the server is at its max
+// (queue_timeout).
+function connectionsCell(s) {
+  const td = el("td", { class: "num" }, fmtInt(s.connections));
+  if (s.queued > 0) td.append(el("div", { class: "bar-label" }, fmtInt(s.queued) + " waiting"));
+  return td;
+}
+
 function stateCell(s) {
   const td = el("td", { class: "state" }, el("span", { class: "badge " + s.state }, stateLabel(s)));
   if (s.health_check) {
@@ -127,7 +135,7 @@ function renderServers(status) {
       el("td", { class: "mono" }, (s.host && s.host !== s.address ? s.host + " · " : "") + hostPort(s.address, s.port)),
       stateCell(s),
       loadCell(s, busiest),
-      el("td", { class: "num" }, fmtInt(s.connections)),
+      connectionsCell(s),
       el("td", { class: "num rate" }, serverRates.has(s.index) ? fmtRate(serverRates.get(s.index)) : "–"),
       el("td", { class: "num total" }, fmtInt(s.total_connections)),
       el("td", { class: "num" }, fmtInt(s.failures)),
@@ -149,6 +157,12 @@ function hostPort(address, port) {
 function renderSummary(status) {
   const c = status.connections;
   $("c-open").textContent = fmtInt(c.open);
+  // Waiting for a server at its max (queue_timeout), those whose wait ran out, and those
+  // not let wait (queue_max): shown once there are any.
+  const queue = [[c.queued, " waiting"], [c.queue_timeouts, " timed out"], [c.queue_full, " queue full"]];
+  $("c-open-why").textContent = queue.some(([n]) => n > 0)
+    ? queue.map(([n, what]) => fmtInt(n) + what).join(" · ")
+    : "";
   $("c-accepted").textContent = fmtInt(c.accepted);
   const refused = c.refused_acl + c.refused_conn_max + c.no_server;
   $("c-refused").textContent = fmtInt(refused);
