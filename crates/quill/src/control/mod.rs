@@ -267,36 +267,20 @@ impl Context {
     /// its writer goes on in the new file for every connection, old ones included.
     pub fn reopen_log(&self) {
         let settings = self.state.settings();
-        match &settings.log {
-            None => self.state.log.store(None),
-            Some(file) => {
-                let current = self.state.log.load();
-                let open = current.as_ref().and_then(|l| l.file());
-                match reopen_in_place(open, file.as_str()) {
-                    Some(Ok(())) => {}
-                    Some(Err(e)) => tracing::error!("cannot reopen log file {file}: {e}"),
-                    None => match ConnLog::open(file.as_str()) {
-                        Ok(log) => self.state.log.store(Some(Arc::new(log))),
-                        Err(e) => tracing::error!("cannot open log file {file}: {e}"),
-                    },
-                }
-            }
-        }
-        match &settings.access_log {
-            None => self.state.access_log.store(None),
-            Some(file) => {
-                let current = self.state.access_log.load();
-                let open = current.as_ref().map(|l| l.file());
-                match reopen_in_place(open, file.as_str()) {
-                    Some(Ok(())) => {}
-                    Some(Err(e)) => tracing::error!("cannot reopen access log {file}: {e}"),
-                    None => match crate::accesslog::AccessLog::open(Path::new(file.as_str())) {
-                        Ok(log) => self.state.access_log.store(Some(Arc::new(log))),
-                        Err(e) => tracing::error!("cannot open access log {file}: {e}"),
-                    },
-                }
-            }
-        }
+        reopen(
+            &self.state.log,
+            settings.log.as_ref().map(|w| w.as_str()),
+            "log file",
+            ConnLog::file,
+            ConnLog::open,
+        );
+        reopen(
+            &self.state.access_log,
+            settings.access_log.as_ref().map(|w| w.as_str()),
+            "access log",
+            |log| Some(log.file()),
+            |name| crate::accesslog::AccessLog::open(Path::new(name)),
+        );
     }
 
     /// Writes the HTML status report to the `web_stats` file, if one is configured.
@@ -311,11 +295,35 @@ impl Context {
     }
 }
 
-/// Reopens `open` if it is the log file named `name` (`None` when it is not: another file,
-/// penlogd, or no log yet).
-fn reopen_in_place(open: Option<&crate::logfile::LogFile>, name: &str) -> Option<io::Result<()>> {
-    let open = open.filter(|f| f.path() == Some(Path::new(name)))?;
-    Some(open.reopen())
+/// Points `slot` at the log named `name` (none: closes it): the file open there already
+/// under that name is reopened in place (`file_of` tells it), anything else is opened
+/// anew (`open`); a failure is logged and leaves the slot as it was.
+fn reopen<L>(
+    slot: &arc_swap::ArcSwapOption<L>,
+    name: Option<&str>,
+    what: &str,
+    file_of: impl Fn(&L) -> Option<&crate::logfile::LogFile>,
+    open: impl Fn(&str) -> io::Result<L>,
+) {
+    let Some(name) = name else {
+        slot.store(None);
+        return;
+    };
+    let current = slot.load();
+    let same = current
+        .as_ref()
+        .and_then(|log| file_of(log))
+        .filter(|f| f.path() == Some(Path::new(name)));
+    if let Some(file) = same {
+        if let Err(e) = file.reopen() {
+            tracing::error!("cannot reopen {what} {name}: {e}");
+        }
+        return;
+    }
+    match open(name) {
+        Ok(log) => slot.store(Some(Arc::new(log))),
+        Err(e) => tracing::error!("cannot open {what} {name}: {e}"),
+    }
 }
 
 /// Writes `bytes` to `path` through a temporary file and a rename, so readers never see
