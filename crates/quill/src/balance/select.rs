@@ -48,7 +48,14 @@ pub struct Selector<'a> {
     started: bool,
     /// The last choice was a tracked client's own server (its `hard` limit applied).
     returning: bool,
+    /// Choices in a row whose place another event loop took first ([`Selector::lost_race`]).
+    races: u32,
 }
+
+/// Choices in a row that may lose their place to another event loop before the servers
+/// count as full: each one means another client took the place, so this bounds the work
+/// of one client under contention.
+const RACES: u32 = 4;
 
 impl<'a> Selector<'a> {
     pub fn new(
@@ -69,6 +76,7 @@ impl<'a> Selector<'a> {
             tried: Vec::new(),
             started: false,
             returning: false,
+            races: 0,
         }
     }
 
@@ -160,6 +168,19 @@ impl<'a> Selector<'a> {
     /// The choice made again, at `now`, after a wait for room; servers that failed stay
     /// tried.
     pub fn again(&mut self, now: u64) -> Choice {
+        self.races = 0;
+        self.now = now;
+        self.initial()
+    }
+
+    /// The last choice had no place left when its place was to be taken (another event
+    /// loop took it since the look): the choice made again at `now`; after
+    /// [`RACES`] such in a row, `NoServer` (the servers count as full).
+    pub fn lost_race(&mut self, now: u64) -> Choice {
+        self.races += 1;
+        if self.races > RACES {
+            return Choice::NoServer;
+        }
         self.now = now;
         self.initial()
     }
@@ -218,6 +239,7 @@ impl<'a> Selector<'a> {
         if let Some(t) = self.tried.get_mut(failed) {
             *t = true;
         }
+        self.races = 0;
         self.initial()
     }
 

@@ -182,19 +182,18 @@ impl ServerState {
     /// `hard`) frees no room: it is given back, and nobody is woken.
     fn release(&self) {
         let max = self.max.load(Relaxed);
-        let frees_room = max == 0 || self.conns.load(SeqCst) <= max;
-        if frees_room {
-            let handed = self
-                .queue
-                .fetch_update(SeqCst, SeqCst, |q| {
-                    let (waiting, handed) = split(q);
-                    (waiting > handed).then(|| join(waiting, handed + 1))
-                })
-                .is_ok();
-            if handed {
-                self.freed.notify_one();
-                return;
-            }
+        // The count is looked at only when a client waits for a place.
+        let frees_room = || max == 0 || self.conns.load(SeqCst) <= max;
+        let handed = self
+            .queue
+            .fetch_update(SeqCst, SeqCst, |q| {
+                let (waiting, handed) = split(q);
+                (waiting > handed && frees_room()).then(|| join(waiting, handed + 1))
+            })
+            .is_ok();
+        if handed {
+            self.freed.notify_one();
+            return;
         }
         let left = self.conns.fetch_sub(1, SeqCst).saturating_sub(1);
         // A client that began to wait since the look above may have looked at `conns`

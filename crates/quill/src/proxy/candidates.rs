@@ -156,7 +156,6 @@ impl<'a, 's: 'a> Candidates<'a, 's> {
         }
         // A place another event loop took between the selector's look and the claim makes
         // the selector look again; a few such races in a row, and the servers count as full.
-        let mut races = 0;
         while let Some(Choice::Server(index)) = self.choice {
             let c = self.candidate(index);
             let selector = self.selector.as_mut()?;
@@ -167,11 +166,7 @@ impl<'a, 's: 'a> Candidates<'a, 's> {
             };
             match Place::claim(c.server, selector.limit_of(index)) {
                 Some(place) => return Some((c, place)),
-                None if races < 4 => {
-                    races += 1;
-                    self.choice = Some(selector.again(clock::now_ms()));
-                }
-                None => self.choice = Some(Choice::NoServer),
+                None => self.choice = Some(selector.lost_race(clock::now_ms())),
             }
         }
         None
@@ -216,8 +211,11 @@ impl<'a, 's: 'a> Candidates<'a, 's> {
         }
         // A client's first wait joins the queue only below `queue_max` (one waiting
         // already and looking again stays in it).
-        let first_wait = self.queue_until.is_none();
-        if first_wait && !may_join(self.state, self.settings.queue_max) {
+        let max = match self.queue_until {
+            None => self.settings.queue_max,
+            Some(_) => 0,
+        };
+        if !may_join(self.state, max) {
             self.state.counters.queue_full.fetch_add(1, Relaxed);
             tracing::debug!(peer = %self.peer, "every server full and queue_max clients waiting");
             return false;
@@ -232,7 +230,7 @@ impl<'a, 's: 'a> Candidates<'a, 's> {
             .map(|(_, s)| Box::pin(s.freed.notified()))
             .chain([Box::pin(self.state.servers.changed.notified())])
             .collect();
-        let mut waiting = Waiting::enter(self.state, full, first_wait);
+        let mut waiting = Waiting::enter(self.state, full);
         for r in &mut rung {
             r.as_mut().enable();
         }
@@ -340,7 +338,7 @@ struct Waiting<'s> {
 
 /// Whether a client may join the queue: fewer than `max` wait (0: no limit). Checked
 /// and counted in one step, so that event loops letting clients in at once stop at `max`;
-/// the place in `queued` is then the client's [`Waiting`]'s.
+/// the place in `queued` is then the client's [`Waiting`]'s to give back.
 fn may_join(state: &State, max: u64) -> bool {
     state
         .counters
@@ -350,16 +348,9 @@ fn may_join(state: &State, max: u64) -> bool {
 }
 
 impl<'s> Waiting<'s> {
-    /// Counts the client as waiting for `servers`; `counted`: its place in the process's
-    /// count was taken already ([`may_join`]).
-    fn enter(
-        state: &'s State,
-        servers: Vec<(usize, &'s ServerState)>,
-        counted: bool,
-    ) -> Waiting<'s> {
-        if !counted {
-            state.counters.queued.fetch_add(1, Relaxed);
-        }
+    /// Counts the client as waiting for `servers` (its place in the process's count was
+    /// taken by [`may_join`]).
+    fn enter(state: &'s State, servers: Vec<(usize, &'s ServerState)>) -> Waiting<'s> {
         for (_, s) in &servers {
             s.start_waiting();
         }

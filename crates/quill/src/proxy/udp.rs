@@ -543,7 +543,6 @@ impl Worker {
             now,
         );
         let mut choice = selector.initial();
-        let mut races = 0;
         while let Choice::Server(index) = choice {
             let spec = settings.servers.get(index);
             let (Some(addr), Some(server)) =
@@ -552,15 +551,9 @@ impl Worker {
                 choice = selector.failover(index);
                 continue;
             };
-            // Another event loop took the last place since the selector looked: it looks
-            // again, a few times (as `proxy::candidates` does for TCP).
+            // Another event loop took the last place since the selector looked.
             let Some(place) = Place::claim(server, selector.limit_of(index)) else {
-                races += 1;
-                choice = if races <= 4 {
-                    selector.again(now)
-                } else {
-                    Choice::NoServer
-                };
+                choice = selector.lost_race(now);
                 continue;
             };
             match sock::upstream(addr, settings, client) {
