@@ -52,6 +52,11 @@ fn number_before(text: &str, after: &str) -> u64 {
 /// long pause make a stall of tens of milliseconds per response stand out against what
 /// a loaded machine adds (a millisecond or two).
 fn paced_wrk(port: u16, connections: usize) -> Option<u64> {
+    paced_wrk_to(&format!("http://127.0.0.1:{port}/1k"), connections)
+}
+
+/// [`paced_wrk`] to `url` (an `https` one too: wrk does not check certificates).
+fn paced_wrk_to(url: &str, connections: usize) -> Option<u64> {
     let dir = TempDir::new("wrk");
     let script = dir.path().join("pace.lua");
     std::fs::write(&script, "function delay() return 20 end\n").unwrap();
@@ -63,7 +68,7 @@ fn paced_wrk(port: u16, connections: usize) -> Option<u64> {
             "-d3s",
             "-s",
             script.to_str().unwrap(),
-            &format!("http://127.0.0.1:{port}/1k"),
+            url,
         ],
     )?;
     assert!(!out.contains("Non-2xx"), "wrk saw errors:\n{out}");
@@ -151,26 +156,38 @@ fn paced_wrk_through_quill_keeps_up_with_the_direct_run() {
 /// quill acknowledges at once a read that brought an answer's head and not all of its
 /// body: HTTP/1.1 clients over pooled server connections and over their own
 /// (`upstream_keepalive 0`), and HTTP/2 clients, are served as fast as from a server with
-/// TCP_NODELAY.
+/// TCP_NODELAY. A raw relay, plain or behind TLS, knows no heads: it acknowledges a
+/// server's reads at once after it has seen the server wait for an acknowledgement once.
 #[test]
 fn a_server_with_nagles_algorithm_on_does_not_wait_for_delayed_acks() {
     let _one = ONE_AT_A_TIME.lock().unwrap_or_else(|e| e.into_inner());
+    let dir = TempDir::new("nagle");
+    let (cert, key) = (dir.path().join("cert.pem"), dir.path().join("key.pem"));
+    self_signed(&cert, &key);
+    let tls = ["-E", cert.to_str().unwrap(), "-K", key.to_str().unwrap()];
     let nodelay = two_write_server_with(true, 0);
-    let pooled: &[&str] = &[];
-    let one_to_one: &[&str] = &["-O", "upstream_keepalive 0"];
+    let pooled: &[&str] = &["-H"];
+    let one_to_one: &[&str] = &["-H", "-O", "upstream_keepalive 0"];
+    let raw: &[&str] = &[];
     for (what, with_head, options) in [
         ("head, body", 0, pooled),
         ("head and 100 bytes, the rest", 100, pooled),
         ("head, body", 0, one_to_one),
+        ("head, body", 0, raw),
+        ("head, body", 0, &tls[..]),
     ] {
         let nagle = two_write_server_with(false, with_head);
         let through = |port: u16| {
             let server = format!("127.0.0.1:{port}");
-            let mut args = vec!["-H"];
-            args.extend_from_slice(options);
+            let mut args = options.to_vec();
             args.extend(["{port}", &server]);
             let q = Quill::start(&args);
-            paced_wrk(q.addr().port(), 4)
+            let scheme = if options.contains(&"-E") {
+                "https"
+            } else {
+                "http"
+            };
+            paced_wrk_to(&format!("{scheme}://127.0.0.1:{}/1k", q.addr().port()), 4)
         };
         let Some(fast) = through(nodelay) else {
             return;

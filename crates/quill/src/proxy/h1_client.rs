@@ -28,7 +28,7 @@ use super::gateway::RequestBody;
 use super::h1_pump::Link;
 use super::http::ConnectionOptions;
 use super::pool::{self, Limits, Target};
-use super::pump::Acknowledge as _;
+use super::quickack::Acknowledge as _;
 use crate::balance::ServerState;
 use crate::state::State;
 

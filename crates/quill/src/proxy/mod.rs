@@ -17,6 +17,7 @@ pub mod pool;
 pub mod pool_h2;
 pub mod proxy_protocol;
 pub mod pump;
+pub mod quickack;
 pub mod registry;
 pub mod relay;
 pub mod replay;

@@ -28,6 +28,7 @@ use tokio::io::{AsyncRead, AsyncWrite, ReadBuf};
 use tokio::time::{Instant, Sleep};
 
 use super::http::{Exchange, Fed, Logged, Refusal};
+use super::quickack::Acknowledge;
 use super::relay::{
     fast_close, turn_end, End, IdleTimer, Outcome, RelayOptions, BUDGET, SCRATCH_SIZE,
 };
@@ -70,28 +71,6 @@ struct Flow {
     /// The start of the first read, when asked for (connection log).
     first: Option<Vec<u8>>,
     bytes: u64,
-}
-
-/// A server's end of a relay: quill can acknowledge what it read at once.
-pub trait Acknowledge {
-    /// Sends the acknowledgement the kernel is holding back for what was read, if any
-    /// (`TCP_QUICKACK`: the kernel delays one for up to 40 ms, hoping to carry it on data
-    /// of quill's, which an answer's reader has none of).
-    fn acknowledge(&self);
-}
-
-impl Acknowledge for tokio::net::TcpStream {
-    fn acknowledge(&self) {
-        if let Err(e) = socket2::SockRef::from(self).set_quickack(true) {
-            tracing::debug!("TCP_QUICKACK: {e}");
-        }
-    }
-}
-
-impl Acknowledge for crate::tls::ClientTlsStream<tokio::net::TcpStream> {
-    fn acknowledge(&self) {
-        self.get_ref().0.acknowledge();
-    }
 }
 
 /// State shared by both directions during one poll.

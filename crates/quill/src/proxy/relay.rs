@@ -11,6 +11,9 @@
 //! splice(2) through a pooled kernel pipe (see [`super::splice`]) until its source runs dry,
 //! so bulk bytes are not copied through user space at all.
 //!
+//! A direction whose sender was seen to wait for quill's delayed acknowledgement (Nagle's
+//! algorithm: [`super::quickack::Watch`]) acknowledges each read that empties its queue.
+//!
 //! A connection silent for `idle_park` seconds with nothing in flight stops relaying
 //! ([`Stop::Quiet`]) so that its caller can park it outside the event loop's tasks (see
 //! [`super::park`]); relaying resumes from the same [`Totals`] when a socket wakes.
@@ -32,6 +35,7 @@ use tokio::io::Interest;
 use tokio::net::{TcpStream, UnixStream};
 use tokio::time::{Instant, Sleep};
 
+use super::quickack::{self, Acknowledge};
 use super::splice::{KernelPipe, PIPE_SIZE};
 use crate::command::FastClose;
 use crate::connlog::Capture;
@@ -47,8 +51,9 @@ thread_local! {
 }
 
 /// What the relay needs from a socket: readiness, non-blocking reads and writes, and
-/// half-close. Implemented for TCP and Unix-domain streams.
-pub trait Stream {
+/// half-close, and acknowledging what was read at once. Implemented for TCP and
+/// Unix-domain streams.
+pub trait Stream: Acknowledge {
     fn poll_read_ready(&self, cx: &mut Context<'_>) -> Poll<io::Result<()>>;
     fn poll_write_ready(&self, cx: &mut Context<'_>) -> Poll<io::Result<()>>;
     fn try_read(&self, buf: &mut [u8]) -> io::Result<usize>;
@@ -300,6 +305,8 @@ struct Pipe {
     go_bulk: bool,
     /// splice(2) failed on these sockets: copy only.
     no_splice: bool,
+    /// Whether the source waits for acknowledgements before it writes on.
+    acks: quickack::Watch,
 }
 
 impl Drop for Pipe {
@@ -320,13 +327,14 @@ impl Pipe {
 
     /// Moves bytes from `src` to `dst` until both would block, the budget is spent, or the
     /// direction is finished. `Ready(Ok)` means finished. `other_done` says the opposite
-    /// direction is finished, so both sockets are about to be closed.
+    /// direction is finished, so both sockets are about to be closed; `other_bytes`: the
+    /// bytes it moved so far.
     fn poll<S: Stream + ?Sized, D: Stream + ?Sized>(
         &mut self,
         cx: &mut Context<'_>,
         src: &S,
         dst: &D,
-        other_done: bool,
+        (other_done, other_bytes): (bool, u64),
         active: &mut bool,
     ) -> Poll<Result<(), Failed>> {
         let mut budget = BUDGET;
@@ -453,6 +461,11 @@ impl Pipe {
                 };
                 if written < n {
                     self.pending = buf[written..n].to_vec();
+                }
+                // A read short of the buffer emptied the source's queue: a sender waiting
+                // for its acknowledgement to write on is given it now.
+                if n < buf.len() && self.acks.drained(other_bytes) {
+                    src.acknowledge();
                 }
                 Ok(())
             });
@@ -587,7 +600,7 @@ pub async fn relay<C: Stream + ?Sized, S: Stream + ?Sized>(
     // `None`: stopped quiet; `Some`: ended.
     let stop = poll_fn(|cx| {
         if !up.done {
-            match up.poll(cx, client, server, down.done, &mut active) {
+            match up.poll(cx, client, server, (down.done, down.bytes), &mut active) {
                 Poll::Ready(Err(Failed::Source(e))) => return Poll::Ready(Some(End::Error(e))),
                 // A server that closed cleanly first and then resets what the client
                 // still sends (an HTTP keep-alive timeout racing a new request) has not
@@ -602,7 +615,7 @@ pub async fn relay<C: Stream + ?Sized, S: Stream + ?Sized>(
             }
         }
         if !down.done {
-            match down.poll(cx, server, client, up.done, &mut active) {
+            match down.poll(cx, server, client, (up.done, up.bytes), &mut active) {
                 Poll::Ready(Err(Failed::Source(e))) => {
                     return Poll::Ready(Some(End::ServerError(e)))
                 }
@@ -714,6 +727,12 @@ mod tests {
         }
         fn try_splice_in(&self, pipe: &KernelPipe, len: usize) -> io::Result<usize> {
             self.socket.try_splice_in(pipe, len)
+        }
+    }
+
+    impl Acknowledge for Counted {
+        fn acknowledge(&self) {
+            self.socket.acknowledge();
         }
     }
 

@@ -18,6 +18,7 @@ use std::task::{ready, Context, Poll};
 
 use tokio::io::{AsyncRead, AsyncWrite, ReadBuf};
 
+use super::quickack::{self, Acknowledge};
 use super::relay::{fast_close, turn_end, End, IdleTimer, Outcome, RelayOptions};
 use crate::connlog::Capture;
 
@@ -151,13 +152,15 @@ pub async fn relay<C, S>(
 ) -> Outcome
 where
     C: AsyncRead + AsyncWrite + Unpin + ?Sized,
-    S: AsyncRead + AsyncWrite + Unpin + ?Sized,
+    S: AsyncRead + AsyncWrite + Acknowledge + Unpin + ?Sized,
 {
     let mut up = Pipe {
         first,
         ..Pipe::default()
     };
     let mut down = Pipe::default();
+    // Whether the server waits for acknowledgements before it writes on.
+    let mut acks = quickack::Watch::default();
     let mut active = false;
     let mut idle = IdleTimer::new(opts.idle_timeout, None);
     let end = poll_fn(|cx| {
@@ -167,8 +170,14 @@ where
             }
         }
         if !down.done {
-            if let Poll::Ready(Err(e)) = down.poll(cx, server, client, &mut active) {
-                return Poll::Ready(End::Error(e));
+            let before = down.bytes;
+            match down.poll(cx, server, client, &mut active) {
+                Poll::Ready(Err(e)) => return Poll::Ready(End::Error(e)),
+                // Waiting after reading: the server's queue is empty (or the client slow).
+                Poll::Pending if down.bytes > before && acks.drained(up.bytes) => {
+                    server.acknowledge();
+                }
+                _ => {}
             }
         }
         let fast = fast_close(opts.fastclose, up.eof, down.eof);
@@ -189,6 +198,11 @@ mod tests {
     use crate::command::FastClose;
     use std::time::Duration;
     use tokio::io::{AsyncReadExt, AsyncWriteExt};
+
+    /// An in-memory stream has no acknowledgements to send.
+    impl Acknowledge for tokio::io::DuplexStream {
+        fn acknowledge(&self) {}
+    }
 
     fn opts() -> RelayOptions {
         RelayOptions {

@@ -33,6 +33,7 @@ use super::http::{Exchange, HttpParams, Scheme};
 use super::park::{self, Parked};
 use super::proxy_protocol;
 use super::pump::{self, Http};
+use super::quickack;
 use super::registry::{ConnInfo, Registered, Upstream};
 use super::relay::{self, relay, Outcome, RelayOptions, Stop, Stream, Totals};
 use super::replay::{Prefixed, Recording};
@@ -1005,7 +1006,7 @@ async fn pump_streams<C, S>(
 ) -> Outcome
 where
     C: tokio::io::AsyncRead + tokio::io::AsyncWrite + Unpin + ?Sized,
-    S: tokio::io::AsyncRead + tokio::io::AsyncWrite + pump::Acknowledge + Unpin + ?Sized,
+    S: tokio::io::AsyncRead + tokio::io::AsyncWrite + quickack::Acknowledge + Unpin + ?Sized,
 {
     match http {
         None => Box::pin(stream::relay(client, server, opts, first)).await,
@@ -1075,7 +1076,7 @@ pub(super) enum Server {
     Tls(Box<ClientTlsStream<TcpStream>>),
 }
 
-impl pump::Acknowledge for Server {
+impl quickack::Acknowledge for Server {
     fn acknowledge(&self) {
         match self {
             Server::Plain(s) => s.acknowledge(),
