@@ -76,6 +76,11 @@ pub struct Watch {
 }
 
 impl Watch {
+    /// The watch of a relay that resumes after parking: `acking` as its sender was seen.
+    pub fn resumed(acking: bool) -> Watch {
+        Watch { last: None, acking }
+    }
+
     /// A read emptied the sender's queue; `other`: the bytes moved the other way so far.
     /// True when what was read should be acknowledged now.
     pub fn drained(&mut self, other: u64) -> bool {
@@ -109,6 +114,16 @@ mod tests {
         assert!(!w.drained_at(t, 100), "the head of an answer");
         assert!(w.drained_at(t + 41, 100), "its body, 41 ms later");
         assert!(w.drained_at(t + 5041, 200), "every read after");
+    }
+
+    #[test]
+    fn a_relay_resumed_after_parking_keeps_what_it_saw() {
+        let t = coarse_ms();
+        assert!(
+            Watch::resumed(true).drained_at(t, 0),
+            "no stall to see again"
+        );
+        assert!(!Watch::resumed(false).drained_at(t, 0));
     }
 
     #[test]

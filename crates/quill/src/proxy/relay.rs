@@ -237,6 +237,10 @@ pub struct Totals {
     /// The relay stopped quiet before (it was parked) and resumes now: either socket may
     /// be the one that woke it.
     pub resumed: bool,
+    /// Whether each direction's sender (the client's, the server's) was seen to wait for
+    /// acknowledgements ([`quickack::Watch`]): a parked connection keeps what its relay
+    /// learnt, so that it does not wait out one more delayed ACK each time it wakes.
+    pub acking: (bool, bool),
 }
 
 impl Totals {
@@ -586,6 +590,8 @@ pub async fn relay<C: Stream + ?Sized, S: Stream + ?Sized>(
     up.first = from.first;
     let mut down = Pipe::default();
     down.bytes = from.down;
+    up.acks = quickack::Watch::resumed(from.acking.0);
+    down.acks = quickack::Watch::resumed(from.acking.1);
     // A server just connected to has had no time to answer a request sent in the same
     // turn (nor, on a LAN, to greet): reading it before the event loop says so finds
     // nothing (one wasted system call per connection: 0.74–0.86 measured). Nor has a new
@@ -658,6 +664,7 @@ pub async fn relay<C: Stream + ?Sized, S: Stream + ?Sized>(
             first: up.first.take(),
             silent: idle.as_ref().map_or(Duration::ZERO, IdleTimer::silent),
             resumed: true,
+            acking: (up.acks.acking(), down.acks.acking()),
         }),
     }
 }
