@@ -59,7 +59,8 @@ fn coarse_ms() -> u64 {
     secs.saturating_mul(1000).saturating_add(millis)
 }
 
-/// One direction of a raw relay, watched for a sender that waits for acknowledgements.
+/// One direction of a relay that knows no HTTP (both of a plain raw relay, the server's of
+/// a TLS-terminating one), watched for a sender that waits for acknowledgements.
 ///
 /// The sign: a read that emptied the receive queue, then nothing the other way, then the
 /// sender's next bytes a delayed acknowledgement's time later. From then on the direction
