@@ -6,10 +6,12 @@
 
 mod support;
 
+use std::io::{Read, Write};
+use std::net::{SocketAddr, TcpStream};
 use std::os::unix::net::UnixDatagram;
 use std::path::Path;
 use std::process::{Command, Stdio};
-use std::time::Duration;
+use std::time::{Duration, Instant};
 
 use support::*;
 
@@ -177,5 +179,106 @@ fn socket_activation_uses_the_listener_systemd_passes() {
     assert!(
         log.contains("socket activation: 1 listener(s) from systemd"),
         "{log}"
+    );
+}
+
+/// A server that answers every chunk it reads with two writes a millisecond apart, `a` and
+/// then `b`, with TCP_NODELAY (so its own kernel sends each at once). Runs until the test
+/// ends.
+fn two_write_server() -> SocketAddr {
+    let listener = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
+    let addr = listener.local_addr().unwrap();
+    std::thread::spawn(move || {
+        for conn in listener.incoming() {
+            let Ok(mut conn) = conn else { continue };
+            std::thread::spawn(move || {
+                conn.set_nodelay(true).unwrap();
+                let mut buf = [0u8; 64];
+                while matches!(conn.read(&mut buf), Ok(n) if n > 0) {
+                    if conn.write_all(b"a").is_err() {
+                        return;
+                    }
+                    std::thread::sleep(Duration::from_millis(1));
+                    if conn.write_all(b"b").is_err() {
+                        return;
+                    }
+                }
+            });
+        }
+    });
+    addr
+}
+
+/// Sends a byte and reads the two-write answer, `count` times: how long it took.
+fn exchanges(stream: &mut TcpStream, count: usize) -> Duration {
+    stream
+        .set_read_timeout(Some(Duration::from_secs(10)))
+        .unwrap();
+    let start = Instant::now();
+    for _ in 0..count {
+        stream.write_all(b"x").unwrap();
+        let mut answer = [0u8; 2];
+        stream.read_exact(&mut answer).unwrap();
+        assert_eq!(&answer, b"ab");
+    }
+    start.elapsed()
+}
+
+/// The client whose connection made systemd start quill connected before quill had the
+/// listener, so its socket did not inherit TCP_NODELAY from it: quill gives it the
+/// listener's options when it accepts it. Else Nagle's algorithm in quill's kernel holds
+/// each second write of an answer until the client's delayed ACK of the first (40 ms or
+/// more a request, against a millisecond). The same stall hit any client that connected
+/// between quill's `listen` and its event loop's first accept, when quill set the options
+/// only then.
+#[test]
+fn the_client_that_activates_quill_is_not_held_by_nagles_algorithm() {
+    if skip_on_pen("socket activation is a quill extension") {
+        return;
+    }
+    let Some(activate) = find_in_path("systemd-socket-activate") else {
+        eprintln!("SKIPPED: systemd-socket-activate is not installed (Debian package systemd)");
+        return;
+    };
+    let server = two_write_server();
+    let dir = TempDir::new("activate-nodelay");
+    let listen = format!("127.0.0.1:{}", free_port());
+    let stderr = std::fs::File::create(dir.path().join("stderr")).unwrap();
+    let child = Command::new(activate)
+        .args(["-l", &listen])
+        .arg(bin())
+        .args(["-f", "-r", &listen, &server.to_string()])
+        .stdin(Stdio::null())
+        .stdout(Stdio::null())
+        .stderr(stderr)
+        .spawn()
+        .unwrap();
+    let _child = Reap(child);
+    let addr = listen.parse().unwrap();
+    let mut first = None;
+    wait_until(
+        Duration::from_secs(20),
+        "systemd-socket-activate listens",
+        || {
+            first = try_connect(addr).ok();
+            first.is_some()
+        },
+    );
+    let mut first = first.unwrap();
+    // The first exchange waits for quill to start; the delayed ACKs come once the
+    // client's kernel has left its quick-ACK start.
+    exchanges(&mut first, 1);
+    let activating = exchanges(&mut first, 20);
+    let mut later = connect(addr);
+    exchanges(&mut later, 1);
+    let after = exchanges(&mut later, 20);
+    eprintln!(
+        "20 two-write answers: {activating:?} to the activating client, {after:?} to a later one"
+    );
+    assert!(
+        activating < after * 4 + Duration::from_millis(200),
+        "the activating client waited {activating:?} for 20 answers, a later one {after:?}: \
+         {}",
+        std::fs::read_to_string(dir.path().join("stderr")).unwrap_or_default()
     );
 }

@@ -37,8 +37,9 @@ pub fn check_transparent() -> io::Result<()> {
 
 /// Applies the options to an accepted client stream. Neither SO_KEEPALIVE nor TCP_NODELAY
 /// is set here: client sockets inherit both from the listener (see
-/// [`crate::net::listen::prepare`]), which saves a system call per connection; only `no
-/// tcp_nodelay` (Pen's default) costs one, to turn Nagle's algorithm back on.
+/// [`crate::net::listen::set_inherited_options`]), which saves a system call per
+/// connection; only `no tcp_nodelay` (Pen's default) costs one, to turn Nagle's algorithm
+/// back on.
 pub fn apply_options(stream: &TcpStream, opts: SocketOptions) -> io::Result<()> {
     if !opts.nodelay {
         stream.set_nodelay(false)?;

@@ -129,6 +129,9 @@ pub(crate) fn bound_socket(
 
 fn tcp_socket(addr: SocketAddr, reuse_port: bool, backlog: u32) -> io::Result<Socket> {
     let socket = bound_socket(addr, Type::STREAM, Protocol::TCP, reuse_port)?;
+    // Before `listen`: a connection inherits its listener's options when its handshake
+    // completes, which may be long before the event loop's first accept.
+    set_inherited_options(&socket)?;
     socket.listen(i32::try_from(backlog).unwrap_or(i32::MAX))?;
     Ok(socket)
 }
@@ -137,12 +140,32 @@ fn tcp_socket(addr: SocketAddr, reuse_port: bool, backlog: u32) -> io::Result<So
 /// pays a system call for it: SO_KEEPALIVE (dead clients are eventually noticed; Pen's
 /// client sockets behave the same way) and TCP_NODELAY (`tcp_nodelay`, on by default;
 /// [`crate::net::connect::apply_options`] turns it off per connection when the setting
-/// is off). Every TCP listener passes here before its first accept, whoever opened it:
-/// quill, systemd, or the binary that handed it over in an upgrade.
-pub fn prepare(listener: &std::net::TcpListener) -> io::Result<()> {
-    let socket = socket2::SockRef::from(listener);
+/// is off). A connection takes them from its listener when its handshake completes, not
+/// when it is accepted: quill's own listeners get them before `listen`.
+pub fn set_inherited_options(socket: &impl std::os::fd::AsFd) -> io::Result<()> {
+    let socket = socket2::SockRef::from(socket);
     socket.set_keepalive(true)?;
     socket.set_nodelay(true)
+}
+
+/// Readies a TCP listener for its event loop's first accept, whoever opened it: quill,
+/// systemd, or the binary that handed it over in an upgrade. Returns how many connections
+/// already wait in its queue: those may have been made before the listener had the
+/// options of [`set_inherited_options`] (socket activation starts quill for a client that
+/// is already connected), so the loop gives them those options one by one; the queue is
+/// first in, first out, and every later connection inherits them.
+pub fn prepare(listener: &std::net::TcpListener) -> io::Result<u32> {
+    set_inherited_options(listener)?;
+    match crate::net::sockopt::accept_queue_len(listener) {
+        Ok(queued) => Ok(queued),
+        Err(e) => {
+            tracing::warn!(
+                "cannot read the listener's accept queue ({e}): clients that connected \
+                 before quill took the listener may lack TCP_NODELAY and SO_KEEPALIVE"
+            );
+            Ok(0)
+        }
+    }
 }
 
 /// Opens `count` listeners on `addr` (one per event loop).

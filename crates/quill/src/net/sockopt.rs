@@ -1,6 +1,7 @@
 //! Socket options that none of the wrapper crates quill uses offers (socket2, rustix and nix
-//! have no TCP_DEFER_ACCEPT): each is one `setsockopt`. This module's only `unsafe` is that
-//! call; everything it is given is a borrowed, open descriptor and a plain integer.
+//! have neither TCP_DEFER_ACCEPT nor TCP_INFO): each is one `setsockopt` or `getsockopt`.
+//! This module's only `unsafe` is those calls; everything they are given is a borrowed,
+//! open descriptor and a plain integer or a `tcp_info` the kernel fills.
 #![allow(unsafe_code)]
 
 use std::io;
@@ -33,6 +34,39 @@ pub fn set_defer_accept(listener: &impl AsFd, seconds: u32) -> io::Result<()> {
     }
 }
 
+/// The kernel's `TCP_LISTEN` state (include/net/tcp_states.h), which libc does not name.
+const TCP_LISTEN: u8 = 10;
+
+/// How many connections wait in a listening TCP socket's accept queue, established and not
+/// yet accepted (TCP_INFO's `tcpi_unacked` of a socket in LISTEN; `ss -l` shows it as
+/// Recv-Q). With SO_REUSEPORT each listener has its own queue.
+pub fn accept_queue_len(listener: &impl AsFd) -> io::Result<u32> {
+    // SAFETY: `tcp_info` is plain integers, for which all zeroes is a valid value.
+    let mut info: libc::tcp_info = unsafe { std::mem::zeroed() };
+    let mut len = libc::socklen_t::try_from(std::mem::size_of::<libc::tcp_info>())
+        .map_err(|_| io::Error::from(io::ErrorKind::InvalidInput))?;
+    // SAFETY: the descriptor is borrowed from an open socket for the whole call; the kernel
+    // writes at most `len` bytes (the size of `info`, a live `tcp_info`) and stores the
+    // length written in `len`, a live `socklen_t`; it keeps neither pointer.
+    let rc = unsafe {
+        libc::getsockopt(
+            listener.as_fd().as_raw_fd(),
+            libc::IPPROTO_TCP,
+            libc::TCP_INFO,
+            std::ptr::from_mut(&mut info).cast(),
+            &mut len,
+        )
+    };
+    if rc != 0 {
+        return Err(io::Error::last_os_error());
+    }
+    if info.tcpi_state != TCP_LISTEN {
+        // Any other state's `tcpi_unacked` counts segments, not connections.
+        return Err(io::Error::from(io::ErrorKind::InvalidInput));
+    }
+    Ok(info.tcpi_unacked)
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -56,6 +90,28 @@ mod tests {
         };
         assert_eq!(rc, 0, "getsockopt: {}", io::Error::last_os_error());
         u32::try_from(value).expect("not negative")
+    }
+
+    #[test]
+    fn the_accept_queue_counts_connections_not_yet_accepted() {
+        let l = TcpListener::bind("127.0.0.1:0").expect("bind");
+        let addr = l.local_addr().expect("addr");
+        assert_eq!(accept_queue_len(&l).expect("tcp_info"), 0);
+        let _clients: Vec<_> = (0..3)
+            .map(|_| TcpStream::connect(addr).expect("connect"))
+            .collect();
+        // The handshake completes in the kernel: each connect returns with its
+        // connection queued.
+        assert_eq!(accept_queue_len(&l).expect("tcp_info"), 3);
+        drop(l.accept().expect("accept"));
+        assert_eq!(accept_queue_len(&l).expect("tcp_info"), 2);
+    }
+
+    #[test]
+    fn a_connected_socket_has_no_accept_queue() {
+        let l = TcpListener::bind("127.0.0.1:0").expect("bind");
+        let c = TcpStream::connect(l.local_addr().expect("addr")).expect("connect");
+        assert!(accept_queue_len(&c).is_err());
     }
 
     #[test]

@@ -78,11 +78,12 @@ pub async fn serve(
         let next = match listener {
             Listener::Tcp(l) => {
                 let local_port = l.local_addr()?.port();
-                crate::net::listen::prepare(&l)?;
+                let queued = crate::net::listen::prepare(&l)?;
                 accept_loop(
                     state,
                     TcpListener::from_std(l)?,
                     local_port,
+                    queued,
                     &mut shutdown,
                     &mut relisten,
                 )
@@ -92,6 +93,7 @@ pub async fn serve(
                 accept_loop(
                     state,
                     UnixListener::from_std(l)?,
+                    0,
                     0,
                     &mut shutdown,
                     &mut relisten,
@@ -153,10 +155,13 @@ fn defer_accept<L: Accept>(listener: &L, state: &State, current: Option<u32>) ->
 }
 
 /// Accepts until shutdown (returns `None`) or until a new listener arrives (returns it).
+/// The first `queued` connections were waiting before the listener was prepared
+/// ([`crate::net::listen::prepare`]) and are given its options one by one.
 async fn accept_loop<L: Accept>(
     state: &'static State,
     listener: L,
     local_port: u16,
+    mut queued: u32,
     shutdown: &mut watch::Receiver<bool>,
     relisten: &mut mpsc::UnboundedReceiver<Listener>,
 ) -> Option<Listener> {
@@ -195,6 +200,10 @@ async fn accept_loop<L: Accept>(
             }
             r = listener.accept_one() => match r {
                 Ok((sock, peer)) => {
+                    if queued > 0 {
+                        queued -= 1;
+                        sock.set_listener_options();
+                    }
                     // tokio takes an accepted socket for readable before any event (its
                     // first read tries the socket). With `defer_accept` the client's first
                     // bytes are there (the kernel held the connection for them), and that
@@ -256,6 +265,8 @@ trait ClientStream:
 {
     /// The socket out of the reactor, while its connection is parked.
     type Std: AsFd + 'static;
+    /// Gives a connection made before its listener was prepared what the others inherit.
+    fn set_listener_options(&self);
     fn set_options(&self, opts: SocketOptions);
     /// The address the client connected to; `None` for a Unix socket.
     fn local(&self) -> Option<SocketAddr>;
@@ -267,6 +278,11 @@ trait ClientStream:
 
 impl ClientStream for TcpStream {
     type Std = std::net::TcpStream;
+    fn set_listener_options(&self) {
+        if let Err(e) = crate::net::listen::set_inherited_options(self) {
+            tracing::debug!("client socket options: {e}");
+        }
+    }
     fn set_options(&self, opts: SocketOptions) {
         if let Err(e) = apply_options(self, opts) {
             tracing::debug!("client socket options: {e}");
@@ -285,6 +301,7 @@ impl ClientStream for TcpStream {
 
 impl ClientStream for tokio::net::UnixStream {
     type Std = std::os::unix::net::UnixStream;
+    fn set_listener_options(&self) {}
     fn set_options(&self, _: SocketOptions) {}
     fn local(&self) -> Option<SocketAddr> {
         None
