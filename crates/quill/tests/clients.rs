@@ -20,6 +20,7 @@ use std::time::Duration;
 
 use support::ctl::run_tool;
 use support::daemon::{nginx, nginx_files, Daemon};
+use support::pki::certificates;
 use support::*;
 
 /// The tools measure rates: one at a time, so that they do not share the two cores.
@@ -98,34 +99,75 @@ fn two_write_server_with(nodelay: bool, with_head: usize) -> u16 {
         for conn in listener.incoming() {
             let Ok(mut conn) = conn else { continue };
             std::thread::spawn(move || {
-                use std::io::{Read, Write};
                 let _ = conn.set_nodelay(nodelay);
-                let mut head =
-                    format!("HTTP/1.1 200 OK\r\nContent-Length: {KIB}\r\n\r\n").into_bytes();
-                let mut body = page();
-                head.extend(body.drain(..with_head));
-                let mut got = Vec::new();
-                let mut buf = [0u8; 4096];
-                loop {
-                    while let Some(end) = got.windows(4).position(|w| w == b"\r\n\r\n") {
-                        got.drain(..end + 4);
-                        if conn.write_all(&head).is_err() {
-                            return;
-                        }
-                        std::thread::sleep(std::time::Duration::from_millis(1));
-                        if conn.write_all(&body).is_err() {
-                            return;
-                        }
-                    }
-                    match conn.read(&mut buf) {
-                        Ok(0) | Err(_) => return,
-                        Ok(n) => got.extend_from_slice(&buf[..n]),
-                    }
-                }
+                answer_in_two_writes(&mut conn, with_head);
             });
         }
     });
     port
+}
+
+/// [`two_write_server_with`] behind TLS that offers only `http/1.1` (so an `upstream_h2`
+/// quill speaks HTTP/1.1 to it, through hyper's client), with Nagle's algorithm on unless
+/// `nodelay`: each write is a record of its own. `cert` and `key` from [`certificates`].
+fn tls_two_write_server(cert: &Path, key: &Path, nodelay: bool) -> u16 {
+    use rustls_pki_types::pem::PemObject;
+    use rustls_pki_types::{CertificateDer, PrivateKeyDer};
+    let provider = std::sync::Arc::new(rustls::crypto::aws_lc_rs::default_provider());
+    let mut config = rustls::ServerConfig::builder_with_provider(provider)
+        .with_safe_default_protocol_versions()
+        .unwrap()
+        .with_no_client_auth()
+        .with_single_cert(
+            vec![CertificateDer::from_pem_file(cert).unwrap()],
+            PrivateKeyDer::from_pem_file(key).unwrap(),
+        )
+        .unwrap();
+    config.alpn_protocols = vec![b"http/1.1".to_vec()];
+    let config = std::sync::Arc::new(config);
+    let listener = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
+    let port = listener.local_addr().unwrap().port();
+    std::thread::spawn(move || {
+        for conn in listener.incoming() {
+            let Ok(conn) = conn else { continue };
+            let config = std::sync::Arc::clone(&config);
+            std::thread::spawn(move || {
+                let _ = conn.set_nodelay(nodelay);
+                let Ok(tls) = rustls::ServerConnection::new(config) else {
+                    return;
+                };
+                answer_in_two_writes(&mut rustls::StreamOwned::new(tls, conn), 0);
+            });
+        }
+    });
+    port
+}
+
+/// Answers every request head read from `conn` with the 1 KiB page in two writes a
+/// millisecond apart: the head and the body's first `with_head` bytes, then the rest.
+/// Returns when the client closes or a write fails.
+fn answer_in_two_writes(conn: &mut (impl std::io::Read + std::io::Write), with_head: usize) {
+    let mut head = format!("HTTP/1.1 200 OK\r\nContent-Length: {KIB}\r\n\r\n").into_bytes();
+    let mut body = page();
+    head.extend(body.drain(..with_head));
+    let mut got = Vec::new();
+    let mut buf = [0u8; 4096];
+    loop {
+        while let Some(end) = got.windows(4).position(|w| w == b"\r\n\r\n") {
+            got.drain(..end + 4);
+            if conn.write_all(&head).is_err() {
+                return;
+            }
+            std::thread::sleep(std::time::Duration::from_millis(1));
+            if conn.write_all(&body).is_err() {
+                return;
+            }
+        }
+        match conn.read(&mut buf) {
+            Ok(0) | Err(_) => return,
+            Ok(n) => got.extend_from_slice(&buf[..n]),
+        }
+    }
 }
 
 /// The reproduction: at a moderate paced load, a response written as a head and a
@@ -156,8 +198,10 @@ fn paced_wrk_through_quill_keeps_up_with_the_direct_run() {
 /// quill acknowledges at once a read that brought an answer's head and not all of its
 /// body: HTTP/1.1 clients over pooled server connections and over their own
 /// (`upstream_keepalive 0`), and HTTP/2 clients, are served as fast as from a server with
-/// TCP_NODELAY. A raw relay, plain or behind TLS, knows no heads: it acknowledges a
-/// server's reads at once after it has seen the server wait for an acknowledgement once.
+/// TCP_NODELAY. A raw relay, plain or behind TLS, knows no heads, nor does hyper's
+/// HTTP/1.1 client (`upstream_h2` to a TLS server that declines HTTP/2): they acknowledge
+/// a server's reads at once after they have seen the server wait for an acknowledgement
+/// once.
 #[test]
 fn a_server_with_nagles_algorithm_on_does_not_wait_for_delayed_acks() {
     let _one = ONE_AT_A_TIME.lock().unwrap_or_else(|e| e.into_inner());
@@ -169,14 +213,27 @@ fn a_server_with_nagles_algorithm_on_does_not_wait_for_delayed_acks() {
     let pooled: &[&str] = &["-H"];
     let one_to_one: &[&str] = &["-H", "-O", "upstream_keepalive 0"];
     let raw: &[&str] = &[];
-    for (what, with_head, options) in [
-        ("head, body", 0, pooled),
-        ("head and 100 bytes, the rest", 100, pooled),
-        ("head, body", 0, one_to_one),
-        ("head, body", 0, raw),
-        ("head, body", 0, &tls[..]),
+    // TLS to servers that decline HTTP/2 under `upstream_h2`: hyper's HTTP/1.1 client.
+    let (ca, server_cert, server_key) = certificates(dir.path());
+    let ca = format!("upstream_ca {}", ca.display());
+    let declined: &[&str] = &["-H", "-O", "upstream_tls", "-O", &ca, "-O", "upstream_h2"];
+    let tls_nodelay = tls_two_write_server(&server_cert, &server_key, true);
+    let two_writes = |with_head| (nodelay, two_write_server_with(false, with_head));
+    for (what, (nodelay, nagle), options) in [
+        ("head, body", two_writes(0), pooled),
+        ("head and 100 bytes, the rest", two_writes(100), pooled),
+        ("head, body", two_writes(0), one_to_one),
+        ("head, body", two_writes(0), raw),
+        ("head, body", two_writes(0), &tls[..]),
+        (
+            "head, body, over TLS",
+            (
+                tls_nodelay,
+                tls_two_write_server(&server_cert, &server_key, false),
+            ),
+            declined,
+        ),
     ] {
-        let nagle = two_write_server_with(false, with_head);
         let through = |port: u16| {
             let server = format!("127.0.0.1:{port}");
             let mut args = options.to_vec();

@@ -12,10 +12,11 @@ mod support;
 use std::collections::BTreeSet;
 use std::io::{Read, Write};
 use std::net::TcpStream;
-use std::path::{Path, PathBuf};
+use std::path::Path;
 use std::time::{Duration, Instant};
 
 use support::daemon::{nginx_at, Daemon};
+use support::pki::certificates;
 use support::*;
 
 const WHO: &str = "  location /who { default_type text/plain; \
@@ -41,32 +42,6 @@ fn nginx_on(port: u16, listen: &str, tls: Option<(&Path, &Path)>) -> Option<Daem
         &format!("{server}\n  access_log access.log up;"),
         &[],
     )
-}
-
-/// A test CA (its certificate, for `upstream_ca`) and a server certificate and key it
-/// signed for 127.0.0.1 and localhost, written in `dir`.
-fn certificates(dir: &Path) -> (PathBuf, PathBuf, PathBuf) {
-    use rcgen::{BasicConstraints, CertificateParams, IsCa, Issuer, KeyPair, SanType};
-    let ca_key = KeyPair::generate().unwrap();
-    let mut ca = CertificateParams::new(Vec::<String>::new()).unwrap();
-    ca.is_ca = IsCa::Ca(BasicConstraints::Unconstrained);
-    let ca_cert = ca.self_signed(&ca_key).unwrap();
-    let issuer = Issuer::new(ca, ca_key);
-    let key = KeyPair::generate().unwrap();
-    let mut params = CertificateParams::new(vec!["localhost".to_string()]).unwrap();
-    params
-        .subject_alt_names
-        .push(SanType::IpAddress("127.0.0.1".parse().unwrap()));
-    let cert = params.signed_by(&key, &issuer).unwrap();
-    let paths = (
-        dir.join("ca.pem"),
-        dir.join("server.pem"),
-        dir.join("server.key"),
-    );
-    std::fs::write(&paths.0, ca_cert.pem()).unwrap();
-    std::fs::write(&paths.1, cert.pem()).unwrap();
-    std::fs::write(&paths.2, key.serialize_pem()).unwrap();
-    paths
 }
 
 /// quill in `http` mode with `upstream_h2` (and `options`, each a `-O` command) in front of

@@ -38,6 +38,7 @@ use super::h1_pump::{self, Link};
 use super::h2_client;
 use super::pool::{self, Conn, Limits, Target};
 use super::pool_h2::{self, Take};
+use super::quickack;
 use super::tcp::{open_upstream, Preamble, Server};
 use crate::accesslog::{AccessLog, Record};
 use crate::balance::{Place, ServerState};
@@ -1049,7 +1050,8 @@ async fn connect(
     let failed = |e: hyper::Error| std::io::Error::other(e);
     let sender = match stream {
         Server::Plain(s) => {
-            let (sender, conn) = builder.handshake(TokioIo::new(s)).await.map_err(failed)?;
+            let io = TokioIo::new(quickack::Watched::new(s));
+            let (sender, conn) = builder.handshake(io).await.map_err(failed)?;
             if upgrades {
                 drive(conn.with_upgrades(), server);
             } else {
@@ -1058,7 +1060,8 @@ async fn connect(
             sender
         }
         Server::Tls(s) => {
-            let (sender, conn) = builder.handshake(TokioIo::new(s)).await.map_err(failed)?;
+            let io = TokioIo::new(quickack::Watched::new(s));
+            let (sender, conn) = builder.handshake(io).await.map_err(failed)?;
             if upgrades {
                 drive(conn.with_upgrades(), server);
             } else {

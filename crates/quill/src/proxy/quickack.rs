@@ -12,9 +12,13 @@
 //! Invariant: acknowledging is never needed for correctness, only for latency, so a watch
 //! that guesses wrong costs one `setsockopt` a read on that connection, nothing more.
 
+use std::io;
 use std::ops::Range;
+use std::pin::Pin;
+use std::task::{Context, Poll};
 
 use rustix::time::{clock_gettime, ClockId};
+use tokio::io::{AsyncRead, AsyncWrite, ReadBuf};
 
 /// A socket whose received bytes quill can acknowledge at once.
 pub trait Acknowledge {
@@ -29,6 +33,12 @@ impl Acknowledge for tokio::net::TcpStream {
         if let Err(e) = socket2::SockRef::from(self).set_quickack(true) {
             tracing::debug!("TCP_QUICKACK: {e}");
         }
+    }
+}
+
+impl<T: Acknowledge + ?Sized> Acknowledge for Box<T> {
+    fn acknowledge(&self) {
+        (**self).acknowledge();
     }
 }
 
@@ -101,6 +111,97 @@ impl Watch {
     /// Whether the sender was seen to wait for acknowledgements.
     pub fn acking(&self) -> bool {
         self.acking
+    }
+}
+
+/// A server stream whose reader knows where answers end but not when to acknowledge
+/// (hyper's HTTP/1.1 client, for `upstream_h2` servers that decline HTTP/2): its reads are
+/// watched as a raw relay's are, a read counting as having emptied the queue when the next
+/// one finds nothing. Everything else passes through.
+pub struct Watched<S> {
+    inner: S,
+    watch: Watch,
+    /// Bytes written to the server so far: its sign of an answered request.
+    written: u64,
+    /// Bytes were read since the last read that found nothing.
+    read: bool,
+}
+
+impl<S> Watched<S> {
+    pub fn new(inner: S) -> Watched<S> {
+        Watched {
+            inner,
+            watch: Watch::default(),
+            written: 0,
+            read: false,
+        }
+    }
+}
+
+impl<S: AsyncRead + Acknowledge + Unpin> AsyncRead for Watched<S> {
+    fn poll_read(
+        self: Pin<&mut Self>,
+        cx: &mut Context<'_>,
+        buf: &mut ReadBuf<'_>,
+    ) -> Poll<io::Result<()>> {
+        let this = self.get_mut();
+        let before = buf.filled().len();
+        let poll = Pin::new(&mut this.inner).poll_read(cx, buf);
+        match poll {
+            Poll::Ready(Ok(())) if buf.filled().len() > before => this.read = true,
+            Poll::Pending if this.read => {
+                this.read = false;
+                if this.watch.drained(this.written) {
+                    this.inner.acknowledge();
+                }
+            }
+            _ => {}
+        }
+        poll
+    }
+}
+
+impl<S: AsyncWrite + Unpin> AsyncWrite for Watched<S> {
+    fn poll_write(
+        self: Pin<&mut Self>,
+        cx: &mut Context<'_>,
+        buf: &[u8],
+    ) -> Poll<io::Result<usize>> {
+        let this = self.get_mut();
+        let poll = Pin::new(&mut this.inner).poll_write(cx, buf);
+        this.count(&poll);
+        poll
+    }
+
+    fn poll_write_vectored(
+        self: Pin<&mut Self>,
+        cx: &mut Context<'_>,
+        bufs: &[io::IoSlice<'_>],
+    ) -> Poll<io::Result<usize>> {
+        let this = self.get_mut();
+        let poll = Pin::new(&mut this.inner).poll_write_vectored(cx, bufs);
+        this.count(&poll);
+        poll
+    }
+
+    fn is_write_vectored(&self) -> bool {
+        self.inner.is_write_vectored()
+    }
+
+    fn poll_flush(self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<io::Result<()>> {
+        Pin::new(&mut self.get_mut().inner).poll_flush(cx)
+    }
+
+    fn poll_shutdown(self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<io::Result<()>> {
+        Pin::new(&mut self.get_mut().inner).poll_shutdown(cx)
+    }
+}
+
+impl<S> Watched<S> {
+    fn count(&mut self, written: &Poll<io::Result<usize>>) {
+        if let Poll::Ready(Ok(n)) = written {
+            self.written = self.written.saturating_add(*n as u64);
+        }
     }
 }
 

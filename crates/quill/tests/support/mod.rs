@@ -34,6 +34,7 @@ pub mod http_echo;
 pub mod load;
 pub mod netns;
 pub mod penlogd;
+pub mod pki;
 
 use std::collections::{HashMap, HashSet};
 use std::fmt::Display;
