@@ -42,6 +42,12 @@ impl<T: Acknowledge + ?Sized> Acknowledge for Box<T> {
     }
 }
 
+impl<T: Acknowledge + ?Sized> Acknowledge for &mut T {
+    fn acknowledge(&self) {
+        (**self).acknowledge();
+    }
+}
+
 /// A Unix-domain stream has no acknowledgements: nothing to send.
 impl Acknowledge for tokio::net::UnixStream {
     fn acknowledge(&self) {}
@@ -69,8 +75,9 @@ fn coarse_ms() -> u64 {
     secs.saturating_mul(1000).saturating_add(millis)
 }
 
-/// One direction of a relay that knows no HTTP (both of a plain raw relay, the server's of
-/// a TLS-terminating one), watched for a sender that waits for acknowledgements.
+/// One direction of a relay that knows no HTTP (both of a plain raw relay; the server's of
+/// a TLS-terminating one and of hyper's client, through [`Watched`]), watched for a sender
+/// that waits for acknowledgements.
 ///
 /// The sign: a read that emptied the receive queue, then nothing the other way, then the
 /// sender's next bytes a delayed acknowledgement's time later. From then on the direction
@@ -114,10 +121,11 @@ impl Watch {
     }
 }
 
-/// A server stream whose reader knows where answers end but not when to acknowledge
-/// (hyper's HTTP/1.1 client, for `upstream_h2` servers that decline HTTP/2): its reads are
-/// watched as a raw relay's are, a read counting as having emptied the queue when the next
-/// one finds nothing. Everything else passes through.
+/// A server stream read through `AsyncRead` by a reader that does not acknowledge on its
+/// own (the TLS-terminating relay, and hyper's HTTP/1.1 client for `upstream_h2` servers
+/// that decline HTTP/2): its reads are watched as the plain relay's are, a read counting
+/// as having emptied the queue when the next one finds nothing. Everything else passes
+/// through.
 pub struct Watched<S> {
     inner: S,
     watch: Watch,

@@ -159,8 +159,8 @@ where
         ..Pipe::default()
     };
     let mut down = Pipe::default();
-    // Whether the server waits for acknowledgements before it writes on.
-    let mut acks = quickack::Watch::default();
+    // Acknowledges at once the server's reads once it was seen to wait for that.
+    let server = &mut quickack::Watched::new(server);
     let mut active = false;
     let mut idle = IdleTimer::new(opts.idle_timeout, None);
     let end = poll_fn(|cx| {
@@ -170,14 +170,8 @@ where
             }
         }
         if !down.done {
-            let before = down.bytes;
-            match down.poll(cx, server, client, &mut active) {
-                Poll::Ready(Err(e)) => return Poll::Ready(End::Error(e)),
-                // Waiting after reading: the server's queue is empty (or the client slow).
-                Poll::Pending if down.bytes > before && acks.drained(up.bytes) => {
-                    server.acknowledge();
-                }
-                _ => {}
+            if let Poll::Ready(Err(e)) = down.poll(cx, server, client, &mut active) {
+                return Poll::Ready(End::Error(e));
             }
         }
         let fast = fast_close(opts.fastclose, up.eof, down.eof);
