@@ -106,12 +106,15 @@ impl Listener {
 }
 
 /// A non-blocking socket of `kind` bound to `addr` for listening (TCP or UDP), with
-/// SO_REUSEADDR, SO_REUSEPORT if asked, and dual-stack for `:::port`.
+/// SO_REUSEADDR, SO_REUSEPORT if asked, and dual-stack for `:::port`. `before_bind` gives
+/// it the options that must be there before the first packet can reach it: with
+/// SO_REUSEPORT, the kernel may hand it one as soon as it is bound.
 pub(crate) fn bound_socket(
     addr: SocketAddr,
     kind: Type,
     protocol: Protocol,
     reuse_port: bool,
+    before_bind: impl FnOnce(&Socket) -> io::Result<()>,
 ) -> io::Result<Socket> {
     let socket = Socket::new(Domain::for_address(addr), kind, Some(protocol))?;
     socket.set_reuse_address(true)?;
@@ -123,15 +126,17 @@ pub(crate) fn bound_socket(
         socket.set_only_v6(false)?;
     }
     socket.set_nonblocking(true)?;
+    before_bind(&socket)?;
     socket.bind(&addr.into())?;
     Ok(socket)
 }
 
 fn tcp_socket(addr: SocketAddr, reuse_port: bool, backlog: u32) -> io::Result<Socket> {
-    let socket = bound_socket(addr, Type::STREAM, Protocol::TCP, reuse_port)?;
     // Before `listen`: a connection inherits its listener's options when its handshake
     // completes, which may be long before the event loop's first accept.
-    set_inherited_options(&socket)?;
+    let socket = bound_socket(addr, Type::STREAM, Protocol::TCP, reuse_port, |s| {
+        set_inherited_options(s)
+    })?;
     socket.listen(i32::try_from(backlog).unwrap_or(i32::MAX))?;
     Ok(socket)
 }
@@ -179,7 +184,7 @@ pub fn open(addr: &ListenAddr, count: usize, backlog: u32) -> Result<Vec<Listene
             // Probe without SO_REUSEPORT: fails with EADDRINUSE if anyone holds the port.
             // Bound only, never listening: a client that connected to a listening probe
             // would sit in its accept queue and be reset when the probe closes.
-            drop(bound_socket(*a, Type::STREAM, Protocol::TCP, false).map_err(err)?);
+            drop(bound_socket(*a, Type::STREAM, Protocol::TCP, false, |_| Ok(())).map_err(err)?);
             let mut out = Vec::with_capacity(count);
             for _ in 0..count.max(1) {
                 out.push(Listener::Tcp(

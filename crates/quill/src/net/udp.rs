@@ -44,8 +44,21 @@ pub struct UdpListener {
     pub pktinfo: bool,
 }
 
-fn listen_socket(addr: SocketAddr, reuse_port: bool) -> io::Result<Socket> {
-    super::listen::bound_socket(addr, Type::DGRAM, Protocol::UDP, reuse_port)
+/// A UDP socket bound to `addr`; with `pktinfo`, asking for each datagram's destination
+/// address before it is bound, so that no datagram can arrive without it.
+fn listen_socket(addr: SocketAddr, reuse_port: bool, pktinfo: bool) -> io::Result<Socket> {
+    super::listen::bound_socket(addr, Type::DGRAM, Protocol::UDP, reuse_port, |socket| {
+        if !pktinfo {
+            return Ok(());
+        }
+        let fd = socket.as_fd();
+        let set = if addr.is_ipv6() {
+            nixsock::setsockopt(&fd, sockopt::Ipv6RecvPacketInfo, &true)
+        } else {
+            nixsock::setsockopt(&fd, sockopt::Ipv4PacketInfo, &true)
+        };
+        set.map_err(io::Error::from)
+    })
 }
 
 /// Opens `count` UDP listening sockets on `addr` (one per event loop).
@@ -69,20 +82,11 @@ pub fn open(addr: &ListenAddr, count: usize) -> Result<Vec<UdpListener>, ListenE
         addr: format!("udp {addr}"),
         source,
     };
-    drop(listen_socket(addr, false).map_err(err)?);
+    drop(listen_socket(addr, false, false).map_err(err)?);
     let pktinfo = addr.ip().is_unspecified();
     let mut out = Vec::with_capacity(count.max(1));
     for _ in 0..count.max(1) {
-        let socket = listen_socket(addr, true).map_err(err)?;
-        if pktinfo {
-            let fd = socket.as_fd();
-            let set = if addr.is_ipv6() {
-                nixsock::setsockopt(&fd, sockopt::Ipv6RecvPacketInfo, &true)
-            } else {
-                nixsock::setsockopt(&fd, sockopt::Ipv4PacketInfo, &true)
-            };
-            set.map_err(|e| err(e.into()))?;
-        }
+        let socket = listen_socket(addr, true, pktinfo).map_err(err)?;
         out.push(UdpListener {
             socket: socket.into(),
             pktinfo,
