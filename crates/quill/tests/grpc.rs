@@ -1,0 +1,250 @@
+//! gRPC through the `http` mode, with Google's gRPC library (Debian's `python3-grpcio`) on
+//! both sides: the client speaks HTTP/2 to quill (h2c with prior knowledge, or TLS with
+//! ALPN `h2`), quill speaks HTTP/2 to the server (`upstream_h2`: h2c, or TLS to a TLS
+//! server). gRPC is what most HTTP/2 traffic behind a balancer is, and it leans on what
+//! plain web traffic seldom does: trailers carry the status of every call (a failed call
+//! is a "trailers-only" answer, one HEADERS frame), streams stay open for many messages in
+//! both directions, messages of megabytes cross the flow-control windows, and a deadline
+//! or a cancel must reach the server as a stream reset.
+#![allow(clippy::unwrap_used, clippy::expect_used, clippy::panic)]
+
+mod support;
+
+use std::process::Command;
+use std::time::Duration;
+
+use support::daemon::Daemon;
+use support::pki::certificates;
+use support::*;
+
+const PYTHON: &str = "/usr/bin/python3";
+
+/// The server: one service with a method of each kind, payloads as raw bytes (no
+/// generated code). `Slow` waits until its call is cancelled and says so on stdout.
+const SERVER: &str = r#"
+import sys, time
+from concurrent import futures
+import grpc
+
+def echo(req, ctx):
+    md = dict(ctx.invocation_metadata())
+    ctx.send_initial_metadata((("x-seen", md.get("x-trace", "none")),))
+    ctx.set_trailing_metadata((("x-done", "yes"),))
+    return req
+
+def fail(req, ctx):
+    ctx.abort(grpc.StatusCode.NOT_FOUND, "no such thing")
+
+def count(req, ctx):
+    for i in range(int(req)):
+        yield (b"%06d" % i) + b"x" * 1018
+
+def total(messages, ctx):
+    return str(sum(len(m) for m in messages)).encode()
+
+def chat(messages, ctx):
+    for m in messages:
+        yield m
+
+def slow(req, ctx):
+    while ctx.is_active():
+        time.sleep(0.01)
+    print("cancelled", flush=True)
+    return b""
+
+handler = grpc.method_handlers_generic_handler("quill.test.Echo", {
+    "Echo": grpc.unary_unary_rpc_method_handler(echo),
+    "Fail": grpc.unary_unary_rpc_method_handler(fail),
+    "Count": grpc.unary_stream_rpc_method_handler(count),
+    "Total": grpc.stream_unary_rpc_method_handler(total),
+    "Chat": grpc.stream_stream_rpc_method_handler(chat),
+    "Slow": grpc.unary_unary_rpc_method_handler(slow),
+})
+server = grpc.server(futures.ThreadPoolExecutor(max_workers=32),
+                     options=[("grpc.max_receive_message_length", 64 << 20)])
+server.add_generic_rpc_handlers((handler,))
+addr = "127.0.0.1:" + sys.argv[1]
+if len(sys.argv) > 2:
+    cert, key = open(sys.argv[2], "rb").read(), open(sys.argv[3], "rb").read()
+    server.add_secure_port(addr, grpc.ssl_server_credentials(((key, cert),)))
+else:
+    server.add_insecure_port(addr)
+server.start()
+server.wait_for_termination()
+"#;
+
+/// The client: every kind of call once, then many at once on one channel; prints one
+/// line per check.
+const CLIENT: &str = r#"
+import sys, time, queue
+from concurrent import futures
+import grpc
+
+options = [("grpc.max_receive_message_length", 64 << 20), ("grpc.enable_retries", 0)]
+if len(sys.argv) > 2:
+    ca = open(sys.argv[2], "rb").read()
+    options.append(("grpc.ssl_target_name_override", "localhost"))
+    channel = grpc.secure_channel(sys.argv[1], grpc.ssl_channel_credentials(root_certificates=ca), options=options)
+else:
+    channel = grpc.insecure_channel(sys.argv[1], options=options)
+method = lambda name: "/quill.test.Echo/" + name
+
+echo = channel.unary_unary(method("Echo"))
+answer, call = echo.with_call(b"hello", metadata=(("x-trace", "abc"),), timeout=10)
+print("unary", answer.decode(), dict(call.initial_metadata()).get("x-seen"),
+      dict(call.trailing_metadata()).get("x-done"), call.code().name)
+
+big = bytes(range(256)) * (16 << 10)
+print("unary 4 MiB", echo(big, timeout=20) == big)
+
+try:
+    channel.unary_unary(method("Fail"))(b"", timeout=10)
+    print("fail none")
+except grpc.RpcError as e:
+    print("fail", e.code().name, e.details())
+
+print("server stream", sum(1 for _ in channel.unary_stream(method("Count"))(b"1000", timeout=20)))
+print("client stream", channel.stream_unary(method("Total"))(iter([b"z" * 65536] * 128), timeout=20).decode())
+
+# Each message must come back before the next is sent: nothing may wait in quill for more.
+outgoing = queue.Queue()
+def messages():
+    while (m := outgoing.get()) is not None:
+        yield m
+answers = channel.stream_stream(method("Chat"))(messages(), timeout=20)
+matched = 0
+for i in range(50):
+    outgoing.put(b"ping %d" % i)
+    matched += next(answers) == b"ping %d" % i
+outgoing.put(None)
+print("ping-pong", matched)
+
+started = time.monotonic()
+try:
+    channel.unary_unary(method("Slow"))(b"", timeout=0.5)
+    print("deadline none")
+except grpc.RpcError as e:
+    print("deadline", e.code().name, time.monotonic() - started < 5)
+
+# More calls at once than quill's streams per client connection (100).
+count = channel.unary_stream(method("Count"))
+def calls(i):
+    good = sum(echo(b"%d-%d" % (i, j), timeout=20) == b"%d-%d" % (i, j) for j in range(20))
+    return good + (sum(1 for _ in count(b"50", timeout=20)) == 50)
+with futures.ThreadPoolExecutor(150) as pool:
+    print("concurrent", sum(pool.map(calls, range(150))))
+"#;
+
+const EXPECTED: &[&str] = &[
+    "unary hello abc yes OK",
+    "unary 4 MiB True",
+    "fail NOT_FOUND no such thing",
+    "server stream 1000",
+    "client stream 8388608",
+    "ping-pong 50",
+    "deadline DEADLINE_EXCEEDED True",
+    "concurrent 3150",
+];
+
+/// Whether Python's gRPC library is there; says why the test is skipped when not.
+fn has_grpc() -> bool {
+    let ok = Command::new(PYTHON)
+        .args(["-c", "import grpc"])
+        .output()
+        .is_ok_and(|out| out.status.success());
+    if !ok {
+        eprintln!("SKIPPED: python3-grpcio is not installed (.ci/run installs it)");
+    }
+    ok
+}
+
+/// Starts the gRPC server on a free port, over TLS with `tls` = (certificate, key).
+fn grpc_server(tls: Option<(&str, &str)>) -> (Daemon, u16) {
+    let dir = TempDir::new("grpc-server");
+    let script = dir.path().join("server.py");
+    std::fs::write(&script, SERVER).unwrap();
+    let port = free_port();
+    let mut args = vec![script.to_str().unwrap().to_string(), port.to_string()];
+    if let Some((cert, key)) = tls {
+        args.extend([cert.to_string(), key.to_string()]);
+    }
+    let daemon = Daemon::start(PYTHON, &args, port, dir).expect("python3 is installed");
+    (daemon, port)
+}
+
+/// Runs the client against `target` (with `ca`: over TLS, the server's name `localhost`)
+/// and checks each of its lines.
+fn run_client(target: &str, ca: Option<&str>) {
+    let dir = TempDir::new("grpc-client");
+    let script = dir.path().join("client.py");
+    std::fs::write(&script, CLIENT).unwrap();
+    let mut args = vec![script.to_str().unwrap(), target];
+    args.extend(ca);
+    let out = tool(PYTHON, &args).unwrap();
+    let lines: Vec<&str> = out.lines().collect();
+    assert_eq!(lines, EXPECTED, "the client said:\n{out}");
+}
+
+/// The server's stdout saw a cancelled call within a few seconds.
+fn expect_cancelled_at(server: &Daemon) {
+    let log = server.dir().join("daemon.log");
+    wait_until(
+        Duration::from_secs(5),
+        "the server sees the call cancelled",
+        || std::fs::read_to_string(&log).is_ok_and(|s| s.contains("cancelled")),
+    );
+}
+
+#[test]
+fn grpc_calls_of_every_kind_pass_through_h2c_on_both_sides() {
+    if !has_grpc() {
+        return;
+    }
+    let (server, port) = grpc_server(None);
+    let q = Quill::start(&[
+        "-H",
+        "-O",
+        "h2c",
+        "-O",
+        "upstream_h2",
+        "{port}",
+        &format!("127.0.0.1:{port}"),
+    ]);
+    run_client(&q.addr().to_string(), None);
+    expect_cancelled_at(&server);
+}
+
+/// Seed 004's shape: TLS from the client (ALPN `h2`), TLS to the server.
+#[test]
+fn grpc_calls_of_every_kind_pass_through_tls_on_both_sides() {
+    if !has_grpc() {
+        return;
+    }
+    let dir = TempDir::new("grpc-pki");
+    let (ca, cert, key) = certificates(dir.path());
+    let (ca, cert, key) = (
+        ca.to_str().unwrap(),
+        cert.to_str().unwrap(),
+        key.to_str().unwrap(),
+    );
+    let (server, port) = grpc_server(Some((cert, key)));
+    let q = Quill::start(&[
+        "-H",
+        "-O",
+        &format!("ssl_cert {cert}"),
+        "-O",
+        &format!("ssl_key {key}"),
+        "-O",
+        "upstream_tls",
+        "-O",
+        &format!("upstream_ca {ca}"),
+        "-O",
+        "upstream_sni localhost",
+        "-O",
+        "upstream_h2",
+        "{port}",
+        &format!("127.0.0.1:{port}"),
+    ]);
+    run_client(&q.addr().to_string(), Some(ca));
+    expect_cancelled_at(&server);
+}
