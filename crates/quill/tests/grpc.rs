@@ -248,3 +248,40 @@ fn grpc_calls_of_every_kind_pass_through_tls_on_both_sides() {
     run_client(&q.addr().to_string(), Some(ca));
     expect_cancelled_at(&server);
 }
+
+/// One unary call; prints the code and the details it ends with.
+const ONE_CALL: &str = r#"
+import sys, grpc
+channel = grpc.insecure_channel(sys.argv[1])
+try:
+    channel.unary_unary("/quill.test.Echo/Echo")(b"x", timeout=10)
+    print("OK")
+except grpc.RpcError as e:
+    print(e.code().name, e.details())
+"#;
+
+fn one_call(target: &str) -> String {
+    tool(PYTHON, &["-c", ONE_CALL, target]).unwrap()
+}
+
+/// When quill answers a call itself, the client reads a gRPC status with quill's words,
+/// as from a gRPC server (a trailers-only answer), not a bare HTTP status it can only call
+/// "unexpected".
+#[test]
+fn a_call_quill_answers_itself_gets_a_grpc_status() {
+    if !has_grpc() {
+        return;
+    }
+    let nobody = free_port();
+    let q = Quill::start(&[
+        "-H",
+        "-O",
+        "h2c",
+        "-O",
+        "upstream_h2",
+        "{port}",
+        &format!("127.0.0.1:{nobody}"),
+    ]);
+    let out = one_call(&q.addr().to_string());
+    assert_eq!(out.trim(), "UNAVAILABLE Service unavailable", "{out}");
+}

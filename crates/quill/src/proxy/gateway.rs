@@ -33,6 +33,7 @@ use hyper::{Method, Request, Response, StatusCode, Uri, Version};
 use hyper_util::rt::TokioIo;
 
 use super::candidates::{self, Candidate, Candidates};
+use super::grpc;
 use super::h1_client::{self, Back, Failure, Outgoing};
 use super::h1_pump::{self, Link};
 use super::h2_client;
@@ -479,13 +480,18 @@ pub(super) async fn forward(
         .load_full()
         .map(|log| Rc::new(record(log, peer, &req)));
     stream.record = record.clone();
+    let grpc = grpc::is_call(req.version(), req.headers());
     let reply = route(state, peer, req, stream).await;
     // The line is written when the last holder lets go: here for quill's own answers and
-    // tunnels, at the end of the body for a server's response.
+    // tunnels, at the end of the body for a server's response. A gRPC call's own answer
+    // is logged with the HTTP status it stands for.
     if let Some(r) = record {
         r.status.set(reply.status().as_u16());
     }
-    reply
+    match reply.extensions().get::<Own>() {
+        Some(&Own(text)) if grpc => grpc::answer(reply.status(), text),
+        _ => reply,
+    }
 }
 
 /// The access log record of a request, as the client sent it.
@@ -1271,6 +1277,11 @@ impl<IO: tokio::io::AsyncWrite + Unpin> tokio::io::AsyncWrite for Marked<IO> {
     }
 }
 
+/// Marks quill's own answers (their text), which [`forward`] turns into gRPC's form for
+/// gRPC calls.
+#[derive(Debug, Clone, Copy)]
+struct Own(&'static str);
+
 /// quill's own answer.
 fn answer(status: StatusCode, text: &'static str) -> Reply {
     let mut resp = Response::new(Either::Right(Full::new(Bytes::from_static(
@@ -1281,6 +1292,7 @@ fn answer(status: StatusCode, text: &'static str) -> Reply {
         header::CONTENT_TYPE,
         HeaderValue::from_static("text/plain; charset=utf-8"),
     );
+    resp.extensions_mut().insert(Own(text));
     resp
 }
 

@@ -5,6 +5,7 @@ pub mod candidates;
 pub mod coalesce;
 pub mod dummy;
 pub mod gateway;
+pub mod grpc;
 pub mod h1;
 pub mod h1_client;
 pub mod h1_pump;
