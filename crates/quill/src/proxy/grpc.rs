@@ -1,5 +1,5 @@
-//! quill's own answers (no server, an ACL's refusal, a bad gateway) in gRPC's terms, for
-//! the gRPC calls among HTTP/2 requests.
+//! quill's own answers (no server, a bad gateway, a request it cannot forward) in gRPC's
+//! terms, for the gRPC calls among HTTP/2 requests.
 //!
 //! A gRPC client reads a call's outcome from the `grpc-status` field, not the HTTP status:
 //! to a plain `503` it can only say "unexpected HTTP status", and logs the `text/plain`
