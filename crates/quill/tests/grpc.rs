@@ -195,13 +195,9 @@ fn expect_cancelled_at(server: &Daemon) {
     );
 }
 
-#[test]
-fn grpc_calls_of_every_kind_pass_through_h2c_on_both_sides() {
-    if !has_grpc() {
-        return;
-    }
-    let (server, port) = grpc_server(None);
-    let q = Quill::start(&[
+/// quill taking h2c from clients and speaking it to the server on `port`.
+fn quill_h2c(port: u16) -> Quill {
+    Quill::start(&[
         "-H",
         "-O",
         "h2c",
@@ -209,7 +205,16 @@ fn grpc_calls_of_every_kind_pass_through_h2c_on_both_sides() {
         "upstream_h2",
         "{port}",
         &format!("127.0.0.1:{port}"),
-    ]);
+    ])
+}
+
+#[test]
+fn grpc_calls_of_every_kind_pass_through_h2c_on_both_sides() {
+    if !has_grpc() {
+        return;
+    }
+    let (server, port) = grpc_server(None);
+    let q = quill_h2c(port);
     run_client(&q.addr().to_string(), None);
     expect_cancelled_at(&server);
 }
@@ -272,16 +277,8 @@ fn a_call_quill_answers_itself_gets_a_grpc_status() {
     if !has_grpc() {
         return;
     }
-    let nobody = free_port();
-    let q = Quill::start(&[
-        "-H",
-        "-O",
-        "h2c",
-        "-O",
-        "upstream_h2",
-        "{port}",
-        &format!("127.0.0.1:{nobody}"),
-    ]);
+    // Nothing listens on the server's port.
+    let q = quill_h2c(free_port());
     let out = one_call(&q.addr().to_string());
     assert_eq!(out.trim(), "UNAVAILABLE Service unavailable", "{out}");
 }
