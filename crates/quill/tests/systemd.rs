@@ -121,13 +121,21 @@ fn find_in_path(name: &str) -> Option<std::path::PathBuf> {
         .find(|p| p.is_file())
 }
 
+/// `systemd-socket-activate`, or `None` (with the reason said) where the test cannot run.
+fn socket_activator() -> Option<std::path::PathBuf> {
+    if skip_on_pen("socket activation is a quill extension") {
+        return None;
+    }
+    let found = find_in_path("systemd-socket-activate");
+    if found.is_none() {
+        eprintln!("SKIPPED: systemd-socket-activate is not installed (Debian package systemd)");
+    }
+    found
+}
+
 #[test]
 fn socket_activation_uses_the_listener_systemd_passes() {
-    if skip_on_pen("socket activation is a quill extension") {
-        return;
-    }
-    let Some(activate) = find_in_path("systemd-socket-activate") else {
-        eprintln!("SKIPPED: systemd-socket-activate is not installed (Debian package systemd)");
+    let Some(activate) = socket_activator() else {
         return;
     };
     let a = IdentityBackend::start("a");
@@ -233,11 +241,7 @@ fn exchanges(stream: &mut TcpStream, count: usize) -> Duration {
 /// only then.
 #[test]
 fn the_client_that_activates_quill_is_not_held_by_nagles_algorithm() {
-    if skip_on_pen("socket activation is a quill extension") {
-        return;
-    }
-    let Some(activate) = find_in_path("systemd-socket-activate") else {
-        eprintln!("SKIPPED: systemd-socket-activate is not installed (Debian package systemd)");
+    let Some(activate) = socket_activator() else {
         return;
     };
     let server = two_write_server();

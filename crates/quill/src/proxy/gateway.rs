@@ -488,9 +488,12 @@ pub(super) async fn forward(
     if let Some(r) = record {
         r.status.set(reply.status().as_u16());
     }
+    if !grpc {
+        return reply;
+    }
     match reply.extensions().get::<Own>() {
-        Some(&Own(text)) if grpc => grpc::answer(reply.status(), text),
-        _ => reply,
+        Some(&Own(text)) => grpc::answer(reply.status(), text),
+        None => reply,
     }
 }
 
@@ -1056,7 +1059,7 @@ async fn connect(
     let failed = |e: hyper::Error| std::io::Error::other(e);
     let sender = match stream {
         Server::Plain(s) => {
-            let io = TokioIo::new(quickack::Watched::new(s));
+            let io = TokioIo::new(quickack::WatchedServer::new(s));
             let (sender, conn) = builder.handshake(io).await.map_err(failed)?;
             if upgrades {
                 drive(conn.with_upgrades(), server);
@@ -1066,7 +1069,7 @@ async fn connect(
             sender
         }
         Server::Tls(s) => {
-            let io = TokioIo::new(quickack::Watched::new(s));
+            let io = TokioIo::new(quickack::WatchedServer::new(s));
             let (sender, conn) = builder.handshake(io).await.map_err(failed)?;
             if upgrades {
                 drive(conn.with_upgrades(), server);

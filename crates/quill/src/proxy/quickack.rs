@@ -76,7 +76,7 @@ fn coarse_ms() -> u64 {
 }
 
 /// One direction of a relay that knows no HTTP (both of a plain raw relay; the server's of
-/// a TLS-terminating one and of hyper's client, through [`Watched`]), watched for a sender
+/// a TLS-terminating one and of hyper's client, through [`WatchedServer`]), watched for a sender
 /// that waits for acknowledgements.
 ///
 /// The sign: a read that emptied the receive queue, then nothing the other way, then the
@@ -126,7 +126,7 @@ impl Watch {
 /// that decline HTTP/2): its reads are watched as the plain relay's are, a read counting
 /// as having emptied the queue when the next one finds nothing. Everything else passes
 /// through.
-pub struct Watched<S> {
+pub struct WatchedServer<S> {
     inner: S,
     watch: Watch,
     /// Bytes written to the server so far: its sign of an answered request.
@@ -135,9 +135,9 @@ pub struct Watched<S> {
     read: bool,
 }
 
-impl<S> Watched<S> {
-    pub fn new(inner: S) -> Watched<S> {
-        Watched {
+impl<S> WatchedServer<S> {
+    pub fn new(inner: S) -> WatchedServer<S> {
+        WatchedServer {
             inner,
             watch: Watch::default(),
             written: 0,
@@ -146,7 +146,7 @@ impl<S> Watched<S> {
     }
 }
 
-impl<S: AsyncRead + Acknowledge + Unpin> AsyncRead for Watched<S> {
+impl<S: AsyncRead + Acknowledge + Unpin> AsyncRead for WatchedServer<S> {
     fn poll_read(
         self: Pin<&mut Self>,
         cx: &mut Context<'_>,
@@ -169,7 +169,7 @@ impl<S: AsyncRead + Acknowledge + Unpin> AsyncRead for Watched<S> {
     }
 }
 
-impl<S: AsyncWrite + Unpin> AsyncWrite for Watched<S> {
+impl<S: AsyncWrite + Unpin> AsyncWrite for WatchedServer<S> {
     fn poll_write(
         self: Pin<&mut Self>,
         cx: &mut Context<'_>,
@@ -205,7 +205,7 @@ impl<S: AsyncWrite + Unpin> AsyncWrite for Watched<S> {
     }
 }
 
-impl<S> Watched<S> {
+impl<S> WatchedServer<S> {
     fn count(&mut self, written: &Poll<io::Result<usize>>) {
         if let Poll::Ready(Ok(n)) = written {
             self.written = self.written.saturating_add(*n as u64);

@@ -160,7 +160,7 @@ where
     };
     let mut down = Pipe::default();
     // Acknowledges at once the server's reads once it was seen to wait for that.
-    let server = &mut quickack::Watched::new(server);
+    let server = &mut quickack::WatchedServer::new(server);
     let mut active = false;
     let mut idle = IdleTimer::new(opts.idle_timeout, None);
     let end = poll_fn(|cx| {
