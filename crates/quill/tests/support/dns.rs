@@ -25,7 +25,7 @@ use std::sync::{Arc, Mutex};
 use std::thread::{self, JoinHandle};
 use std::time::{Duration, Instant};
 
-use super::{bin, is_pen, poll_until, TempDir, START_DEADLINE};
+use super::{bin, is_pen, poll_until, udp_bound, TempDir, START_DEADLINE};
 
 // ---------------------------------------------------------------------------
 // DNS, just enough
@@ -360,40 +360,6 @@ pub struct UdpQuill {
     dir: TempDir,
     /// Where quill says it is ready (`NOTIFY_SOCKET`), kept open for its later messages.
     _notify: Option<UnixDatagram>,
-}
-
-fn socket_inodes(pid: u32) -> Vec<String> {
-    let mut out = Vec::new();
-    if let Ok(dir) = fs::read_dir(format!("/proc/{pid}/fd")) {
-        for e in dir.flatten() {
-            if let Ok(link) = fs::read_link(e.path()) {
-                let l = link.to_string_lossy();
-                if let Some(i) = l.strip_prefix("socket:[").and_then(|r| r.strip_suffix(']')) {
-                    out.push(i.to_string());
-                }
-            }
-        }
-    }
-    out
-}
-
-/// Whether `pid` has a UDP socket bound to `port`.
-fn udp_bound(pid: u32, port: u16) -> bool {
-    let inodes = socket_inodes(pid);
-    ["/proc/net/udp", "/proc/net/udp6"].iter().any(|table| {
-        fs::read_to_string(table).is_ok_and(|text| {
-            text.lines().skip(1).any(|line| {
-                let f: Vec<&str> = line.split_whitespace().collect();
-                f.len() >= 10
-                    && f[1]
-                        .rsplit(':')
-                        .next()
-                        .and_then(|p| u16::from_str_radix(p, 16).ok())
-                        == Some(port)
-                    && inodes.iter().any(|i| i == f[9])
-            })
-        })
-    })
 }
 
 fn read_lossy(p: &Path) -> String {

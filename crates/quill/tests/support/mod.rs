@@ -634,6 +634,27 @@ fn socket_inodes(pid: u32) -> HashSet<String> {
     set
 }
 
+/// Whether process `pid` has a UDP socket bound to `port` (read from /proc/net/udp*, so
+/// that the check neither sends a datagram nor binds the port itself, which would race
+/// the process for it).
+pub fn udp_bound(pid: u32, port: u16) -> bool {
+    let inodes = socket_inodes(pid);
+    ["/proc/net/udp", "/proc/net/udp6"].iter().any(|table| {
+        fs::read_to_string(table).is_ok_and(|text| {
+            text.lines().skip(1).any(|line| {
+                let f: Vec<&str> = line.split_whitespace().collect();
+                f.len() >= 10
+                    && f[1]
+                        .rsplit(':')
+                        .next()
+                        .and_then(|p| u16::from_str_radix(p, 16).ok())
+                        == Some(port)
+                    && inodes.contains(f[9])
+            })
+        })
+    })
+}
+
 /// Whether `pid` listens on `target`.  On Linux this reads /proc (so that
 /// the check opens no connection: a probe connection would be balanced to a
 /// backend and would disturb round robin and client tracking); elsewhere it

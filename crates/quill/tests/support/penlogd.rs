@@ -7,7 +7,7 @@ use std::path::PathBuf;
 use std::process::{Child, Command, Stdio};
 use std::time::Duration;
 
-use super::{free_port, wait_until, TempDir};
+use super::{free_port, udp_bound, wait_until, TempDir};
 
 /// A running penlogd, its consolidated log on a line-buffered stdout.
 pub struct Penlogd {
@@ -32,23 +32,35 @@ impl Penlogd {
         }
         let dir = TempDir::new("penlogd");
         let out = dir.path().join("merged.log");
-        let port = free_port();
-        // To stdout, line-buffered: its own log file is written only when it exits.
-        let child = Command::new("stdbuf")
-            .args(["-oL", "penlogd", "-f", &port.to_string()])
-            .stdout(std::fs::File::create(&out).unwrap())
-            .stderr(Stdio::null())
-            .spawn()
-            .expect("penlogd starts");
-        wait_until(Duration::from_secs(5), "penlogd listens", || {
-            std::net::UdpSocket::bind(("0.0.0.0", port)).is_err()
-        });
-        Some(Penlogd {
-            child,
-            port,
-            out,
-            _dir: dir,
-        })
+        // The port is free for TCP; a UDP socket of a concurrent test (quill's `-l` sends
+        // from ephemeral ports) may hold it, and then penlogd exits: try another.
+        for _ in 0..5 {
+            let port = free_port();
+            // To stdout, line-buffered: its own log file is written only when it exits.
+            let mut child = Command::new("stdbuf")
+                .args(["-oL", "penlogd", "-f", &port.to_string()])
+                .stdout(std::fs::File::create(&out).unwrap())
+                .stderr(Stdio::null())
+                .spawn()
+                .expect("penlogd starts");
+            // stdbuf execs penlogd, so the pid is penlogd's. Read from /proc rather than
+            // probed by binding the port, which could take it from penlogd as it binds.
+            let pid = child.id();
+            let mut exited = false;
+            wait_until(Duration::from_secs(5), "penlogd listens", || {
+                exited = matches!(child.try_wait(), Ok(Some(_)));
+                exited || udp_bound(pid, port)
+            });
+            if !exited {
+                return Some(Penlogd {
+                    child,
+                    port,
+                    out,
+                    _dir: dir,
+                });
+            }
+        }
+        panic!("penlogd could not bind any of five UDP ports");
     }
 
     /// A web server at `server_ip` logs `lines` (Apache's common format) through penlog.
