@@ -196,7 +196,8 @@ pub enum Command {
     NoTarpitAcl,
     /// `transparent` / `no transparent`: connect to backends from the client's address.
     Transparent(bool),
-    /// `check tcp` / `check http PATH [STATUS]` / `no check` (extension): the active
+    /// `check tcp` / `check http PATH [STATUS]` / `check grpc [SERVICE]` / `no check`
+    /// (extension): the active
     /// health check of every server that does not choose its own (`server N check ...`).
     Check(Option<Probe>),
     /// `check_interval D` (extension): time between two checks of a server.
@@ -379,6 +380,9 @@ pub enum Probe {
     Tcp,
     /// `GET PATH HTTP/1.1`; the answer must have `status` (or any 2xx/3xx when `None`).
     Http { path: Word, status: Option<u16> },
+    /// gRPC's `grpc.health.v1.Health/Check` over HTTP/2 for `service` (the server as a
+    /// whole when `None`); the answer must be `SERVING`.
+    Grpc { service: Option<Word> },
 }
 
 /// A server's own choice of health check (`server N check ...`).
@@ -389,7 +393,7 @@ pub enum ServerCheck {
     Inherit,
     /// `check off`: never checked, even with a global check.
     Off,
-    /// `check tcp` / `check http PATH [STATUS]`.
+    /// `check tcp` / `check http PATH [STATUS]` / `check grpc [SERVICE]`.
     Probe(Probe),
 }
 
@@ -422,6 +426,10 @@ impl fmt::Display for Probe {
                 path,
                 status: Some(s),
             } => write!(f, "http {path} {s}"),
+            Probe::Grpc { service: None } => f.write_str("grpc"),
+            Probe::Grpc {
+                service: Some(name),
+            } => write!(f, "grpc {name}"),
         }
     }
 }
@@ -1360,7 +1368,7 @@ fn parse_positive(command: &'static str, w: &mut Words<'_>) -> Result<Command, P
         "upstream_ca" => Command::UpstreamCa(Some(w.word("a CA certificate file")?)),
         "upstream_sni" => Command::UpstreamSni(Some(Host::new(w.next("a server name")?)?)),
         "check" => {
-            let kind = w.next("tcp or http PATH [STATUS]")?;
+            let kind = w.next("tcp, http PATH [STATUS] or grpc [SERVICE]")?;
             Command::Check(Some(parse_probe(w, kind)?))
         }
         "check_interval" => Command::CheckInterval(w.millis()?),
@@ -1559,13 +1567,13 @@ fn parse_server(w: &mut Words<'_>) -> Result<Command, ParseError> {
                     _ => ServerField::Drain(true),
                 }
             }
-            "check" => {
-                ServerField::Check(match w.next("tcp, http PATH [STATUS], off or default")? {
+            "check" => ServerField::Check(
+                match w.next("tcp, http PATH [STATUS], grpc [SERVICE], off or default")? {
                     "off" => ServerCheck::Off,
                     "default" => ServerCheck::Inherit,
                     kind => ServerCheck::Probe(parse_probe(w, kind)?),
-                })
-            }
+                },
+            ),
             "proxy_protocol" => {
                 ServerField::ProxyProtocol(match w.next("v1, v2, off or global")? {
                     "off" => ServerProxy::Off,
@@ -1592,8 +1600,25 @@ fn parse_server(w: &mut Words<'_>) -> Result<Command, ParseError> {
     Ok(Command::Server { index, fields })
 }
 
-/// `tcp` or `http PATH [STATUS]`, after the word `kind`. The status is optional: it is
-/// taken when the next word is a number (field names and commands never are).
+/// The fields of a `server` command; a word after `check grpc` that is one of them starts
+/// the next field rather than naming a service.
+const SERVER_FIELDS: [&str; 11] = [
+    "acl",
+    "address",
+    "port",
+    "max",
+    "hard",
+    "weight",
+    "prio",
+    "blacklist",
+    "drain",
+    "check",
+    "proxy_protocol",
+];
+
+/// `tcp`, `http PATH [STATUS]` or `grpc [SERVICE]`, after the word `kind`. The status is
+/// optional: it is taken when the next word is a number (field names and commands never
+/// are); so is the service: taken unless the next word is a server field's name.
 fn parse_probe(w: &mut Words<'_>, kind: &str) -> Result<Probe, ParseError> {
     let command = w.command;
     match kind {
@@ -1626,9 +1651,24 @@ fn parse_probe(w: &mut Words<'_>, kind: &str) -> Result<Probe, ParseError> {
             };
             Ok(Probe::Http { path, status })
         }
+        "grpc" => {
+            let mut ahead = w.iter.clone();
+            let service = match ahead.next() {
+                Some(word) if !SERVER_FIELDS.contains(&word) => {
+                    w.iter = ahead;
+                    Some(Word::new(word).ok_or_else(|| ParseError::Invalid {
+                        command,
+                        what: "gRPC service name",
+                        value: word.to_string(),
+                    })?)
+                }
+                _ => None,
+            };
+            Ok(Probe::Grpc { service })
+        }
         other => Err(ParseError::Invalid {
             command,
-            what: "check (tcp or http)",
+            what: "check (tcp, http or grpc)",
             value: other.to_string(),
         }),
     }
@@ -2093,6 +2133,11 @@ mod roundtrip {
                     path: Word::new(&p).unwrap_or_else(|| Word("/".into())),
                     status
                 }),
+            proptest::option::of("[a-z][a-zA-Z0-9._]{0,30}").prop_map(|name| Probe::Grpc {
+                service: name
+                    .and_then(|n| Word::new(&n))
+                    .filter(|w| { !super::SERVER_FIELDS.contains(&w.as_str()) })
+            }),
         ]
     }
 

@@ -13,6 +13,7 @@ mod support;
 use std::process::Command;
 use std::time::Duration;
 
+use support::ctl::{ctl_ok, start_with_tcp_control, status_json};
 use support::daemon::Daemon;
 use support::pki::certificates;
 use support::*;
@@ -20,11 +21,29 @@ use support::*;
 const PYTHON: &str = "/usr/bin/python3";
 
 /// The server: one service with a method of each kind, payloads as raw bytes (no
-/// generated code). `Slow` waits until its call is cancelled and says so on stdout.
+/// generated code). `Slow` waits until its call is cancelled and says so on stdout. Its
+/// health service (`grpc.health.v1.Health/Check`, as grpcio's own servicer answers it)
+/// says what the file `health` beside the script says, SERVING when there is none, and
+/// NOT_FOUND for a service other than the whole server ("") and `quill.test.Echo`.
 const SERVER: &str = r#"
-import sys, time
+import os, sys, time
 from concurrent import futures
 import grpc
+
+HEALTH = os.path.join(os.path.dirname(os.path.abspath(sys.argv[0])), "health")
+STATUS = {"SERVING": b"\x08\x01", "NOT_SERVING": b"\x08\x02"}
+
+def check(req, ctx):
+    # HealthCheckRequest: empty, or field 1 (0x0a), a one-byte length, the name.
+    service = req[2:].decode() if req else ""
+    if service not in ("", "quill.test.Echo"):
+        ctx.abort(grpc.StatusCode.NOT_FOUND, "unknown service")
+    try:
+        state = open(HEALTH).read().strip()
+    except FileNotFoundError:
+        state = "SERVING"
+    print("health check", repr(service), state, flush=True)
+    return STATUS[state]
 
 def echo(req, ctx):
     md = dict(ctx.invocation_metadata())
@@ -62,7 +81,10 @@ handler = grpc.method_handlers_generic_handler("quill.test.Echo", {
 })
 server = grpc.server(futures.ThreadPoolExecutor(max_workers=32),
                      options=[("grpc.max_receive_message_length", 64 << 20)])
-server.add_generic_rpc_handlers((handler,))
+health = grpc.method_handlers_generic_handler("grpc.health.v1.Health", {
+    "Check": grpc.unary_unary_rpc_method_handler(check),
+})
+server.add_generic_rpc_handlers((handler, health))
 addr = "127.0.0.1:" + sys.argv[1]
 if len(sys.argv) > 2:
     cert, key = open(sys.argv[2], "rb").read(), open(sys.argv[3], "rb").read()
@@ -281,4 +303,120 @@ fn a_call_quill_answers_itself_gets_a_grpc_status() {
     let q = quill_h2c(free_port());
     let out = one_call(&q.addr().to_string());
     assert_eq!(out.trim(), "UNAVAILABLE Service unavailable", "{out}");
+}
+
+/// Waits until server 0's `health` in `status json` is `health`.
+fn wait_health(ctl: &str, health: &str) -> serde_json::Value {
+    let mut last = serde_json::Value::Null;
+    let became = poll_until(Duration::from_secs(20), || {
+        last = status_json(ctl)["servers"][0].clone();
+        last["health"] == health
+    });
+    assert!(became, "server 0 never became {health}: {last}");
+    last
+}
+
+/// `check grpc` calls the server's gRPC health service over HTTP/2 (h2c here): the server
+/// is up while it answers SERVING, down when it answers NOT_SERVING (and calls then get
+/// quill's own UNAVAILABLE), up again after; a service the server does not know fails
+/// the check of that service.
+#[test]
+fn check_grpc_follows_the_servers_health_service() {
+    if !has_grpc() {
+        return;
+    }
+    let (server, port) = grpc_server(None);
+    let target = format!("127.0.0.1:{port}");
+    let (q, ctl) = start_with_tcp_control(&[
+        "-H",
+        "-O",
+        "h2c",
+        "-O",
+        "upstream_h2",
+        "-O",
+        "check grpc",
+        "-O",
+        "check_interval 50ms",
+        "-O",
+        "check_fall 2",
+        "-O",
+        "check_rise 1",
+        "{port}",
+        &target,
+    ]);
+    let up = wait_health(&ctl, "up");
+    assert_eq!(up["health_check"], "grpc", "{up}");
+    let log = server.dir().join("daemon.log");
+    assert!(
+        std::fs::read_to_string(&log)
+            .unwrap()
+            .contains("health check '' SERVING"),
+        "the server's own log shows the calls"
+    );
+    assert_eq!(one_call(&q.addr().to_string()).trim(), "OK");
+
+    std::fs::write(server.dir().join("health"), "NOT_SERVING").unwrap();
+    wait_health(&ctl, "down");
+    wait_until(Duration::from_secs(5), "quill says why", || {
+        q.stderr().contains("last: serving status NOT_SERVING")
+    });
+    let out = one_call(&q.addr().to_string());
+    assert!(out.starts_with("UNAVAILABLE"), "{out}");
+
+    std::fs::remove_file(server.dir().join("health")).unwrap();
+    wait_health(&ctl, "up");
+
+    // A service of the server, by name: `write` keeps it.
+    ctl_ok(&ctl, "server 0 check grpc quill.test.Echo");
+    wait_until(Duration::from_secs(5), "the service is asked about", || {
+        std::fs::read_to_string(&log).is_ok_and(|l| l.contains("'quill.test.Echo' SERVING"))
+    });
+    assert_eq!(
+        status_json(&ctl)["servers"][0]["health_check"],
+        "grpc quill.test.Echo"
+    );
+    ctl_ok(&ctl, "server 0 check grpc no.such.Service");
+    wait_health(&ctl, "down");
+    wait_until(Duration::from_secs(5), "quill says why", || {
+        q.stderr().contains("last: gRPC status 5: unknown service")
+    });
+}
+
+/// Over TLS the check offers ALPN `h2` and verifies the server as clients' traffic does
+/// (`upstream_tls`, `upstream_ca`, `upstream_sni`).
+#[test]
+fn check_grpc_speaks_tls_to_a_tls_server() {
+    if !has_grpc() {
+        return;
+    }
+    let dir = TempDir::new("grpc-check-pki");
+    let (ca, cert, key) = certificates(dir.path());
+    let (ca, cert, key) = (
+        ca.to_str().unwrap(),
+        cert.to_str().unwrap(),
+        key.to_str().unwrap(),
+    );
+    let (server, port) = grpc_server(Some((cert, key)));
+    let (_q, ctl) = start_with_tcp_control(&[
+        "-H",
+        "-O",
+        "upstream_tls",
+        "-O",
+        &format!("upstream_ca {ca}"),
+        "-O",
+        "upstream_sni localhost",
+        "-O",
+        "upstream_h2",
+        "-O",
+        "check grpc quill.test.Echo",
+        "-O",
+        "check_interval 50ms",
+        "{port}",
+        &format!("127.0.0.1:{port}"),
+    ]);
+    wait_health(&ctl, "up");
+    let log = server.dir().join("daemon.log");
+    assert!(std::fs::read_to_string(log)
+        .unwrap()
+        .contains("health check 'quill.test.Echo' SERVING"));
 }

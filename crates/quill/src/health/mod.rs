@@ -7,6 +7,7 @@
 //! A supervisor re-plans whenever settings are published: a server whose check (address,
 //! kind, timings) changed gets a fresh task; one whose check is gone is marked unchecked.
 
+pub mod grpc;
 pub mod probe;
 
 use std::collections::HashMap;

@@ -1,17 +1,21 @@
-//! One active health check of one server: a TCP connect, or an HTTP/1.1 `GET` whose
-//! status line is read and matched.
+//! One active health check of one server: a TCP connect, an HTTP/1.1 `GET` whose status
+//! line is read and matched, or a gRPC health check call over HTTP/2.
 //!
 //! The answer of a server is untrusted bytes: only the status line is parsed (by
-//! `httparse`), at most [`MAX_HEAD`] bytes are read, and every failure is an error value.
+//! `httparse`), at most [`MAX_HEAD`] bytes are read (a gRPC answer: [`grpc::MAX_ANSWER`],
+//! framed by the h2 crate), and every failure is an error value.
 
 use std::io;
 use std::net::{IpAddr, SocketAddr};
 use std::sync::Arc;
 use std::time::Duration;
 
+use bytes::Bytes;
+use hyper::http;
 use tokio::io::{AsyncRead, AsyncReadExt, AsyncWrite, AsyncWriteExt};
 
-use crate::command::{Host, Probe};
+use super::grpc::{self, ServingStatus};
+use crate::command::{Host, Probe, Word};
 use crate::net::connect::{connect, SocketOptions};
 use crate::tls::UpstreamTls;
 
@@ -38,6 +42,16 @@ pub enum ProbeError {
     NotHttp(String),
     #[error("status {got}, expected {expected}")]
     Status { got: u16, expected: String },
+    #[error("HTTP/2: {0}")]
+    Http2(h2::Error),
+    #[error("the server chose HTTP/1.1 over TLS; a gRPC check needs HTTP/2 (ALPN h2)")]
+    NoHttp2,
+    #[error("gRPC status {code}{}", if message.is_empty() { String::new() } else { format!(": {message}") })]
+    GrpcStatus { code: String, message: String },
+    #[error("gRPC answer: {0}")]
+    GrpcAnswer(#[from] grpc::AnswerError),
+    #[error("serving status {0}")]
+    NotServing(ServingStatus),
 }
 
 /// Where and how to check one server.
@@ -101,21 +115,113 @@ async fn run(target: &Target, timeout: Duration) -> Result<(), ProbeError> {
     let stream = connect(target.addr, target.source, timeout, opts)
         .await
         .map_err(ProbeError::Connect)?;
-    let (path, expected) = match &target.probe {
-        Probe::Tcp => return Ok(()),
-        Probe::Http { path, status } => (path, *status),
-    };
-    match &target.tls {
-        None => http_get(stream, target, path, expected).await,
-        Some(tls) => {
-            let ip = target.addr.ip();
+    let ip = target.addr.ip();
+    match (&target.probe, &target.tls) {
+        (Probe::Tcp, _) => Ok(()),
+        (Probe::Http { path, status }, None) => http_get(stream, target, path, *status).await,
+        (Probe::Http { path, status }, Some(tls)) => {
             let stream = tls
                 .conf
                 .connect(stream, tls.host.as_ref(), ip, timeout, false)
                 .await
                 .map_err(ProbeError::Tls)?;
-            http_get(stream, target, path, expected).await
+            http_get(stream, target, path, *status).await
         }
+        // h2c with prior knowledge, as gRPC clients speak to plain servers.
+        (Probe::Grpc { service }, None) => grpc_check(stream, target, service, "http").await,
+        (Probe::Grpc { service }, Some(tls)) => {
+            let stream = tls
+                .conf
+                .connect(stream, tls.host.as_ref(), ip, timeout, true)
+                .await
+                .map_err(ProbeError::Tls)?;
+            if stream.get_ref().1.alpn_protocol() != Some(b"h2") {
+                return Err(ProbeError::NoHttp2);
+            }
+            grpc_check(stream, target, service, "https").await
+        }
+    }
+}
+
+/// Calls `grpc.health.v1.Health/Check` for `service` (the whole server when `None`) and
+/// passes only on gRPC status 0 with `SERVING`.
+async fn grpc_check<S>(
+    stream: S,
+    target: &Target,
+    service: &Option<Word>,
+    scheme: &str,
+) -> Result<(), ProbeError>
+where
+    S: AsyncRead + AsyncWrite + Unpin,
+{
+    let (mut sender, conn) = h2::client::handshake(stream)
+        .await
+        .map_err(ProbeError::Http2)?;
+    let call = async {
+        let req = http::Request::post(format!("{scheme}://{}{}", target.host, grpc::PATH))
+            .header(http::header::CONTENT_TYPE, "application/grpc")
+            .header(http::header::TE, "trailers")
+            .header(http::header::USER_AGENT, "quill-health-check")
+            .body(())
+            .map_err(|e| ProbeError::NotHttp(format!("the check's request: {e}")))?;
+        let (answer, mut body) = sender.send_request(req, false).map_err(ProbeError::Http2)?;
+        let service = service.as_ref().map_or("", Word::as_str);
+        body.send_data(Bytes::from(grpc::request(service)), true)
+            .map_err(ProbeError::Http2)?;
+        let (head, mut body) = answer.await.map_err(ProbeError::Http2)?.into_parts();
+        if head.status != http::StatusCode::OK {
+            return Err(ProbeError::Status {
+                got: head.status.as_u16(),
+                expected: "200 (gRPC)".to_string(),
+            });
+        }
+        // A trailers-only answer (an error) carries its status in the head.
+        if head.headers.contains_key("grpc-status") {
+            grpc_status(&head.headers)?;
+            return Err(grpc::AnswerError::Empty.into());
+        }
+        let mut message = Vec::new();
+        while let Some(chunk) = body.data().await {
+            let chunk = chunk.map_err(ProbeError::Http2)?;
+            let _ = body.flow_control().release_capacity(chunk.len());
+            if message.len() + chunk.len() > grpc::MAX_ANSWER {
+                return Err(ProbeError::NotHttp(format!(
+                    "an answer over {} bytes",
+                    grpc::MAX_ANSWER
+                )));
+            }
+            message.extend_from_slice(&chunk);
+        }
+        let trailers = body.trailers().await.map_err(ProbeError::Http2)?;
+        grpc_status(&trailers.unwrap_or_default())?;
+        match grpc::serving_status(&message)? {
+            ServingStatus::Serving => Ok(()),
+            other => Err(ProbeError::NotServing(other)),
+        }
+    };
+    // The connection is driven beside the call; it ends only when the server closes.
+    tokio::select! {
+        result = call => result,
+        end = conn => Err(match end {
+            Ok(()) => ProbeError::Closed,
+            Err(e) => ProbeError::Http2(e),
+        }),
+    }
+}
+
+/// `Ok` for `grpc-status: 0`; the status and its message otherwise (none is an error too).
+fn grpc_status(fields: &http::HeaderMap) -> Result<(), ProbeError> {
+    let text = |name: &str| {
+        fields
+            .get(name)
+            .map(|v| String::from_utf8_lossy(v.as_bytes()).into_owned())
+    };
+    match text("grpc-status").as_deref() {
+        Some("0") => Ok(()),
+        code => Err(ProbeError::GrpcStatus {
+            code: code.unwrap_or("missing").to_string(),
+            message: text("grpc-message").unwrap_or_default(),
+        }),
     }
 }
 
