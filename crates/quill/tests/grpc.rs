@@ -36,6 +36,9 @@ STATUS = {"SERVING": b"\x08\x01", "NOT_SERVING": b"\x08\x02"}
 def check(req, ctx):
     # HealthCheckRequest: empty, or field 1 (0x0a), a one-byte length, the name.
     service = req[2:].decode() if req else ""
+    if service == "quill.test.Big":
+        # SERVING, then field 2 (0x12, length-delimited) of 20,000 bytes (varint a0 9c 01).
+        return b"\x08\x01\x12\xa0\x9c\x01" + b"x" * 20000
     if service not in ("", "quill.test.Echo"):
         ctx.abort(grpc.StatusCode.NOT_FOUND, "unknown service")
     try:
@@ -319,7 +322,7 @@ fn wait_health(ctl: &str, health: &str) -> serde_json::Value {
 /// `check grpc` calls the server's gRPC health service over HTTP/2 (h2c here): the server
 /// is up while it answers SERVING, down when it answers NOT_SERVING (and calls then get
 /// quill's own UNAVAILABLE), up again after; a service the server does not know fails
-/// the check of that service.
+/// the check of that service, and so does an answer too large to be a health answer.
 #[test]
 fn check_grpc_follows_the_servers_health_service() {
     if !has_grpc() {
@@ -379,6 +382,15 @@ fn check_grpc_follows_the_servers_health_service() {
     wait_health(&ctl, "down");
     wait_until(Duration::from_secs(5), "quill says why", || {
         q.stderr().contains("last: gRPC status 5: unknown service")
+    });
+    // An answer larger than any health answer needs is not read to its end.
+    ctl_ok(&ctl, "server 0 check grpc quill.test.Echo");
+    wait_health(&ctl, "up");
+    ctl_ok(&ctl, "server 0 check grpc quill.test.Big");
+    wait_health(&ctl, "down");
+    wait_until(Duration::from_secs(5), "quill says why", || {
+        q.stderr()
+            .contains("last: gRPC answer: an answer over 16384 bytes")
     });
 }
 

@@ -53,6 +53,8 @@ pub enum AnswerError {
     Compressed,
     #[error("{0} bytes after the message")]
     Trailing(usize),
+    #[error("an answer over {MAX_ANSWER} bytes")]
+    TooLong,
     #[error("not a HealthCheckResponse: {0}")]
     Protobuf(&'static str),
 }

@@ -42,6 +42,8 @@ pub enum ProbeError {
     NotHttp(String),
     #[error("status {got}, expected {expected}")]
     Status { got: u16, expected: String },
+    #[error("the check's request (the server's name?): {0}")]
+    Request(String),
     #[error("HTTP/2: {0}")]
     Http2(h2::Error),
     #[error("the server chose HTTP/1.1 over TLS; a gRPC check needs HTTP/2 (ALPN h2)")]
@@ -163,7 +165,7 @@ where
             .header(http::header::TE, "trailers")
             .header(http::header::USER_AGENT, "quill-health-check")
             .body(())
-            .map_err(|e| ProbeError::NotHttp(format!("the check's request: {e}")))?;
+            .map_err(|e| ProbeError::Request(e.to_string()))?;
         let (answer, mut body) = sender.send_request(req, false).map_err(ProbeError::Http2)?;
         let service = service.as_ref().map_or("", Word::as_str);
         body.send_data(Bytes::from(grpc::request(service)), true)
@@ -185,10 +187,7 @@ where
             let chunk = chunk.map_err(ProbeError::Http2)?;
             let _ = body.flow_control().release_capacity(chunk.len());
             if message.len() + chunk.len() > grpc::MAX_ANSWER {
-                return Err(ProbeError::NotHttp(format!(
-                    "an answer over {} bytes",
-                    grpc::MAX_ANSWER
-                )));
+                return Err(grpc::AnswerError::TooLong.into());
             }
             message.extend_from_slice(&chunk);
         }
