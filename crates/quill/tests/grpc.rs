@@ -250,33 +250,65 @@ fn grpc_calls_of_every_kind_pass_through_tls_on_both_sides() {
     if !has_grpc() {
         return;
     }
-    let dir = TempDir::new("grpc-pki");
-    let (ca, cert, key) = certificates(dir.path());
-    let (ca, cert, key) = (
-        ca.to_str().unwrap(),
-        cert.to_str().unwrap(),
-        key.to_str().unwrap(),
-    );
-    let (server, port) = grpc_server(Some((cert, key)));
-    let q = Quill::start(&[
-        "-H",
-        "-O",
-        &format!("ssl_cert {cert}"),
-        "-O",
-        &format!("ssl_key {key}"),
-        "-O",
-        "upstream_tls",
-        "-O",
-        &format!("upstream_ca {ca}"),
-        "-O",
-        "upstream_sni localhost",
-        "-O",
-        "upstream_h2",
-        "{port}",
-        &format!("127.0.0.1:{port}"),
-    ]);
-    run_client(&q.addr().to_string(), Some(ca));
-    expect_cancelled_at(&server);
+    let tls = TlsServer::start();
+    let (cert, key) = (&tls.cert, &tls.key);
+    let mut args = vec![
+        "-H".to_string(),
+        "-O".to_string(),
+        format!("ssl_cert {cert}"),
+        "-O".to_string(),
+        format!("ssl_key {key}"),
+    ];
+    args.extend(tls.quill_args());
+    let q = Quill::start(&args.iter().map(String::as_str).collect::<Vec<_>>());
+    run_client(&q.addr().to_string(), Some(&tls.ca));
+    expect_cancelled_at(&tls.server);
+}
+
+/// The gRPC server over TLS, its certificate (for `localhost`) from the test CA.
+struct TlsServer {
+    server: Daemon,
+    port: u16,
+    ca: String,
+    cert: String,
+    key: String,
+    _pki: TempDir,
+}
+
+impl TlsServer {
+    fn start() -> TlsServer {
+        let pki = TempDir::new("grpc-pki");
+        let text = |p: std::path::PathBuf| p.to_str().unwrap().to_string();
+        let (ca, cert, key) = certificates(pki.path());
+        let (ca, cert, key) = (text(ca), text(cert), text(key));
+        let (server, port) = grpc_server(Some((&cert, &key)));
+        TlsServer {
+            server,
+            port,
+            ca,
+            cert,
+            key,
+            _pki: pki,
+        }
+    }
+
+    /// quill's options to speak HTTP/2 over TLS to it, then `{port}` and its address.
+    fn quill_args(&self) -> Vec<String> {
+        [
+            "-O",
+            "upstream_tls",
+            "-O",
+            &format!("upstream_ca {}", self.ca),
+            "-O",
+            "upstream_sni localhost",
+            "-O",
+            "upstream_h2",
+            "{port}",
+            &format!("127.0.0.1:{}", self.port),
+        ]
+        .map(String::from)
+        .to_vec()
+    }
 }
 
 /// One unary call; prints the code and the details it ends with.
@@ -401,33 +433,20 @@ fn check_grpc_speaks_tls_to_a_tls_server() {
     if !has_grpc() {
         return;
     }
-    let dir = TempDir::new("grpc-check-pki");
-    let (ca, cert, key) = certificates(dir.path());
-    let (ca, cert, key) = (
-        ca.to_str().unwrap(),
-        cert.to_str().unwrap(),
-        key.to_str().unwrap(),
-    );
-    let (server, port) = grpc_server(Some((cert, key)));
-    let (_q, ctl) = start_with_tcp_control(&[
+    let tls = TlsServer::start();
+    let mut args = [
         "-H",
-        "-O",
-        "upstream_tls",
-        "-O",
-        &format!("upstream_ca {ca}"),
-        "-O",
-        "upstream_sni localhost",
-        "-O",
-        "upstream_h2",
         "-O",
         "check grpc quill.test.Echo",
         "-O",
         "check_interval 50ms",
-        "{port}",
-        &format!("127.0.0.1:{port}"),
-    ]);
+    ]
+    .map(String::from)
+    .to_vec();
+    args.extend(tls.quill_args());
+    let (_q, ctl) = start_with_tcp_control(&args.iter().map(String::as_str).collect::<Vec<_>>());
     wait_health(&ctl, "up");
-    let log = server.dir().join("daemon.log");
+    let log = tls.server.dir().join("daemon.log");
     assert!(std::fs::read_to_string(log)
         .unwrap()
         .contains("health check 'quill.test.Echo' SERVING"));
