@@ -197,8 +197,8 @@ pub enum Command {
     /// `transparent` / `no transparent`: connect to backends from the client's address.
     Transparent(bool),
     /// `check tcp` / `check http PATH [STATUS]` / `check grpc [SERVICE]` / `no check`
-    /// (extension): the active
-    /// health check of every server that does not choose its own (`server N check ...`).
+    /// (extension): the active health check of every server that does not choose its own
+    /// (`server N check ...`).
     Check(Option<Probe>),
     /// `check_interval D` (extension): time between two checks of a server.
     CheckInterval(Millis),
