@@ -346,6 +346,18 @@ pub fn free_udp_port() -> u16 {
     s.local_addr().expect("local_addr").port()
 }
 
+/// `127.0.0.1:PORT` where nothing listens and nothing of a concurrent test will: a port
+/// below the kernel's ephemeral range (which a `bind` to port 0 is never given), free
+/// now, so datagrams to it draw ICMP port unreachable. A stopped backend's port does
+/// not do: the thousands of sockets `udp.rs`'s other tests open may be given it.
+pub fn refused_udp_spec() -> String {
+    let start = 20_000 + (std::process::id() % 5_000) as u16;
+    (start..start + 5_000)
+        .find(|&p| UdpSocket::bind(("127.0.0.1", p)).is_ok())
+        .map(|p| format!("127.0.0.1:{p}"))
+        .expect("a free UDP port below 30000")
+}
+
 /// A TCP port that was free a moment ago (for `-C`).
 pub fn free_tcp_port() -> u16 {
     super::free_port()
