@@ -1942,6 +1942,24 @@ mod tests {
         );
     }
 
+    /// `SERVER_FIELDS` (which ends a `check grpc` service name) and the message for a
+    /// `server` command without fields name exactly the fields `parse_server` knows.
+    #[test]
+    fn server_fields_list_is_the_parsers() {
+        let is_unknown_field = |r: &Result<Command, ParseError>| {
+            matches!(r, Err(ParseError::Invalid { what: "field", .. }))
+        };
+        for field in SERVER_FIELDS {
+            let r = parse(&format!("server 0 {field}"));
+            assert!(!is_unknown_field(&r), "{field}: {r:?}");
+        }
+        assert!(is_unknown_field(&parse("server 0 service")));
+        let Err(ParseError::Missing { what, .. }) = parse("server 0") else {
+            panic!("a server command without fields parsed");
+        };
+        assert_eq!(what, format!("a field ({})", SERVER_FIELDS.join(", ")));
+    }
+
     #[test]
     fn server_fields_parse_in_order() {
         let c = parse(

@@ -13,7 +13,7 @@ mod support;
 use std::process::Command;
 use std::time::Duration;
 
-use support::ctl::{ctl_ok, start_with_tcp_control, status_json};
+use support::ctl::{ctl_ok, start_with_tcp_control, status_json, wait_health};
 use support::daemon::Daemon;
 use support::pki::certificates;
 use support::*;
@@ -341,16 +341,6 @@ fn a_call_quill_answers_itself_gets_a_grpc_status() {
 }
 
 /// Waits until server 0's `health` in `status json` is `health`.
-fn wait_health(ctl: &str, health: &str) -> serde_json::Value {
-    let mut last = serde_json::Value::Null;
-    let became = poll_until(Duration::from_secs(20), || {
-        last = status_json(ctl)["servers"][0].clone();
-        last["health"] == health
-    });
-    assert!(became, "server 0 never became {health}: {last}");
-    last
-}
-
 /// `check grpc` calls the server's gRPC health service over HTTP/2 (h2c here): the server
 /// is up while it answers SERVING, down when it answers NOT_SERVING (and calls then get
 /// quill's own UNAVAILABLE), up again after; a service the server does not know fails
@@ -379,7 +369,7 @@ fn check_grpc_follows_the_servers_health_service() {
         "{port}",
         &target,
     ]);
-    let up = wait_health(&ctl, "up");
+    let up = wait_health(&ctl, 0, "up");
     assert_eq!(up["health_check"], "grpc", "{up}");
     let log = server.dir().join("daemon.log");
     assert!(
@@ -391,7 +381,7 @@ fn check_grpc_follows_the_servers_health_service() {
     assert_eq!(one_call(&q.addr().to_string()).trim(), "OK");
 
     std::fs::write(server.dir().join("health"), "NOT_SERVING").unwrap();
-    wait_health(&ctl, "down");
+    wait_health(&ctl, 0, "down");
     wait_until(Duration::from_secs(5), "quill says why", || {
         q.stderr().contains("last: serving status NOT_SERVING")
     });
@@ -399,7 +389,7 @@ fn check_grpc_follows_the_servers_health_service() {
     assert!(out.starts_with("UNAVAILABLE"), "{out}");
 
     std::fs::remove_file(server.dir().join("health")).unwrap();
-    wait_health(&ctl, "up");
+    wait_health(&ctl, 0, "up");
 
     // A service of the server, by name: `write` keeps it.
     ctl_ok(&ctl, "server 0 check grpc quill.test.Echo");
@@ -411,15 +401,15 @@ fn check_grpc_follows_the_servers_health_service() {
         "grpc quill.test.Echo"
     );
     ctl_ok(&ctl, "server 0 check grpc no.such.Service");
-    wait_health(&ctl, "down");
+    wait_health(&ctl, 0, "down");
     wait_until(Duration::from_secs(5), "quill says why", || {
         q.stderr().contains("last: gRPC status 5: unknown service")
     });
     // An answer larger than any health answer needs is not read to its end.
     ctl_ok(&ctl, "server 0 check grpc quill.test.Echo");
-    wait_health(&ctl, "up");
+    wait_health(&ctl, 0, "up");
     ctl_ok(&ctl, "server 0 check grpc quill.test.Big");
-    wait_health(&ctl, "down");
+    wait_health(&ctl, 0, "down");
     wait_until(Duration::from_secs(5), "quill says why", || {
         q.stderr()
             .contains("last: gRPC answer: an answer over 16384 bytes")
@@ -445,7 +435,7 @@ fn check_grpc_speaks_tls_to_a_tls_server() {
     .to_vec();
     args.extend(tls.quill_args());
     let (_q, ctl) = start_with_tcp_control(&args.iter().map(String::as_str).collect::<Vec<_>>());
-    wait_health(&ctl, "up");
+    wait_health(&ctl, 0, "up");
     let log = tls.server.dir().join("daemon.log");
     assert!(std::fs::read_to_string(log)
         .unwrap()

@@ -14,32 +14,10 @@ use std::sync::{Arc, Mutex};
 use std::thread;
 use std::time::Duration;
 
-use serde_json::Value;
 use support::ctl::*;
 use support::*;
 
 const DEADLINE: Duration = Duration::from_secs(20);
-
-fn server_json(ctl: &str, index: usize) -> Value {
-    let text = ctl_ok(ctl, "status json");
-    let doc: Value = serde_json::from_str(&text).unwrap_or_else(|e| panic!("{e}: {text}"));
-    doc["servers"]
-        .as_array()
-        .and_then(|a| a.iter().find(|s| s["index"] == index))
-        .cloned()
-        .unwrap_or_else(|| panic!("no server {index} in {text}"))
-}
-
-fn wait_health(ctl: &str, index: usize, health: &str) -> Value {
-    let mut last = Value::Null;
-    if !poll_until(DEADLINE, || {
-        last = server_json(ctl, index);
-        last["health"] == health
-    }) {
-        panic!("server {index} never became {health}: {last}");
-    }
-    last
-}
 
 fn names(q: &Quill, n: usize) -> Vec<String> {
     (0..n)
@@ -94,7 +72,7 @@ fn tcp_check_takes_a_killed_backend_out_and_brings_it_back() {
         .unwrap()
         .ends_with("state down health down"));
     assert!(names(&q, 6).iter().all(|n| n == "b"));
-    assert_eq!(server_json(&ctl, 0)["failures"], 0);
+    assert_eq!(server_status(&ctl, 0)["failures"], 0);
 
     a.restart();
     let up = wait_health(&ctl, 0, "up");
@@ -263,7 +241,7 @@ fn drain_lets_a_long_transfer_finish_while_new_connections_go_elsewhere() {
     echo(&mut long, 256 * 1024);
 
     ctl_ok(&ctl, &format!("server {drained} drain"));
-    let s = server_json(&ctl, drained);
+    let s = server_status(&ctl, drained);
     assert_eq!(
         (s["state"].as_str(), s["draining"].as_bool()),
         (Some("draining"), Some(true))
@@ -284,7 +262,7 @@ fn drain_lets_a_long_transfer_finish_while_new_connections_go_elsewhere() {
     wait_until(
         DEADLINE,
         "the drained server has no connection left",
-        || server_json(&ctl, drained)["connections"] == 0,
+        || server_status(&ctl, drained)["connections"] == 0,
     );
     assert!(sent.len() > 1024 * 1024);
     let servers = ctl_ok(&ctl, "servers");
@@ -293,7 +271,7 @@ fn drain_lets_a_long_transfer_finish_while_new_connections_go_elsewhere() {
     // Undrain: the server takes connections again (client 127.0.0.9 is new: round robin
     // over both would eventually use it; tracked 127.0.0.2 moved, so use fresh clients).
     ctl_ok(&ctl, &format!("server {drained} drain 0"));
-    assert_eq!(server_json(&ctl, drained)["state"], "up");
+    assert_eq!(server_status(&ctl, drained)["state"], "up");
     let got: Vec<String> = (5..12)
         .map(|i| q.name_from(&format!("127.0.0.{i}")).0)
         .collect();
@@ -329,7 +307,7 @@ fn passive_blacklisting_keeps_working_beside_health_checks() {
     // on to server 1, and the health verdict (not yet re-checked) stays up.
     let got = names(&q, 4);
     assert!(got.iter().all(|n| n == "b"), "{got:?}");
-    let s0 = server_json(&ctl, 0);
+    let s0 = server_status(&ctl, 0);
     assert_eq!(s0["failures"], 1, "{s0}");
     assert_eq!(s0["blacklisted"], true, "{s0}");
     assert_eq!(s0["health"], "up", "{s0}");

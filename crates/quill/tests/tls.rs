@@ -1094,13 +1094,7 @@ fn http_health_checks_speak_tls_to_tls_servers() {
             &upstream,
         ]);
         let (_front, ctl) = start_with_control(&args);
-        let mut last = String::new();
-        let reached = poll_until(Duration::from_secs(20), || {
-            last = ctl_ok(&ctl, "status json");
-            let doc: serde_json::Value = serde_json::from_str(&last).unwrap();
-            doc["servers"][0]["health"] == want
-        });
-        assert!(reached, "the check never made the server {want}: {last}");
+        wait_health(&ctl, 0, want);
     };
     // Verified against the CA that signed the server's certificate: up.
     settled(&ca.cert, "up");

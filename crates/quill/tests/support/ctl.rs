@@ -429,6 +429,28 @@ pub fn status_json(ctl: &str) -> serde_json::Value {
     serde_json::from_str(&text).unwrap_or_else(|e| panic!("status json is not JSON ({e}): {text}"))
 }
 
+/// Server `index`'s entry of `status json`.
+pub fn server_status(ctl: &str, index: usize) -> serde_json::Value {
+    let doc = status_json(ctl);
+    doc["servers"]
+        .as_array()
+        .and_then(|a| a.iter().find(|s| s["index"] == index))
+        .cloned()
+        .unwrap_or_else(|| panic!("no server {index} in {doc}"))
+}
+
+/// Waits (20 s at most) until server `index`'s health check reports `health` (`up`,
+/// `down`, `unchecked`); returns the server's `status json` entry then.
+pub fn wait_health(ctl: &str, index: usize, health: &str) -> serde_json::Value {
+    let mut last = serde_json::Value::Null;
+    let became = poll_until(Duration::from_secs(20), || {
+        last = server_status(ctl, index);
+        last["health"] == health
+    });
+    assert!(became, "server {index} never became {health}: {last}");
+    last
+}
+
 /// What `write FILE` saves now: the whole running configuration (into a fresh file in
 /// `dir`).
 pub fn written_config(ctl: &str, dir: &Path, tag: &str) -> String {
