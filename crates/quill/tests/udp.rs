@@ -193,8 +193,8 @@ fn a_refusing_server_is_blacklisted_at_once_and_no_query_is_lost() {
         return;
     }
     let live = DnsBackend::start(2);
-    // A port that nothing listens on (bound once to find it, then released).
-    let dead = format!("127.0.0.1:{}", free_udp_port());
+    // A port that nothing listens on.
+    let dead = refused_udp_spec();
     let spec = live.spec();
     let q = UdpQuill::start(&["-d", "-r", "-b", "60", "-t", "5", "{port}", &dead, &spec]);
     // Our own client first: a new flow, one datagram, no retry.

@@ -125,7 +125,12 @@ impl DnsBackend {
 
     /// Backend answering 10.0.0.`n`, on `addr` (e.g. "[::1]:0").
     pub fn start_on(n: u8, addr: &str) -> DnsBackend {
-        let sock = UdpSocket::bind(addr).unwrap_or_else(|e| panic!("bind {addr}: {e}"));
+        let wanted: SocketAddr = addr.parse().unwrap_or_else(|e| panic!("{addr}: {e}"));
+        let sock = if wanted.port() == 0 {
+            bind_own_port(wanted.ip())
+        } else {
+            UdpSocket::bind(wanted).unwrap_or_else(|e| panic!("bind {addr}: {e}"))
+        };
         let addr = sock.local_addr().expect("local_addr");
         let inner = Arc::new(BackendInner {
             ip: backend_ip(n),
@@ -340,22 +345,44 @@ pub fn dig(server: SocketAddr, src: &str, secs: u32) -> Option<Ipv4Addr> {
 // The daemon in UDP mode
 // ---------------------------------------------------------------------------
 
-/// A free UDP port (bound to 0.0.0.0:0, then released).
+/// A free UDP port (one of [`bind_own_port`]'s on 0.0.0.0, released): no concurrent
+/// test's socket is given it before the daemon binds it.
 pub fn free_udp_port() -> u16 {
-    let s = UdpSocket::bind("0.0.0.0:0").expect("bind udp 0");
+    let s = bind_own_port(Ipv4Addr::UNSPECIFIED.into());
     s.local_addr().expect("local_addr").port()
 }
 
-/// `127.0.0.1:PORT` where nothing listens and nothing of a concurrent test will: a port
-/// below the kernel's ephemeral range (which a `bind` to port 0 is never given), free
-/// now, so datagrams to it draw ICMP port unreachable. A stopped backend's port does
-/// not do: the thousands of sockets `udp.rs`'s other tests open may be given it.
+/// `127.0.0.1:PORT` where nothing listens and nothing of a concurrent test will, so
+/// datagrams to it draw ICMP port unreachable: a port of [`bind_own_port`]'s, bound once
+/// and closed. (A port freed by a socket bound to port 0 does not do: the thousands of
+/// sockets `udp.rs`'s tests open may be given it.)
 pub fn refused_udp_spec() -> String {
-    let start = 20_000 + (std::process::id() % 5_000) as u16;
-    (start..start + 5_000)
-        .find(|&p| UdpSocket::bind(("127.0.0.1", p)).is_ok())
-        .map(|p| format!("127.0.0.1:{p}"))
-        .expect("a free UDP port below 30000")
+    let port = bind_own_port(Ipv4Addr::LOCALHOST.into())
+        .local_addr()
+        .expect("local_addr")
+        .port();
+    format!("127.0.0.1:{port}")
+}
+
+/// Where [`bind_own_port`] looks next.
+static NEXT_OWN_PORT: AtomicU16 = AtomicU16::new(0);
+
+/// A UDP socket on `ip` at a port below the kernel's ephemeral range (32768 and up here),
+/// which a `bind` to port 0 is never given, and never handed out twice by this process:
+/// so a backend that stops leaves its port closed until it binds it again, whatever the
+/// concurrent tests open. The range starts at an offset from the process id, as test
+/// binaries of other runs may hold some of it.
+fn bind_own_port(ip: IpAddr) -> UdpSocket {
+    const FIRST: u16 = 20_000;
+    const SPAN: u16 = 10_000;
+    let base = (std::process::id() % u32::from(SPAN)) as u16;
+    (0..SPAN)
+        .find_map(|_| {
+            let n = NEXT_OWN_PORT.fetch_add(1, Ordering::Relaxed);
+            let port = FIRST + base.wrapping_add(n) % SPAN;
+            UdpSocket::bind((ip, port)).ok()
+        })
+        .unwrap_or_else(|| panic!("no free UDP port on {ip} in {FIRST}..{}", FIRST + SPAN))
 }
 
 /// A TCP port that was free a moment ago (for `-C`).
