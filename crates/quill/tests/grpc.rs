@@ -21,7 +21,8 @@ use support::*;
 const PYTHON: &str = "/usr/bin/python3";
 
 /// The server: one service with a method of each kind, payloads as raw bytes (no
-/// generated code). `Slow` waits until its call is cancelled and says so on stdout. Its
+/// generated code). `Slow` waits until its call is cancelled and says so on stdout;
+/// `Vanish` answers one message and then ends the server's process. Its
 /// health service (`grpc.health.v1.Health/Check`, as grpcio's own servicer answers it)
 /// says what the file `health` beside the script says, SERVING when there is none, and
 /// NOT_FOUND for a service other than the whole server ("") and `quill.test.Echo`.
@@ -68,6 +69,12 @@ def chat(messages, ctx):
     for m in messages:
         yield m
 
+def vanish(req, ctx):
+    yield b"first"
+    time.sleep(0.2)
+    print("vanishing", flush=True)
+    os._exit(1)
+
 def slow(req, ctx):
     while ctx.is_active():
         time.sleep(0.01)
@@ -81,6 +88,7 @@ handler = grpc.method_handlers_generic_handler("quill.test.Echo", {
     "Total": grpc.stream_unary_rpc_method_handler(total),
     "Chat": grpc.stream_stream_rpc_method_handler(chat),
     "Slow": grpc.unary_unary_rpc_method_handler(slow),
+    "Vanish": grpc.unary_stream_rpc_method_handler(vanish),
 })
 server = grpc.server(futures.ThreadPoolExecutor(max_workers=32),
                      options=[("grpc.max_receive_message_length", 64 << 20)])
@@ -340,7 +348,42 @@ fn a_call_quill_answers_itself_gets_a_grpc_status() {
     assert_eq!(out.trim(), "UNAVAILABLE Service unavailable", "{out}");
 }
 
-/// Waits until server 0's `health` in `status json` is `health`.
+/// A server that vanishes in the middle of its answer (its process gone, the connection
+/// with it): the call ends with UNAVAILABLE, as when a client loses its own connection to
+/// a server, so that the client may retry it — not with the INTERNAL a client reads from
+/// a reset stream, which it must not retry. The messages before the loss are delivered.
+#[test]
+fn a_server_lost_in_the_middle_of_an_answer_ends_the_call_unavailable() {
+    if !has_grpc() {
+        return;
+    }
+    let (server, port) = grpc_server(None);
+    let q = quill_h2c(port);
+    let out = tool(PYTHON, &["-c", VANISHING_CALL, &q.addr().to_string()]).unwrap();
+    assert_eq!(
+        out.lines().collect::<Vec<_>>(),
+        [
+            "message first",
+            "UNAVAILABLE the server's answer broke off: its connection was lost"
+        ],
+        "{out}"
+    );
+    let log = std::fs::read_to_string(server.dir().join("daemon.log")).unwrap();
+    assert!(log.contains("vanishing"), "{log}");
+}
+
+/// A server-streaming call to `Vanish`: prints each message, then the code and details.
+const VANISHING_CALL: &str = r#"
+import sys, grpc
+channel = grpc.insecure_channel(sys.argv[1])
+try:
+    for m in channel.unary_stream("/quill.test.Echo/Vanish")(b"", timeout=10):
+        print("message", m.decode(), flush=True)
+    print("OK")
+except grpc.RpcError as e:
+    print(e.code().name, e.details())
+"#;
+
 /// `check grpc` calls the server's gRPC health service over HTTP/2 (h2c here): the server
 /// is up while it answers SERVING, down when it answers NOT_SERVING (and calls then get
 /// quill's own UNAVAILABLE), up again after; a service the server does not know fails

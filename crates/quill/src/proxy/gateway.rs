@@ -113,6 +113,11 @@ pub struct ResponseBody {
     stream: InFlight,
     /// Its stream on a shared HTTP/2 connection, counted there until the body ends.
     _h2: Option<pool_h2::Stream>,
+    /// The answer to a gRPC call: when it breaks off, trailers with the call's status end
+    /// it ([`grpc::broken_off`]) instead of an error that resets the client's stream.
+    grpc: bool,
+    /// Those trailers were sent: the body has ended.
+    broken_off: bool,
 }
 
 /// A server's answer body: read by hyper's client, or by quill's own (`h1_client`,
@@ -163,7 +168,17 @@ impl Body for ResponseBody {
         mut self: Pin<&mut Self>,
         cx: &mut Context<'_>,
     ) -> Poll<Option<Result<Frame<Bytes>, Self::Error>>> {
+        if self.broken_off {
+            return Poll::Ready(None);
+        }
         let polled = Pin::new(&mut self.inner).poll_frame(cx);
+        if let Poll::Ready(Some(Err(e))) = &polled {
+            if self.grpc {
+                tracing::debug!("a gRPC call's answer broke off: {e}");
+                self.broken_off = true;
+                return Poll::Ready(Some(Ok(Frame::trailers(grpc::broken_off(&**e)))));
+            }
+        }
         if let Poll::Ready(Some(Ok(frame))) = &polled {
             self.stream.activity.progress();
             if let Some(data) = frame.data_ref() {
@@ -178,11 +193,15 @@ impl Body for ResponseBody {
     }
 
     fn is_end_stream(&self) -> bool {
-        self.inner.is_end_stream()
+        self.broken_off || self.inner.is_end_stream()
     }
 
     fn size_hint(&self) -> SizeHint {
-        self.inner.size_hint()
+        if self.broken_off {
+            SizeHint::with_exact(0)
+        } else {
+            self.inner.size_hint()
+        }
     }
 }
 
@@ -481,7 +500,7 @@ pub(super) async fn forward(
         .map(|log| Rc::new(record(log, peer, &req)));
     stream.record = record.clone();
     let grpc = grpc::is_call(req.version(), req.headers());
-    let reply = route(state, peer, req, stream).await;
+    let mut reply = route(state, peer, req, stream).await;
     // The line is written when the last holder lets go: here for quill's own answers and
     // tunnels, at the end of the body for a server's response. A gRPC call's own answer
     // is logged with the HTTP status it stands for.
@@ -491,10 +510,13 @@ pub(super) async fn forward(
     if !grpc {
         return reply;
     }
-    match reply.extensions().get::<Own>() {
-        Some(&Own(text)) => grpc::answer(reply.status(), text),
-        None => reply,
+    if let Some(&Own(text)) = reply.extensions().get::<Own>() {
+        return grpc::answer(reply.status(), text);
     }
+    if let Either::Left(body) = reply.body_mut() {
+        body.grpc = true;
+    }
+    reply
 }
 
 /// The access log record of a request, as the client sent it.
@@ -1212,6 +1234,8 @@ fn reply(
         _lease: lease,
         stream,
         _h2: h2,
+        grpc: false,
+        broken_off: false,
     };
     Response::from_parts(parts, Either::Left(body))
 }

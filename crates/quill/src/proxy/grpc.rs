@@ -7,7 +7,8 @@
 //! would send for it: a "trailers-only" answer (one HEADERS frame that ends the stream),
 //! HTTP status 200, and the gRPC code the HTTP status stands for by gRPC's own table
 //! (`doc/http-grpc-status-mapping.md` of grpc/grpc; Envoy answers the same way), with
-//! quill's words as `grpc-message`. Answers from servers pass untouched.
+//! quill's words as `grpc-message`. Answers from servers pass untouched, but for one that
+//! breaks off: it ends with trailers that say why ([`broken_off`]).
 
 use bytes::Bytes;
 use http_body_util::{Either, Full};
@@ -55,6 +56,48 @@ pub fn answer(status: StatusCode, text: &str) -> Reply {
         headers.insert(GRPC_MESSAGE, message);
     }
     resp
+}
+
+/// The trailers that end a gRPC call whose server's answer broke off with `error`, where
+/// the stream to the client would otherwise be reset (hyper resets it with
+/// `INTERNAL_ERROR`, which a client reads as INTERNAL: a server's fault, never retried).
+/// A stream the server (or quill, for the server's protocol error) reset ends with the
+/// code gRPC's table gives its reason; a connection to the server that was lost ends with
+/// UNAVAILABLE, what a client's own transport reports for a connection it lost, and the
+/// code gRPC's retry policies retry.
+pub fn broken_off(error: &(dyn std::error::Error + 'static)) -> HeaderMap {
+    let reset = std::iter::successors(Some(error), |e| e.source())
+        .find_map(|e| e.downcast_ref::<h2::Error>())
+        .filter(|e| !e.is_go_away())
+        .and_then(h2::Error::reason);
+    let (code, text) = match reset {
+        Some(reason) => (
+            code_for_reset(reason),
+            format!("the server's answer broke off: its stream was reset ({reason:?})"),
+        ),
+        None => (
+            14,
+            "the server's answer broke off: its connection was lost".to_string(),
+        ),
+    };
+    let mut trailers = HeaderMap::new();
+    trailers.insert(GRPC_STATUS, HeaderValue::from(code));
+    if let Ok(message) = HeaderValue::from_str(&percent_encoded(&text)) {
+        trailers.insert(GRPC_MESSAGE, message);
+    }
+    trailers
+}
+
+/// The gRPC status code of a stream reset with `reason` (gRPC's `PROTOCOL-HTTP2.md`,
+/// "Errors").
+fn code_for_reset(reason: h2::Reason) -> u16 {
+    match reason {
+        h2::Reason::REFUSED_STREAM => 14, // UNAVAILABLE: not processed, safe to retry
+        h2::Reason::CANCEL => 1,          // CANCELLED
+        h2::Reason::ENHANCE_YOUR_CALM => 8, // RESOURCE_EXHAUSTED
+        h2::Reason::INADEQUATE_SECURITY => 7, // PERMISSION_DENIED
+        _ => 13,                          // INTERNAL
+    }
 }
 
 /// `grpc-message`'s encoding: bytes outside printable ASCII, and `%`, as `%XX`.
@@ -107,6 +150,23 @@ mod tests {
         assert_eq!(code_for(StatusCode::FORBIDDEN), 7);
         assert_eq!(code_for(StatusCode::BAD_REQUEST), 13);
         assert_eq!(code_for(StatusCode::NOT_IMPLEMENTED), 2);
+    }
+
+    #[test]
+    fn an_answer_broken_off_ends_by_its_cause() {
+        let reset = |reason| broken_off(&h2::Error::from(reason));
+        let code = |t: HeaderMap| t["grpc-status"].to_str().unwrap().to_string();
+        assert_eq!(code(reset(h2::Reason::CANCEL)), "1");
+        assert_eq!(code(reset(h2::Reason::REFUSED_STREAM)), "14");
+        assert_eq!(code(reset(h2::Reason::ENHANCE_YOUR_CALM)), "8");
+        assert_eq!(code(reset(h2::Reason::INTERNAL_ERROR)), "13");
+        assert_eq!(
+            reset(h2::Reason::CANCEL)["grpc-message"],
+            "the server's answer broke off: its stream was reset (CANCEL)"
+        );
+        let lost = std::io::Error::from(std::io::ErrorKind::ConnectionReset);
+        assert_eq!(code(broken_off(&lost)), "14");
+        assert_eq!(code(broken_off(&std::fmt::Error)), "14");
     }
 
     #[test]
