@@ -294,6 +294,8 @@ def summarize(runs: list[dict[str, Any]]) -> list[dict[str, Any]]:
                       and r["paced"] == paced and "rps" in r]
                 if not rs:
                     continue
+                # Runs the hypervisor's steal disturbed are left out where others remain.
+                rs = [r for r in rs if not r.get("disturbed")] or rs
                 entry = {"rps": statistics.median(r["rps"] for r in rs),
                          "errors": sum(r["errors"] for r in rs),
                          "machine_us": statistics.median(r["machine_us_per_req"] for r in rs
@@ -305,7 +307,7 @@ def summarize(runs: list[dict[str, Any]]) -> list[dict[str, Any]]:
                 for r in rs:
                     base = [b for b in runs if b["balancer"] == "backend" and b["scenario"] == sc
                             and b["paced"] == paced and b.get("round") == r.get("round")
-                            and "machine_us_per_req" in b]
+                            and "machine_us_per_req" in b and not b.get("disturbed")]
                     if base and bal != "backend":
                         over.append(r["machine_us_per_req"] - base[0]["machine_us_per_req"])
                 entry["overhead_us"] = statistics.median(over) if over else None
@@ -329,14 +331,15 @@ def round_ratios(runs: list[dict[str, Any]], scenario: str, paced: bool, measure
 
     def value(bal: str, rnd: Any) -> float | None:
         r = run(bal, rnd)
-        if r is None:
+        if r is None or r.get("disturbed"):
             return None
         if measure == "cpu":
             return r.get("balancer_cpu_us_per_req") or None
         if not paced:
             return r["rps"] or None
         base = run("backend", rnd)
-        if base is None or "machine_us_per_req" not in r or "machine_us_per_req" not in base:
+        if base is None or base.get("disturbed") or "machine_us_per_req" not in r \
+                or "machine_us_per_req" not in base:
             return None
         return r["machine_us_per_req"] - base["machine_us_per_req"]
     better = min if (paced or measure == "cpu") else max

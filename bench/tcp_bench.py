@@ -923,6 +923,15 @@ def add_overheads(runs: list[Run], scs: list[Scenario]) -> None:
             if base and "machine_us_per_req" in r.metrics:
                 r.metrics["overhead_us_per_req"] = round(
                     r.metrics["machine_us_per_req"] - base[0].metrics["machine_us_per_req"], 2)
+                if base[0].metrics.get("disturbed"):
+                    r.metrics["base_disturbed"] = True
+
+
+def undisturbed(runs: list[Run]) -> list[Run]:
+    """The runs (or, for a paced one, its round's backend run) the hypervisor's steal did
+    not disturb, if there is one; else all of them (see STEAL_LIMIT)."""
+    clean = [r for r in runs if not (r.metrics.get("disturbed") or r.metrics.get("base_disturbed"))]
+    return clean or runs
 
 
 @dataclass
@@ -1385,9 +1394,11 @@ def summarize(runs: list[Run], scs: list[Scenario], selected: list[str],
             if bal == "backend" and not sc.with_backend:
                 continue
             rs = [r for r in runs if r.scenario == sc.name and r.balancer == bal]
-            ok = [r for r in rs if r.ok and r.metrics.get(sc.metric) is not None]
+            measured = [r for r in rs if r.ok and r.metrics.get(sc.metric) is not None]
+            ok = undisturbed(measured)
             failed = [r for r in rs if not r.ok]
             row: dict[str, Any] = {"runs": len(rs), "ok_runs": len(ok), "failed_runs": len(failed),
+                                   "disturbed_runs_left_out": len(measured) - len(ok),
                                    "failures": sorted({(r.error or "").splitlines()[0] for r in failed
                                                        if r.error})}
             if ok:
