@@ -54,6 +54,9 @@ NICE = ["nice", "-n", "-20"]
 READY_TIMEOUT_S = 10.0
 INTERFERENCE_FRAC = 0.10
 CLK_TCK = os.sysconf("SC_CLK_TCK")
+# A run during which the hypervisor took more than this share of the machine (steal) is
+# marked `disturbed` and left out of the machine-CPU median (as in tcp_bench.py).
+STEAL_LIMIT = 0.05
 ENV = dict(os.environ)
 ENV["PATH"] = ENV.get("PATH", "/usr/bin:/bin") + ":/usr/local/sbin:/usr/sbin:/sbin"
 ENV["LC_ALL"] = "C"
@@ -374,7 +377,14 @@ zone:
                         wall = time.monotonic() - w0
                         r1 = resource.getrusage(resource.RUSAGE_CHILDREN)
                         c1 = core_busy()
-                        rec["core_load"] = core_load(l0, core_times(), wall)
+                        l1 = core_times()
+                        rec["core_load"] = core_load(l0, l1, wall)
+                        # The hypervisor's steal counts as busy in the machine figure below
+                        # (tcp_bench.STEAL_LIMIT): a disturbed run is left out of its median.
+                        stolen = sum(l1[c][7] - l0.get(c, l1[c])[7] for c in l1) / CLK_TCK
+                        rec["steal_share"] = round(stolen / (wall * len(l1)), 4) if wall > 0 else 0.0
+                        if rec["steal_share"] > STEAL_LIMIT:
+                            rec["disturbed"] = True
                         t1 = {pid: ticks(pid) for pid in own}
                         rec.update(parse_dnsperf(out))
                         rec["dnsperf_rc"] = rc
@@ -413,7 +423,9 @@ zone:
                             + (f"  CPU {cpu:.2f} us/q" if cpu else "")
                             + "  cores busy " + "/".join(f"{100 * v:.0f}%" for v in rec["core_load"].values())
                             + (f"  [foreign CPU {100 * rec['foreign_frac']:.0f}%: noisy]"
-                               if rec["foreign_frac"] > INTERFERENCE_FRAC else ""))
+                               if rec["foreign_frac"] > INTERFERENCE_FRAC else "")
+                            + f"  steal {rec['steal_share']:.1%}"
+                            + (" DISTURBED" if rec.get("disturbed") else ""))
     finally:
         procs.stop_all()
 
@@ -461,8 +473,10 @@ def report(results: list[dict[str, Any]], only: list[str]) -> dict[str, Any]:
         if scenario.startswith("paced-"):
             machine = {}
             for name in rows:
-                xs = [r["machine_us_per_query"] for r in results if r["scenario"] == scenario
-                      and r["balancer"] == name and r.get("machine_us_per_query")]
+                measured = [r for r in results if r["scenario"] == scenario
+                            and r["balancer"] == name and r.get("machine_us_per_query")]
+                xs = [r["machine_us_per_query"] for r in
+                      ([r for r in measured if not r.get("disturbed")] or measured)]
                 if xs:
                     machine[name] = statistics.median(xs)
                     rows[name]["machine_us_per_query"] = machine[name]
