@@ -243,21 +243,14 @@ def measure(procs: tb.Procs, tmp: Path, args: argparse.Namespace, backend: tls.B
             # of it spinning its core) would otherwise fall into a 6-s saturated run.
             tb.run_load(procs, load_argv(scenario, port, args.warmup, paced, args.pace_ms, args.h2_rps),
                         args.warmup + 60)
-        for attempt in range(tb.STEAL_RETRIES + 1):
+        def load() -> tuple[str, dict[str, Any], dict[str, Any]]:
             before_cpu = tls.cpu_snapshot(p, backend)
-            before = tb.machine_idle()
             out = tb.run_load(procs, load_argv(scenario, port, args.duration, paced, args.pace_ms, args.h2_rps),
                               args.duration + 60)
-            after = tb.machine_idle()
-            after_cpu = tls.cpu_snapshot(p, backend)
-            stolen = tb.steal_share(before, after)
-            if stolen <= tb.STEAL_LIMIT:
-                break
-            tb.warn(f"{bal} {scenario}: the hypervisor took {stolen:.0%} of the machine"
-                    + (", measured again" if attempt < tb.STEAL_RETRIES else ", kept (marked disturbed)"))
-        run.update({"steal_share": round(stolen, 4), "steal_retries": attempt})
-        if stolen > tb.STEAL_LIMIT:
-            run["disturbed"] = True
+            return out, before_cpu, tls.cpu_snapshot(p, backend)
+
+        (out, before_cpu, after_cpu), before, after, steal = tb.screened(f"{bal} {scenario}", load)
+        run.update(steal)
         res = parse_h2load(out, args.duration) if scenario in H2_SCENARIOS else tb.last_json(out)
         run.update({k: res[k] for k in ("requests", "errors", "seconds", "rps")})
         if res["requests"]:

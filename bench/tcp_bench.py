@@ -904,6 +904,26 @@ def steal_share(before: tuple[float, ...], after: tuple[float, ...]) -> float:
     return max(0.0, after[3] - before[3]) / wall if wall > 0 else 0.0
 
 
+def screened(label: str, measure: Any) -> tuple[Any, tuple[float, ...], tuple[float, ...], dict[str, Any]]:
+    """Runs `measure()` between two `machine_idle()` readings, again (STEAL_RETRIES times at
+    most) while the hypervisor's steal exceeds STEAL_LIMIT. Returns measure()'s result of
+    the last try, its two readings, and what to record of the steal (`steal_share`,
+    `steal_retries`, and `disturbed` when the last try was still above the limit)."""
+    for attempt in range(STEAL_RETRIES + 1):
+        before = machine_idle()
+        result = measure()
+        after = machine_idle()
+        stolen = steal_share(before, after)
+        if stolen <= STEAL_LIMIT:
+            break
+        warn(f"{label}: the hypervisor took {stolen:.0%} of the machine"
+             + (", measured again" if attempt < STEAL_RETRIES else ", kept (marked disturbed)"))
+    record: dict[str, Any] = {"steal_share": round(stolen, 4), "steal_retries": attempt}
+    if stolen > STEAL_LIMIT:
+        record["disturbed"] = True
+    return result, before, after, record
+
+
 def parse_wrk_percentile(out: str, pct: str) -> float | None:
     """A latency percentile of `wrk --latency` ("99%"), in ms."""
     m = re.search(rf"^\s*{re.escape(pct)}\s+([\d.]+)(us|ms|s|m)\s*$", out, re.M)
@@ -1174,22 +1194,12 @@ class Bench:
             # would be a fifth of the figure for one balancer and not for another.
             run_load(self.procs, wrk(self.args.warmup), self.args.warmup + 60)
         argv = wrk(self.args.duration, "--latency")
-        for attempt in range(STEAL_RETRIES + 1):
-            idle0 = machine_idle()
-            w = self.run_wrk(run, proc, argv)
-            idle1 = machine_idle()
-            stolen = steal_share(idle0, idle1)
-            if stolen <= STEAL_LIMIT:
-                break
-            warn(f"{run.balancer} {sc.name}: the hypervisor took {stolen:.0%} of the machine"
-                 + (", measured again" if attempt < STEAL_RETRIES else ", kept (marked disturbed)"))
+        w, idle0, idle1, steal = screened(f"{run.balancer} {sc.name}",
+                                          lambda: self.run_wrk(run, proc, argv))
         busy = machine_busy_s(idle0, idle1)
         out = run.load_output or ""
         m = run.metrics
-        m["steal_share"] = round(stolen, 4)
-        m["steal_retries"] = attempt
-        if stolen > STEAL_LIMIT:
-            m["disturbed"] = True
+        m.update(steal)
         m["achieved_rate"] = w.rps
         m["machine_cpu_s"] = round(busy, 3)
         m["machine_us_per_req"] = round(busy * 1e6 / w.requests, 2)
