@@ -541,7 +541,10 @@ fn bird_carries_quills_announcement_to_the_router() {
 
 /// Two balancer nodes announce the same service address; the router spreads flows over
 /// both (ECMP, hashing on the 4-tuple). One node stops under a steady loop of requests: it
-/// withdraws first, the router moves new flows to the other, and not one request fails.
+/// withdraws first, the router moves new flows to the other, and not one request fails —
+/// except one whose connection was open at the very moment the router switched: its
+/// remaining packets now hash to the other node, which knows nothing of it and resets it.
+/// That is ECMP's nature (no node shares connection state), not the stop's doing.
 #[test]
 fn two_nodes_share_the_flows_and_one_stops_without_a_failed_request() {
     if netns::skip() || bird_missing() {
@@ -557,6 +560,10 @@ fn two_nodes_share_the_flows_and_one_stops_without_a_failed_request() {
     router.ip(&["addr", "add", "10.0.1.1/24", "dev", "r1"]);
     a.ns.ip(&["addr", "add", "10.0.0.2/24", "dev", "l0"]);
     b.ns.ip(&["addr", "add", "10.0.1.2/24", "dev", "l0"]);
+    // As a real node has: a way back to every client, so that a packet of a connection the
+    // node does not know is answered with a reset rather than dropped.
+    a.ns.ip(&["route", "add", "default", "via", "10.0.0.1"]);
+    b.ns.ip(&["route", "add", "default", "via", "10.0.1.1"]);
     let dir = a.dir.path().to_path_buf();
     let _bird_a = Bird::start(&a.ns, &dir, "a", &node_bird("10.0.0.2", "10.0.0.1", None));
     let _bird_b = Bird::start(&b.ns, &dir, "b", &node_bird("10.0.1.2", "10.0.1.1", None));
@@ -615,9 +622,10 @@ fn two_nodes_share_the_flows_and_one_stops_without_a_failed_request() {
             while !stop.load(std::sync::atomic::Ordering::Relaxed) {
                 // What the stop must not cause is a refused or reset request; an answer
                 // may be slow on a loaded CI machine (one took over 2 s there once).
+                let started = Instant::now();
                 match http_get(&format!("{VIP}:80"), Duration::from_secs(5)) {
                     Ok(r) if r.contains("200") => ok += 1,
-                    other => failed.push(format!("{other:?}")),
+                    other => failed.push((started, Instant::now(), format!("{other:?}"))),
                 }
                 std::thread::sleep(Duration::from_millis(5));
             }
@@ -626,24 +634,51 @@ fn two_nodes_share_the_flows_and_one_stops_without_a_failed_request() {
     };
     std::thread::sleep(Duration::from_millis(300));
     let before = accepted(&b);
+    let term = Instant::now();
     std::process::Command::new("kill")
         .args(["-TERM", &a.quill.id().to_string()])
         .status()
         .unwrap();
-    let moved = time_until("one nexthop left", || nexthops() == 1);
+    // The router switched somewhere between the last look that saw two nexthops and the
+    // first that saw one.
+    let (mut two_last_seen, mut one_first_seen) = (term, term);
+    let moved = time_until("one nexthop left", || {
+        let looked = Instant::now();
+        let left = nexthops();
+        if left == 2 {
+            two_last_seen = looked;
+        }
+        one_first_seen = Instant::now();
+        left == 1
+    });
+    let switched = two_last_seen..=one_first_seen;
     let status = a.quill.wait().unwrap();
     assert!(status.success(), "{status}");
     std::thread::sleep(Duration::from_millis(300));
     stop.store(true, std::sync::atomic::Ordering::Relaxed);
     let (ok, failed) = looping.join().unwrap();
+    let total = ok as usize + failed.len();
+    let (across_the_switch, unexplained): (Vec<_>, Vec<_>) = failed
+        .into_iter()
+        .partition(|(start, end, _)| start <= switched.end() && end >= switched.start());
     assert!(
-        failed.is_empty(),
-        "{} of {} requests failed: {failed:?}",
-        failed.len(),
-        ok as usize + failed.len()
+        unexplained.is_empty(),
+        "{} of {total} requests failed away from the router's switch: {unexplained:?}",
+        unexplained.len(),
+    );
+    assert!(
+        across_the_switch.len() <= 1,
+        "{} requests open across the router's switch failed: {across_the_switch:?}",
+        across_the_switch.len(),
     );
     assert!(accepted(&b) > before, "node b took no flow over");
-    eprintln!("ecmp: {on_a}/{on_b} of 40 flows on a/b; node a stopped: router down to one nexthop after {moved:?}; {ok} requests in the loop, none failed");
+    eprintln!(
+        "ecmp: {on_a}/{on_b} of 40 flows on a/b; node a stopped: router down to one nexthop \
+         after {moved:?}; {ok} of {total} requests in the loop answered, {} open across the \
+         switch failed {:?}",
+        across_the_switch.len(),
+        across_the_switch.iter().map(|f| &f.2).collect::<Vec<_>>()
+    );
 }
 
 /// keepalived in a namespace, stopped on drop.
