@@ -670,3 +670,141 @@ fn penlogd_hears_of_each_request_sent_as_a_stream() {
         ["127.0.0.3", "127.0.0.2"]
     );
 }
+
+/// `tests/fixtures/h2_resetting_server.py` on a port of its own: an HTTP/2 server that
+/// refuses `/refuse` (REFUSED_STREAM), cancels `/cancel` after a head and 5 bytes, and
+/// answers anything else; `paths` are the requests it was sent, in order.
+struct ResettingServer {
+    child: std::process::Child,
+    port: u16,
+    paths: std::sync::Arc<std::sync::Mutex<Vec<String>>>,
+}
+
+impl ResettingServer {
+    /// `None` (with the reason) where Python's h2 is not installed.
+    fn start() -> Option<ResettingServer> {
+        use std::io::BufRead;
+        let python = "/usr/bin/python3";
+        let has_h2 = std::process::Command::new(python)
+            .args(["-c", "import h2"])
+            .status()
+            .is_ok_and(|s| s.success());
+        if !has_h2 {
+            eprintln!("SKIPPED: python3-h2 is not installed (.ci/run installs it)");
+            return None;
+        }
+        let port = free_port();
+        let script =
+            Path::new(env!("CARGO_MANIFEST_DIR")).join("tests/fixtures/h2_resetting_server.py");
+        let mut child = std::process::Command::new(python)
+            .args([script.to_str().unwrap(), &port.to_string()])
+            .stdout(std::process::Stdio::piped())
+            .spawn()
+            .unwrap();
+        let mut lines = std::io::BufReader::new(child.stdout.take().unwrap()).lines();
+        assert_eq!(lines.next().unwrap().unwrap(), "listening");
+        let paths = std::sync::Arc::new(std::sync::Mutex::new(Vec::new()));
+        let seen = std::sync::Arc::clone(&paths);
+        std::thread::spawn(move || {
+            for line in lines.map_while(Result::ok) {
+                seen.lock().unwrap().push(line);
+            }
+        });
+        Some(ResettingServer { child, port, paths })
+    }
+
+    /// How many requests for `path` reached the server.
+    fn sent(&self, path: &str) -> usize {
+        self.paths
+            .lock()
+            .unwrap()
+            .iter()
+            .filter(|p| *p == path)
+            .count()
+    }
+}
+
+impl Drop for ResettingServer {
+    fn drop(&mut self) {
+        let _ = self.child.kill();
+        let _ = self.child.wait();
+    }
+}
+
+/// nghttp's verbose account of one request (it fails when the stream is reset).
+fn nghttp(args: &[&str]) -> Option<String> {
+    match std::process::Command::new("nghttp").args(args).output() {
+        Ok(out) => Some(String::from_utf8_lossy(&out.stdout).into_owned()),
+        Err(_) => {
+            eprintln!("SKIPPED: nghttp is not installed (.ci/run installs it)");
+            None
+        }
+    }
+}
+
+/// A server that refuses a stream (REFUSED_STREAM: not processed) has refused the request,
+/// not failed it. A GET goes once more over a new stream; what quill cannot send again (a
+/// POST's body is gone, or the second try was refused too) is refused to an HTTP/2 client
+/// in the same words, so that it may send it again itself; an HTTP/1.1 client, which has
+/// no such words, gets 502. The server stays in service.
+#[test]
+fn a_request_a_server_refused_unprocessed_is_refused_to_an_http2_client() {
+    let Some(server) = ResettingServer::start() else {
+        return;
+    };
+    let q = quill_h2(server.port, &["h2c"]);
+    let url = |path: &str| format!("http://127.0.0.1:{}{path}", q.port);
+
+    let dir = TempDir::new("uph2");
+    let body = dir.path().join("body");
+    std::fs::write(&body, b"form=1").unwrap();
+    let Some(out) = nghttp(&["-v", "-d", body.to_str().unwrap(), &url("/refuse")]) else {
+        return;
+    };
+    assert!(out.contains("error_code=REFUSED_STREAM"), "POST: {out}");
+    assert!(!out.contains(":status:"), "POST answered: {out}");
+    assert_eq!(server.sent("/refuse"), 1, "a POST is never sent twice");
+
+    let out = nghttp(&["-v", &url("/refuse")]).unwrap();
+    assert!(out.contains("error_code=REFUSED_STREAM"), "GET: {out}");
+    assert_eq!(server.sent("/refuse"), 3, "a GET goes once more, no more");
+
+    let (status, _) = get(q.addr(), "/refuse");
+    assert_eq!(status, 502, "HTTP/1.1 client");
+
+    let out = nghttp(&["-v", &url("/after")]).unwrap();
+    assert!(
+        out.contains(":status: 200"),
+        "the server is still in: {out}"
+    );
+}
+
+/// A server that resets a stream in the middle of its answer: an HTTP/2 client gets the
+/// head, the bytes that came, and a reset with the server's reason (here CANCEL); an
+/// HTTP/1.1 client gets a body that ends short of its `Content-Length`.
+#[test]
+fn a_server_reset_in_the_middle_of_an_answer_reaches_an_http2_client_with_its_reason() {
+    let Some(server) = ResettingServer::start() else {
+        return;
+    };
+    let q = quill_h2(server.port, &["h2c"]);
+    let Some(out) = nghttp(&["-v", &format!("http://127.0.0.1:{}/cancel", q.port)]) else {
+        return;
+    };
+    assert!(out.contains(":status: 200"), "{out}");
+    assert!(out.contains("error_code=CANCEL"), "{out}");
+
+    let mut s = TcpStream::connect(q.addr()).unwrap();
+    s.set_read_timeout(Some(Duration::from_secs(10))).unwrap();
+    s.write_all(b"GET /cancel HTTP/1.1\r\nHost: x\r\n\r\n")
+        .unwrap();
+    let mut got = Vec::new();
+    let _ = s.read_to_end(&mut got);
+    let text = String::from_utf8_lossy(&got);
+    assert!(text.starts_with("HTTP/1.1 200"), "{text}");
+    assert!(text.contains("content-length: 100"), "{text}");
+    assert!(
+        text.ends_with("\r\n\r\nstart"),
+        "the body ends short: {text}"
+    );
+}

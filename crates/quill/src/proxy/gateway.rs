@@ -507,7 +507,7 @@ pub(super) async fn forward(
     if let Some(r) = record {
         r.status.set(reply.status().as_u16());
     }
-    if !grpc {
+    if !grpc || reply.extensions().get::<Unprocessed>().is_some() {
         return reply;
     }
     if let Some(&Own(text)) = reply.extensions().get::<Own>() {
@@ -641,7 +641,9 @@ async fn route(
             }
             Sent::Refused(e) => {
                 tracing::info!("{c} refused a request's stream: {e}");
-                return answer(StatusCode::BAD_GATEWAY, "Bad gateway\n");
+                let mut refused = answer(StatusCode::BAD_GATEWAY, "Bad gateway\n");
+                refused.extensions_mut().insert(Unprocessed);
+                return refused;
             }
             Sent::Lost(e) => {
                 candidates::lost(state, settings.blacklist, &c, &e);
@@ -1308,6 +1310,14 @@ impl<IO: tokio::io::AsyncWrite + Unpin> tokio::io::AsyncWrite for Marked<IO> {
 /// gRPC calls.
 #[derive(Debug, Clone, Copy)]
 struct Own(&'static str);
+
+/// Marks quill's answer to a request that a server refused unprocessed (HTTP/2
+/// `REFUSED_STREAM`, or GOAWAY as it was sent) and quill could not send again: an HTTP/2
+/// client's stream is reset with `REFUSED_STREAM` instead (`h2::serve`), which tells the
+/// client that it may send the request again, whatever its method (RFC 9113 8.7; browsers
+/// and gRPC do so by themselves); an HTTP/1.x client gets the 502.
+#[derive(Debug, Clone, Copy)]
+pub(super) struct Unprocessed;
 
 /// quill's own answer.
 fn answer(status: StatusCode, text: &'static str) -> Reply {

@@ -7,6 +7,8 @@ use std::rc::Rc;
 use std::sync::atomic::Ordering::Relaxed;
 use std::time::Duration;
 
+use hyper::body::Incoming;
+use hyper::Request;
 use hyper_util::rt::{TokioIo, TokioTimer};
 use tokio::io::{AsyncRead, AsyncWrite};
 
@@ -59,7 +61,7 @@ where
         .keep_alive_interval(Duration::from_secs(30))
         .keep_alive_timeout(Duration::from_secs(20));
     let activity = Rc::new(Activity::default());
-    let service = gateway::service(state, peer, &activity);
+    let service = unprocessed_refused(gateway::service(state, peer, &activity));
     // The responses of one turn leave together (h2 alone flushes after every body).
     let (io, drain) = coalesce::gather(io);
     let conn = coalesce::Flushing::new(builder.serve_connection(TokioIo::new(io), service), drain);
@@ -78,6 +80,37 @@ where
     {
         t.count(state);
     }
+}
+
+/// `service` for an HTTP/2 client: a request no server processed ([`gateway::Unprocessed`])
+/// resets its stream with `REFUSED_STREAM` (hyper resets a stream whose service failed with
+/// the reason of the `h2::Error` it failed with), rather than answering 502.
+fn unprocessed_refused<S>(
+    service: S,
+) -> impl hyper::service::Service<
+    Request<Incoming>,
+    Response = gateway::Reply,
+    Error = h2::Error,
+    Future = impl std::future::Future<Output = Result<gateway::Reply, h2::Error>>,
+>
+where
+    S: hyper::service::Service<
+        Request<Incoming>,
+        Response = gateway::Reply,
+        Error = std::convert::Infallible,
+    >,
+{
+    hyper::service::service_fn(move |req| {
+        let answering = service.call(req);
+        async move {
+            let reply = answering.await.unwrap_or_else(|never| match never {});
+            if reply.extensions().get::<gateway::Unprocessed>().is_some() {
+                Err(h2::Reason::REFUSED_STREAM.into())
+            } else {
+                Ok(reply)
+            }
+        }
+    })
 }
 
 /// Reads the first bytes of a plain client until they either are the HTTP/2 preface or
