@@ -50,6 +50,9 @@ import sys
 import tempfile
 import time
 
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+import tcp_bench  # noqa: E402  (beside this file)
+
 PID = os.getpid()
 VIP = "10.77.0.100"
 NS = {r: f"qb{PID}-{r}" for r in ("sw", "cli", "lb", "be1", "be2")}
@@ -307,15 +310,8 @@ print(time.monotonic() - t)
 """
 
 
-def machine_idle():
-    sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-    import tcp_bench
-    return tcp_bench.machine_idle()
-
-
-def machine_busy_s(before, after):
-    import tcp_bench
-    return tcp_bench.machine_busy_s(before, after)
+machine_idle = tcp_bench.machine_idle
+machine_busy_s = tcp_bench.machine_busy_s
 
 
 def lb_mac():
@@ -403,38 +399,41 @@ def paths(a, quill, backends, spawn, kill):
     else:
         print("  ceiling: not measured (clang or libbpf-dev missing)")
 
-    def upload(start, stop):
+    # Each measurement is steal-screened as bench/run's paced ones (tcp_bench.screened):
+    # tried again once the hypervisor's spell is over; a run still disturbed is reported
+    # with its steal and left out of the medians where undisturbed ones remain.
+    def upload(name, start, stop):
         pid = start(False)
         if pid is None:
             return None
         try:
-            before = machine_idle()
-            out = nsexec("cli", sys.executable, "-c", UPLOADER, VIP, str(a.upload_mb),
-                         capture_output=True, check=False)
-            after = machine_idle()
+            out, before, after, steal = tcp_bench.screened(
+                f"{name} upload", lambda: nsexec("cli", sys.executable, "-c", UPLOADER, VIP,
+                                                 str(a.upload_mb), capture_output=True, check=False))
             if out.returncode != 0:
                 return None
             secs = float(out.stdout)
             gb = a.upload_mb * (1 << 20) / 1e9
-            return a.upload_mb * (1 << 20) / 1e6 / secs, machine_busy_s(before, after) / gb
+            return a.upload_mb * (1 << 20) / 1e6 / secs, machine_busy_s(before, after) / gb, steal
         finally:
             stop()
 
-    def blast(start, stop):
+    def blast(name, start, stop):
         pid = start(True)
         if pid is None:
             return None
         try:
-            rx0 = stat("be1", "b0", "rx_packets") + stat("be2", "b0", "rx_packets")
-            before = machine_idle()
-            procs = [popen("cli", sys.executable, "-c", SENDER, str(a.duration), VIP, stdout=subprocess.PIPE)
-                     for _ in range(a.senders)]
-            for p in procs:
-                p.wait()
-            after = machine_idle()
+            def send():
+                rx0 = stat("be1", "b0", "rx_packets") + stat("be2", "b0", "rx_packets")
+                procs = [popen("cli", sys.executable, "-c", SENDER, str(a.duration), VIP,
+                               stdout=subprocess.PIPE) for _ in range(a.senders)]
+                for p in procs:
+                    p.wait()
+                return rx0
+            rx0, before, after, steal = tcp_bench.screened(f"{name} blast", send)
             time.sleep(0.2)  # let queued frames drain before reading the counters
             fwd = stat("be1", "b0", "rx_packets") + stat("be2", "b0", "rx_packets") - rx0
-            return fwd / a.duration, machine_busy_s(before, after) / max(fwd / 1e6, 1e-9)
+            return fwd / a.duration, machine_busy_s(before, after) / max(fwd / 1e6, 1e-9), steal
         finally:
             stop()
 
@@ -442,10 +441,10 @@ def paths(a, quill, backends, spawn, kill):
     try:
         for _ in range(a.rounds):
             for name, start, stop in variants:
-                r = upload(start, stop)
+                r = upload(name, start, stop)
                 if r:
                     runs[name]["upload"].append(r)
-                r = blast(start, stop)
+                r = blast(name, start, stop)
                 if r:
                     runs[name]["blast"].append(r)
     finally:
@@ -457,15 +456,19 @@ def paths(a, quill, backends, spawn, kill):
             os.unlink(ceiling)
 
     def med(name, what, i):
-        xs = [r[i] for r in runs.get(name, {}).get(what, [])]
+        done = runs.get(name, {}).get(what, [])
+        clean = [r for r in done if not r[2].get("disturbed")] or done
+        xs = [r[i] for r in clean]
         return median(xs) if xs else None
 
-    print(f"  {'path':18} {'upload MB/s':>11} {'machine s/GB':>12} {'blast fwd pps':>14} {'machine s/Mpkt':>14}   (rounds: MB/s; pps)")
+    print(f"  {'path':18} {'upload MB/s':>11} {'machine s/GB':>12} {'blast fwd pps':>14} {'machine s/Mpkt':>14}   "
+          "(rounds: MB/s; pps; * = disturbed by steal, left out of the medians)")
     for name, *_ in variants:
         u, c, f, m = (med(name, "upload", 0), med(name, "upload", 1), med(name, "blast", 0), med(name, "blast", 1))
         fmt = lambda x, spec: format(x, spec) if x is not None else "-"
-        spread = "; ".join([", ".join(f"{r[0]:.0f}" for r in runs[name]["upload"]),
-                            ", ".join(f"{r[0]:,.0f}" for r in runs[name]["blast"])])
+        mark = lambda r: "*" if r[2].get("disturbed") else ""
+        spread = "; ".join([", ".join(f"{r[0]:.0f}{mark(r)}" for r in runs[name]["upload"]),
+                            ", ".join(f"{r[0]:,.0f}{mark(r)}" for r in runs[name]["blast"])])
         print(f"  {name:18} {fmt(u, '11.1f')} {fmt(c, '12.2f')} {fmt(f, '14,.0f')} {fmt(m, '14.2f')}   ({spread})")
 
     def ratio(x, y, what, i):
