@@ -1042,20 +1042,6 @@ fn attack(mode: &str, port: u16, n: u32) -> Option<String> {
     )
 }
 
-/// Debian's python3 when it has hyper-h2 (python3-h2); `None`, said, when it has not.
-fn python_h2() -> Option<&'static str> {
-    let python = "/usr/bin/python3";
-    let has_h2 = Command::new(python)
-        .args(["-c", "import h2, hyperframe, hpack"])
-        .status()
-        .is_ok_and(|s| s.success());
-    if !has_h2 {
-        eprintln!("SKIPPED: python3-h2 is not installed (.ci/run installs it)");
-        return None;
-    }
-    Some(python)
-}
-
 /// quill with `h2c` in front of NGINX, for the attacks (plain HTTP/2 frames are easier to
 /// write than TLS; the HTTP/2 code is the same).
 fn h2c_quill(port: u16, extra: &[&str]) -> Quill {

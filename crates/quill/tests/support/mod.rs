@@ -1286,6 +1286,20 @@ impl Rng {
     }
 }
 
+/// Debian's python3 when it has hyper-h2 (python3-h2); `None`, said, when it has not.
+pub fn python_h2() -> Option<&'static str> {
+    let python = "/usr/bin/python3";
+    let has_h2 = Command::new(python)
+        .args(["-c", "import h2, hyperframe, hpack"])
+        .status()
+        .is_ok_and(|s| s.success());
+    if !has_h2 {
+        eprintln!("SKIPPED: python3-h2 is not installed (.ci/run installs it)");
+        return None;
+    }
+    Some(python)
+}
+
 /// Runs `program args` and returns its output; `None` (with a message) when it is not
 /// installed. Panics when it fails.
 pub fn tool(program: &str, args: &[&str]) -> Option<String> {
