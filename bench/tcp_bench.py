@@ -1062,6 +1062,8 @@ class Bench:
         self.backend_argv: list[str] = []
         self.runs: list[Run] = []
         self.certificate: Certificate | None = None  # made for the first TLS scenario
+        # --held: the balancers of the paced scenario being measured, started once.
+        self.held: dict[str, tuple[int, subprocess.Popen[bytes], Path, float | None, list[str]]] = {}
 
     def close(self) -> None:
         self.procs.stop_all()
@@ -1099,11 +1101,16 @@ class Bench:
                              f"{tail(self.tmp / 'nginx-error.log')}")
         proc = None
         logf = None
+        hold = self.args.held and sc.kind == "paced"
         try:
             if bal == "backend":
                 port = self.backend_port
                 run.command = self.backend_argv
                 http_get_1k(port, 5.0)
+            elif hold and bal in self.held and self.held[bal][1].poll() is None:
+                port, proc, logf, run.ready_s, run.command = self.held[bal]
+                run.cpus_allowed = cpus_allowed(proc.pid)
+                run.metrics["held"] = True
             else:
                 port = free_port()
                 if sc.tls and self.certificate is None:
@@ -1124,6 +1131,9 @@ class Bench:
                 run.cpus_allowed = cpus_allowed(proc.pid)
                 if sc.layout == "one-core" and run.cpus_allowed != BALANCER_CORE:
                     warn(f"{bal} pid {proc.pid} allowed on CPUs {run.cpus_allowed}, expected {BALANCER_CORE}")
+                if hold:
+                    self.held[bal] = (port, proc, logf, run.ready_s, argv)
+                    run.metrics["held"] = True
             run.port = port
             measure = {"wrk": self.measure_wrk, "paced": self.measure_paced,
                        "latency": self.measure_latency,
@@ -1143,9 +1153,15 @@ class Bench:
                     self.fatal[bal] = (f"gave up after {n} failed starts; last error: "
                                        f"{str(e).splitlines()[0]}")
         finally:
-            if proc is not None:
+            if proc is not None and not (hold and bal in self.held and self.held[bal][1] is proc):
                 self.procs.stop(proc)
         return run
+
+    def release_held(self) -> None:
+        """Stops the balancers --held kept for a scenario."""
+        for _port, proc, *_ in self.held.values():
+            self.procs.stop(proc)
+        self.held.clear()
 
     def cpu_accounting(self, run: Run, proc: subprocess.Popen[bytes] | None, body: Any) -> Any:
         """Runs body() and records the CPU the balancer, the backend and others used."""
@@ -1396,7 +1412,14 @@ class Bench:
                     if bal == "backend" and not sc.with_backend:
                         continue
                     plan.append((rnd, sc, bal))
+        if self.args.held:
+            # Every round of a scenario in a row, its balancers started once (sorted() is
+            # stable: within a scenario the rounds keep their order).
+            order = {sc.name: i for i, sc in enumerate(scs)}
+            plan.sort(key=lambda p: order[p[1].name])
         for i, (rnd, sc, bal) in enumerate(plan, 1):
+            if self.held and i > 1 and plan[i - 2][1].name != sc.name:
+                self.release_held()
             run = self.measure(rnd, sc, bal)
             self.runs.append(run)
             prefix = f"[{i:>3}/{len(plan)}] round {rnd} {sc.name:<13} {bal:<8}"
@@ -1423,6 +1446,7 @@ class Bench:
                 log(f"{prefix} FAILED: {first[0]}")
                 for line in first[1:]:
                     log(f"{'':>20}{line}")
+        self.release_held()
 
 
 def last_json(out: str) -> dict[str, Any]:
@@ -1635,6 +1659,10 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     p.add_argument("--efficiency", action="store_true",
                    help="only the efficiency yardstick: machine CPU per request over the backend "
                         "alone at paced loads (1, 5, 20 ms per connection; also in the full run)")
+    p.add_argument("--held", action="store_true",
+                   help="paced scenarios: start each balancer once per scenario and keep it running through "
+                        "all its rounds, which then follow one another (many short rounds spread the "
+                        "host's spells of steal over every balancer alike)")
     p.add_argument("--warmup", type=int, default=None,
                    help="seconds of the same load before each measured wrk run (saturated or paced), unmeasured "
                         "(default 3, --quick: 1; 0: none)")
