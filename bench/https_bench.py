@@ -211,21 +211,28 @@ def start_backend_h2(procs: tb.Procs, tmp: Path, backend: tls.Backend) -> tls.Ba
 
 def measure(procs: tb.Procs, tmp: Path, args: argparse.Namespace, backend: tls.Backend,
             backend_h2: tls.Backend, cert: tuple[Path, Path, Path], bal: str, scenario: str,
-            paced: bool) -> dict[str, Any]:
+            paced: bool, held: dict[str, tuple[int, Any, Path]] | None = None) -> dict[str, Any]:
     """One load against one balancer (or, for "backend", against the backend itself: the
-    HTTP/2-speaking instance for h2 and h2h2, which h2h2's balancers send to)."""
+    HTTP/2-speaking instance for h2 and h2h2, which h2h2's balancers send to). With `held`
+    (--held) a balancer started for the scenario is kept there and used again."""
     run: dict[str, Any] = {"balancer": bal, "scenario": scenario, "paced": paced}
     if scenario == "h2h2" or (bal == "backend" and scenario == "h2"):
         backend = backend_h2
     if bal == "backend":
         port, p = backend.port, backend.proc
         logf = tmp / f"{backend.name}.log"
+    elif held is not None and bal in held and held[bal][1].poll() is None:
+        port, p, logf = held[bal]
+        run["held"] = True
     else:
         port = tb.free_port()
         logf = tmp / f"{bal}-https.log"
         binary = args.base_bin if bal == "quill-base" else args.quill_bin
         p = procs.start(bal, balancer_argv(bal, port, backend, tmp, binary, cert, args.keepalive,
                                              scenario == "h2h2", args.access_log), logf)
+        if held is not None:
+            held[bal] = (port, p, logf)
+            run["held"] = True
     try:
         tb.wait_accepting(port, p, time.monotonic() + tb.READY_TIMEOUT_S)
         # A balancer that accepts but has not answered yet (HAProxy once took its first
@@ -263,7 +270,7 @@ def measure(procs: tb.Procs, tmp: Path, args: argparse.Namespace, backend: tls.B
         run["error"] = str(e)
         tb.warn(str(e))
     finally:
-        if p is not backend.proc:
+        if p is not backend.proc and not (held is not None and bal in held and held[bal][1] is p):
             procs.stop(p)
     return run
 
@@ -386,6 +393,10 @@ def main(argv: list[str]) -> int:
     ap.add_argument("--pace-ms", type=int, default=PACE_MS,
                     help="paced h1 and reconnect10: each connection waits this long after an answer")
     ap.add_argument("--h2-rps", type=int, default=H2_RPS, help="paced h2: requests/s per h2load client")
+    ap.add_argument("--held", action="store_true",
+                    help="start each balancer once per scenario and keep it through all its rounds and "
+                         "loads, which then follow one another (as bench/run --held: many short rounds "
+                         "spread the host's spells of steal over every balancer alike)")
     ap.add_argument("--warmup", type=int, default=None,
                     help="seconds of the same load before each measurement, unmeasured "
                          "(default 3, --quick: 1; 0: none)")
@@ -422,15 +433,22 @@ def main(argv: list[str]) -> int:
         try:
             backend = tls.start_backends(procs, tmp, ["reencrypt"])["reencrypt"]
             backend_h2 = start_backend_h2(procs, tmp, backend)
-            for rnd in range(1, args.rounds + 1):
-                for sc in scenarios:
-                    for paced in loads:
-                        for bal in tb.in_turn(selected, rnd):
-                            r = measure(procs, tmp, args, backend, backend_h2, cert, bal, sc, paced)
-                            r["round"] = rnd
-                            runs.append(r)
-                            tb.log(f"round {rnd} {sc:11} {'paced' if paced else 'saturated':9} "
-                                   f"{bal:8} {one_line(r)}")
+            plan = [(rnd, sc, paced, bal) for rnd in range(1, args.rounds + 1) for sc in scenarios
+                    for paced in loads for bal in tb.in_turn(selected, rnd)]
+            if args.held:
+                # Every round of a scenario in a row (a stable sort keeps their order).
+                plan.sort(key=lambda step: scenarios.index(step[1]))
+            held: dict[str, tuple[int, Any, Path]] | None = {} if args.held else None
+            for i, (rnd, sc, paced, bal) in enumerate(plan):
+                if held and i and plan[i - 1][1] != sc:
+                    for _port, p, _logf in held.values():
+                        procs.stop(p)
+                    held.clear()
+                r = measure(procs, tmp, args, backend, backend_h2, cert, bal, sc, paced, held)
+                r["round"] = rnd
+                runs.append(r)
+                tb.log(f"round {rnd} {sc:11} {'paced' if paced else 'saturated':9} "
+                       f"{bal:8} {one_line(r)}")
         except tb.StartError as e:
             raise tb.BenchError(f"backend: {e}") from None
         finally:
