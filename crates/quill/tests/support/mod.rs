@@ -146,14 +146,28 @@ impl Drop for TempDir {
     }
 }
 
-/// A TCP port that was free a moment ago (bound to 127.0.0.1:0, then released), and never
-/// handed out before in this test process. The kernel may give a released port to the next
-/// `bind(0)` of a test running in parallel; and quill's listeners set SO_REUSEPORT, so two
-/// quills given the same port would both bind it and share its connections.
+/// A port free a moment ago for TCP and UDP on 127.0.0.1, never handed out before in this
+/// test process, and (where the host leaves room) below the kernel's ephemeral range: a
+/// port of that range, released by `bind(0)`, could be taken as the source port of any
+/// test's outgoing connection before the server meant for it binds it (`EADDRINUSE`), and
+/// the kernel may give it to the next `bind(0)` of a test running in parallel; quill's
+/// listeners set SO_REUSEPORT, so two quills given the same port would both bind it and
+/// share its connections.
 pub fn free_port() -> u16 {
-    static GIVEN: Mutex<Option<HashSet<u16>>> = Mutex::new(None);
-    let mut given = GIVEN.lock().unwrap_or_else(|e| e.into_inner());
-    let given = given.get_or_insert_with(HashSet::new);
+    static NEXT: Mutex<Option<(HashSet<u16>, u32)>> = Mutex::new(None);
+    let mut next = NEXT.lock().unwrap_or_else(|e| e.into_inner());
+    let (given, cursor) = next.get_or_insert_with(|| (HashSet::new(), std::process::id()));
+    let (low, high) = below_ephemeral_ports();
+    let span = u32::from(high - low);
+    for _ in 0..span {
+        *cursor = cursor.wrapping_add(1);
+        let port = low + (*cursor % span) as u16;
+        if !given.contains(&port) && bindable(port) {
+            given.insert(port);
+            return port;
+        }
+    }
+    // No room below the ephemeral range (or none of it free): a port the kernel picks.
     loop {
         let l = TcpListener::bind("127.0.0.1:0").expect("bind 127.0.0.1:0");
         let port = l.local_addr().expect("local_addr").port();
@@ -161,6 +175,22 @@ pub fn free_port() -> u16 {
             return port;
         }
     }
+}
+
+/// The ports `free_port` hands out: up to 20,000 below the first of
+/// `net.ipv4.ip_local_port_range` (32768 by default), and from 1024 up.
+fn below_ephemeral_ports() -> (u16, u16) {
+    let first = fs::read_to_string("/proc/sys/net/ipv4/ip_local_port_range")
+        .ok()
+        .and_then(|r| r.split_whitespace().next()?.parse::<u16>().ok())
+        .unwrap_or(32768);
+    (first.saturating_sub(20_000).max(1024), first.max(1025))
+}
+
+/// Whether 127.0.0.1:`port` can be bound now, for TCP and for UDP.
+fn bindable(port: u16) -> bool {
+    TcpListener::bind(("127.0.0.1", port)).is_ok()
+        && std::net::UdpSocket::bind(("127.0.0.1", port)).is_ok()
 }
 
 /// The soft limit on open files of this process (None without /proc).
