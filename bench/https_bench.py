@@ -182,6 +182,11 @@ def load_argv(scenario: str, port: int, duration: float, paced: bool,
     return argv + (["--pace", str(pace_ms)] if paced else [])
 
 
+# Request latencies the load generators report: tlsload's percentiles (h1, reconnect10),
+# h2load's mean and slowest (h2, h2h2), in µs.
+LATENCY_FIELDS = ("p50_us", "p90_us", "p99_us", "p999_us", "max_us", "mean_us")
+
+
 def parse_h2load(out: str, duration: float) -> dict[str, Any]:
     """requests done and failed from h2load's summary."""
     m = re.search(r"requests: (\d+) total, (\d+) started, (\d+) done, (\d+) succeeded, (\d+) failed, "
@@ -193,8 +198,15 @@ def parse_h2load(out: str, duration: float) -> dict[str, Any]:
     seconds = duration if not secs else float(secs.group(1)) / (1000 if secs.group(2) == "ms" else 1)
     non2xx = re.search(r"status codes: (\d+) 2xx", out)
     bad = ok - int(non2xx.group(1)) if non2xx else 0
-    return {"requests": ok - bad, "errors": failed + errored + bad, "seconds": seconds,
-            "rps": (ok - bad) / seconds if seconds else 0.0}
+    res: dict[str, Any] = {"requests": ok - bad, "errors": failed + errored + bad, "seconds": seconds,
+                           "rps": (ok - bad) / seconds if seconds else 0.0}
+    # h2load gives no percentiles: the mean and the slowest of its "time for request" line.
+    lat = re.search(r"time for request:\s+([\d.]+)(us|ms|s)\s+([\d.]+)(us|ms|s)\s+([\d.]+)(us|ms|s)", out)
+    if lat:
+        scale = {"us": 1.0, "ms": 1e3, "s": 1e6}
+        res["max_us"] = round(float(lat.group(3)) * scale[lat.group(4)])
+        res["mean_us"] = round(float(lat.group(5)) * scale[lat.group(6)])
+    return res
 
 
 def start_backend_h2(procs: tb.Procs, tmp: Path, backend: tls.Backend) -> tls.Backend:
@@ -260,6 +272,7 @@ def measure(procs: tb.Procs, tmp: Path, args: argparse.Namespace, backend: tls.B
         run.update(steal)
         res = parse_h2load(out, args.duration) if scenario in H2_SCENARIOS else tb.last_json(out)
         run.update({k: res[k] for k in ("requests", "errors", "seconds", "rps")})
+        run.update({k: res[k] for k in LATENCY_FIELDS if k in res})
         if res["requests"]:
             run["machine_us_per_req"] = tb.machine_busy_s(before, after) * 1e6 / res["requests"]
             if bal != "backend":
@@ -281,7 +294,16 @@ def one_line(r: dict[str, Any]) -> str:
     bal = r.get("balancer_cpu_us_per_req")
     return (f"{r['rps']:>9,.0f} req/s  machine {r.get('machine_us_per_req', float('nan')):6.1f} µs/req  "
             f"balancer {'–' if bal is None else f'{bal:.1f}':>6} µs/req  errors {r['errors']}  "
-            f"steal {r.get('steal_share', 0):.1%}" + (" DISTURBED" if r.get("disturbed") else ""))
+            f"steal {r.get('steal_share', 0):.1%}" + latency_words(r)
+            + (" DISTURBED" if r.get("disturbed") else ""))
+
+
+def latency_words(r: dict[str, Any]) -> str:
+    if "p50_us" in r:
+        return f"  p50 {r['p50_us'] / 1e3:.2f} ms p99 {r['p99_us'] / 1e3:.2f} ms"
+    if "mean_us" in r:
+        return f"  mean {r['mean_us'] / 1e3:.2f} ms"
+    return ""
 
 
 def summarize(runs: list[dict[str, Any]]) -> list[dict[str, Any]]:
@@ -300,6 +322,10 @@ def summarize(runs: list[dict[str, Any]]) -> list[dict[str, Any]]:
                          "errors": sum(r["errors"] for r in rs),
                          "machine_us": statistics.median(r["machine_us_per_req"] for r in rs
                                                          if "machine_us_per_req" in r)}
+                for k in ("p50_us", "p99_us", "mean_us"):
+                    xs = [r[k] for r in rs if k in r]
+                    if xs:
+                        entry[k] = statistics.median(xs)
                 bal_us = [r["balancer_cpu_us_per_req"] for r in rs if "balancer_cpu_us_per_req" in r]
                 entry["balancer_us"] = statistics.median(bal_us) if bal_us else None
                 # Per round, over the backend alone in the same round.
@@ -379,6 +405,24 @@ def fmt(rows: list[dict[str, Any]]) -> str:
     return "\n".join(out)
 
 
+def fmt_latency(rows: list[dict[str, Any]]) -> str:
+    """The paced loads' request latency, medians over the rounds: p50 / p99 from tlsload,
+    the mean from h2load (ms)."""
+    names = [b for b in BALANCERS if any(b in r for r in rows)]
+    out = ["| paced scenario | " + " | ".join(names) + " |", "|---|" + "---|" * len(names)]
+    for r in rows:
+        if not r["paced"]:
+            continue
+
+        def v(b: str) -> str:
+            e = r.get(b, {})
+            if "p50_us" in e:
+                return f"{e['p50_us'] / 1e3:.2f} / {e['p99_us'] / 1e3:.2f}"
+            return f"{e['mean_us'] / 1e3:.2f} (mean)" if "mean_us" in e else "–"
+        out.append(f"| {r['scenario']} | " + " | ".join(v(b) for b in names) + " |")
+    return "\n".join(out)
+
+
 def main(argv: list[str]) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--quick", action="store_true", help="1 round of 3 s (a smoke run)")
@@ -454,7 +498,8 @@ def main(argv: list[str]) -> int:
         finally:
             procs.stop_all()
     rows = summarize(runs)
-    table = fmt(rows)
+    table = fmt(rows) + "\n\nRequest latency at the paced loads, p50 / p99 ms (h2: h2load's mean):\n\n" \
+        + fmt_latency(rows)
     tb.log("\n" + table)
     tb.RESULTS_DIR.mkdir(exist_ok=True)
     out = tb.RESULTS_DIR / f"https-{time.strftime('%Y-%m-%dT%H-%M-%S')}.json"
