@@ -6,7 +6,8 @@ Layout of one benchmark:
   * one backend: NSD (server-count 1, response-rate limiting off) answering
     `www.example A` from a generated zone, pinned to core 1;
   * each balancer in turn on its own loopback port, pinned to core 0, started fresh for
-    every measurement and checked with one real DNS query (deadline, no fixed sleeps);
+    every measurement (with --held: once per scenario, kept through its rounds) and
+    checked with one real DNS query (deadline, no fixed sleeps);
   * dnsperf pinned to core 1: `dnsperf -c 10 -l D` (dnsperf's default of 100 queries
     in flight);
   * every process of the benchmark runs at nice -20, and so does its session's autogroup,
@@ -252,6 +253,10 @@ def main() -> int:
                          "(default 3, --quick: 1; 0: none)")
     ap.add_argument("--quill-bin")
     ap.add_argument("--no-build", action="store_true")
+    ap.add_argument("--held", action="store_true",
+                    help="start each balancer once per scenario and keep it through all its rounds "
+                         "(as bench/run --held: many short rounds spread the host's spells of steal "
+                         "over every balancer alike)")
     ap.add_argument("--all-cores", action="store_true",
                     help="also run every balancer unpinned (all cores, default threads)")
     args = ap.parse_args()
@@ -342,18 +347,29 @@ zone:
             return None
 
         for scenario, bal_cores, load_cores, rate in scenarios:
+            # --held: the balancers started for this scenario, by name (port, process).
+            held: dict[str, tuple[int, Any]] = {}
             for rnd in range(1, args.rounds + 1):
                 # Each round starts one balancer further along (see tcp_bench.in_turn).
                 shift = (rnd - 1) % max(len(only), 1)
                 for name in only[shift:] + only[:shift]:
-                    port = backend_port if name == "backend" else free_port()
+                    kept = held.get(name)
+                    if kept is not None and kept[1].poll() is not None:
+                        kept = None  # it ended: started again below
+                    port = backend_port if name == "backend" else (kept[0] if kept else free_port())
                     argv = command(name, port, bal_cores)
                     rec: dict[str, Any] = {"scenario": scenario, "round": rnd, "balancer": name,
                                            "command": argv}
+                    if args.held:
+                        rec["held"] = True
                     p = None
                     try:
-                        if argv is not None:
+                        if kept is not None:
+                            p = kept[1]
+                        elif argv is not None:
                             p = procs.start(argv, work / f"{name}.out")
+                            if args.held:
+                                held[name] = (port, p)
                             if not answers(port, time.monotonic() + READY_TIMEOUT_S):
                                 raise RuntimeError("did not answer a query")
                         perf = [*NICE, "taskset", "-c", load_cores, "dnsperf", "-s", "127.0.0.1", "-p", str(port),
@@ -365,6 +381,8 @@ zone:
                             # loop's trial of busy polling over) is what the figure describes.
                             warm = [*perf[:perf.index("-l") + 1], str(args.warmup), *perf[perf.index("-l") + 2:]]
                             run_capture(warm, timeout=args.warmup + 60)
+                        if p is not None:
+                            rec["pid"] = p.pid
                         own = [nsd.pid] + ([p.pid] if p else [])
                         t0 = {pid: ticks(pid) for pid in own}
                         c0 = core_busy()
@@ -410,7 +428,7 @@ zone:
                         out_file = work / f"{name}.out"
                         rec["log_tail"] = out_file.read_text()[-1500:] if out_file.exists() else ""
                     finally:
-                        if p is not None:
+                        if p is not None and not args.held:
                             procs.stop(p)
                     results.append(rec)
                     if "error" in rec:
@@ -425,6 +443,8 @@ zone:
                                if rec["foreign_frac"] > INTERFERENCE_FRAC else "")
                             + f"  steal {rec['steal_share']:.1%}"
                             + (" DISTURBED" if rec.get("disturbed") else ""))
+            for _port, kept_proc in held.values():
+                procs.stop(kept_proc)
     finally:
         procs.stop_all()
 
