@@ -428,8 +428,10 @@ zone:
                         out_file = work / f"{name}.out"
                         rec["log_tail"] = out_file.read_text()[-1500:] if out_file.exists() else ""
                     finally:
-                        if p is not None and not args.held:
+                        # A held balancer is kept for the next round unless it failed.
+                        if p is not None and (not args.held or "error" in rec):
                             procs.stop(p)
+                            held.pop(name, None)
                     results.append(rec)
                     if "error" in rec:
                         log(f"[{scenario} r{rnd}] {name:8} FAILED: {rec['error']}")
