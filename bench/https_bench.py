@@ -223,7 +223,7 @@ def start_backend_h2(procs: tb.Procs, tmp: Path, backend: tls.Backend) -> tls.Ba
 
 def measure(procs: tb.Procs, tmp: Path, args: argparse.Namespace, backend: tls.Backend,
             backend_h2: tls.Backend, cert: tuple[Path, Path, Path], bal: str, scenario: str,
-            paced: bool, held: dict[str, tuple[int, Any, Path]] | None = None) -> dict[str, Any]:
+            paced: bool, held: tb.Held | None = None) -> dict[str, Any]:
     """One load against one balancer (or, for "backend", against the backend itself: the
     HTTP/2-speaking instance for h2 and h2h2, which h2h2's balancers send to). With `held`
     (--held) a balancer started for the scenario is kept there and used again."""
@@ -233,8 +233,8 @@ def measure(procs: tb.Procs, tmp: Path, args: argparse.Namespace, backend: tls.B
     if bal == "backend":
         port, p = backend.port, backend.proc
         logf = tmp / f"{backend.name}.log"
-    elif held is not None and bal in held and held[bal][1].poll() is None:
-        port, p, logf = held[bal]
+    elif held is not None and (kept := held.get(bal)):
+        p, port, logf = kept
         run["held"] = True
     else:
         port = tb.free_port()
@@ -243,7 +243,7 @@ def measure(procs: tb.Procs, tmp: Path, args: argparse.Namespace, backend: tls.B
         p = procs.start(bal, balancer_argv(bal, port, backend, tmp, binary, cert, args.keepalive,
                                              scenario == "h2h2", args.access_log), logf)
         if held is not None:
-            held[bal] = (port, p, logf)
+            held.keep(bal, p, port, logf)
             run["held"] = True
     try:
         tb.wait_accepting(port, p, time.monotonic() + tb.READY_TIMEOUT_S)
@@ -283,7 +283,10 @@ def measure(procs: tb.Procs, tmp: Path, args: argparse.Namespace, backend: tls.B
         run["error"] = str(e)
         tb.warn(str(e))
     finally:
-        if p is not backend.proc and not (held is not None and bal in held and held[bal][1] is p):
+        # A held balancer stays for the next load unless this one failed.
+        if p is not backend.proc and (held is None or "error" in run):
+            if held is not None:
+                held.forget(bal)
             procs.stop(p)
     return run
 
@@ -482,12 +485,10 @@ def main(argv: list[str]) -> int:
             if args.held:
                 # Every round of a scenario in a row (a stable sort keeps their order).
                 plan.sort(key=lambda step: scenarios.index(step[1]))
-            held: dict[str, tuple[int, Any, Path]] | None = {} if args.held else None
+            held = tb.Held(procs.stop) if args.held else None
             for i, (rnd, sc, paced, bal) in enumerate(plan):
                 if held and i and plan[i - 1][1] != sc:
-                    for _port, p, _logf in held.values():
-                        procs.stop(p)
-                    held.clear()
+                    held.release()
                 r = measure(procs, tmp, args, backend, backend_h2, cert, bal, sc, paced, held)
                 r["round"] = rnd
                 runs.append(r)

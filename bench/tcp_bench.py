@@ -222,6 +222,41 @@ def tail(path: Path, lines: int = 15) -> str:
 # --------------------------------------------------------------------------- processes
 
 
+class Held:
+    """The balancers `--held` keeps running through a scenario's rounds (bench/run,
+    bench/https, bench/run --udp), by name: each process with what its caller needs to
+    use it again (its port, its log...). One that exited is forgotten by `get`, one whose
+    measurement failed by the caller (`forget`), and the caller then starts it afresh."""
+
+    def __init__(self, stop: Any) -> None:
+        self._stop = stop  # the starter's Procs.stop
+        self._kept: dict[str, tuple[Any, ...]] = {}
+
+    def __len__(self) -> int:
+        return len(self._kept)
+
+    def get(self, name: str) -> tuple[Any, ...] | None:
+        """(process, what was kept with it) for `name`, if it still runs."""
+        kept = self._kept.get(name)
+        if kept is not None and kept[0].poll() is not None:
+            del self._kept[name]
+            return None
+        return kept
+
+    def keep(self, name: str, proc: Any, *extra: Any) -> None:
+        self._kept[name] = (proc, *extra)
+
+    def forget(self, name: str) -> None:
+        """No longer kept (the caller stops it)."""
+        self._kept.pop(name, None)
+
+    def release(self) -> None:
+        """Stops every kept balancer (a scenario's end)."""
+        for proc, *_ in self._kept.values():
+            self._stop(proc)
+        self._kept.clear()
+
+
 class Procs:
     """Every process we start lives in its own session (pgid == pid), so we can stop
     it and its children by id without touching anything else."""
@@ -1063,7 +1098,7 @@ class Bench:
         self.runs: list[Run] = []
         self.certificate: Certificate | None = None  # made for the first TLS scenario
         # --held: the balancers of the paced scenario being measured, started once.
-        self.held: dict[str, tuple[int, subprocess.Popen[bytes], Path, float | None, list[str]]] = {}
+        self.held = Held(self.procs.stop)
 
     def close(self) -> None:
         self.procs.stop_all()
@@ -1107,8 +1142,8 @@ class Bench:
                 port = self.backend_port
                 run.command = self.backend_argv
                 http_get_1k(port, 5.0)
-            elif hold and bal in self.held and self.held[bal][1].poll() is None:
-                port, proc, logf, run.ready_s, run.command = self.held[bal]
+            elif hold and (kept := self.held.get(bal)):
+                proc, port, logf, run.ready_s, run.command = kept
                 run.cpus_allowed = cpus_allowed(proc.pid)
                 run.metrics["held"] = True
             else:
@@ -1132,7 +1167,7 @@ class Bench:
                 if sc.layout == "one-core" and run.cpus_allowed != BALANCER_CORE:
                     warn(f"{bal} pid {proc.pid} allowed on CPUs {run.cpus_allowed}, expected {BALANCER_CORE}")
                 if hold:
-                    self.held[bal] = (port, proc, logf, run.ready_s, argv)
+                    self.held.keep(bal, proc, port, logf, run.ready_s, argv)
                     run.metrics["held"] = True
             run.port = port
             measure = {"wrk": self.measure_wrk, "paced": self.measure_paced,
@@ -1153,15 +1188,11 @@ class Bench:
                     self.fatal[bal] = (f"gave up after {n} failed starts; last error: "
                                        f"{str(e).splitlines()[0]}")
         finally:
-            if proc is not None and not (hold and bal in self.held and self.held[bal][1] is proc):
+            # A held balancer stays for the next round unless this one failed.
+            if proc is not None and not (hold and run.ok):
+                self.held.forget(bal)
                 self.procs.stop(proc)
         return run
-
-    def release_held(self) -> None:
-        """Stops the balancers --held kept for a scenario."""
-        for _port, proc, *_ in self.held.values():
-            self.procs.stop(proc)
-        self.held.clear()
 
     def cpu_accounting(self, run: Run, proc: subprocess.Popen[bytes] | None, body: Any) -> Any:
         """Runs body() and records the CPU the balancer, the backend and others used."""
@@ -1419,7 +1450,7 @@ class Bench:
             plan.sort(key=lambda p: order[p[1].name])
         for i, (rnd, sc, bal) in enumerate(plan, 1):
             if self.held and i > 1 and plan[i - 2][1].name != sc.name:
-                self.release_held()
+                self.held.release()
             run = self.measure(rnd, sc, bal)
             self.runs.append(run)
             prefix = f"[{i:>3}/{len(plan)}] round {rnd} {sc.name:<13} {bal:<8}"
@@ -1446,7 +1477,7 @@ class Bench:
                 log(f"{prefix} FAILED: {first[0]}")
                 for line in first[1:]:
                     log(f"{'':>20}{line}")
-        self.release_held()
+        self.held.release()
 
 
 def last_json(out: str) -> dict[str, Any]:

@@ -347,16 +347,14 @@ zone:
             return None
 
         for scenario, bal_cores, load_cores, rate in scenarios:
-            # --held: the balancers started for this scenario, by name (port, process).
-            held: dict[str, tuple[int, Any]] = {}
+            # --held: the balancers started for this scenario (process, port).
+            held = tcp_bench.Held(procs.stop)
             for rnd in range(1, args.rounds + 1):
                 # Each round starts one balancer further along (see tcp_bench.in_turn).
                 shift = (rnd - 1) % max(len(only), 1)
                 for name in only[shift:] + only[:shift]:
                     kept = held.get(name)
-                    if kept is not None and kept[1].poll() is not None:
-                        kept = None  # it ended: started again below
-                    port = backend_port if name == "backend" else (kept[0] if kept else free_port())
+                    port = backend_port if name == "backend" else (kept[1] if kept else free_port())
                     argv = command(name, port, bal_cores)
                     rec: dict[str, Any] = {"scenario": scenario, "round": rnd, "balancer": name,
                                            "command": argv}
@@ -365,11 +363,11 @@ zone:
                     p = None
                     try:
                         if kept is not None:
-                            p = kept[1]
+                            p = kept[0]
                         elif argv is not None:
                             p = procs.start(argv, work / f"{name}.out")
                             if args.held:
-                                held[name] = (port, p)
+                                held.keep(name, p, port)
                             if not answers(port, time.monotonic() + READY_TIMEOUT_S):
                                 raise RuntimeError("did not answer a query")
                         perf = [*NICE, "taskset", "-c", load_cores, "dnsperf", "-s", "127.0.0.1", "-p", str(port),
@@ -430,8 +428,8 @@ zone:
                     finally:
                         # A held balancer is kept for the next round unless it failed.
                         if p is not None and (not args.held or "error" in rec):
+                            held.forget(name)
                             procs.stop(p)
-                            held.pop(name, None)
                     results.append(rec)
                     if "error" in rec:
                         log(f"[{scenario} r{rnd}] {name:8} FAILED: {rec['error']}")
@@ -445,8 +443,7 @@ zone:
                                if rec["foreign_frac"] > INTERFERENCE_FRAC else "")
                             + f"  steal {rec['steal_share']:.1%}"
                             + (" DISTURBED" if rec.get("disturbed") else ""))
-            for _port, kept_proc in held.values():
-                procs.stop(kept_proc)
+            held.release()
     finally:
         procs.stop_all()
 
