@@ -49,16 +49,18 @@ RESULTS_DIR = BENCH_DIR / "results"
 LOADGEN_DIR = BENCH_DIR / "loadgen"
 
 ALL_BALANCERS = ("quill", "pen", "haproxy", "nginx", "backend", "quill-nopoll", "quill-poll",
-                 "quill-defer")
+                 "quill-defer", "quill-pbs")
 # Measured only when named in --only: quill with busy polling off (QUILL_BUSY_POLL=off) and
 # quill polling whenever busy, without trying whether it pays (QUILL_BUSY_POLL=always): the
 # A/B of what polling costs or saves, and of the default that tries both; quill-defer is
-# the raw relay told that its clients speak first (`defer_accept 1`, off by default there).
-OPTIONAL_BALANCERS = ("quill-nopoll", "quill-poll", "quill-defer")
+# the raw relay told that its clients speak first (`defer_accept 1`, off by default there);
+# quill-pbs polls for 30 µs after each piece of work before it sleeps (`poll_before_sleep
+# 30`, off by default: lower latency for more CPU).
+OPTIONAL_BALANCERS = ("quill-nopoll", "quill-poll", "quill-defer", "quill-pbs")
 # The environment each quill variant runs with, and its own arguments.
 QUILL_VARIANTS = {"quill": [], "quill-nopoll": ["env", "QUILL_BUSY_POLL=off"],
-                  "quill-poll": ["env", "QUILL_BUSY_POLL=always"], "quill-defer": []}
-QUILL_VARIANT_ARGS = {"quill-defer": ["-O", "defer_accept 1"]}
+                  "quill-poll": ["env", "QUILL_BUSY_POLL=always"], "quill-defer": [], "quill-pbs": []}
+QUILL_VARIANT_ARGS = {"quill-defer": ["-O", "defer_accept 1"], "quill-pbs": ["-O", "poll_before_sleep 30"]}
 ANCHORS = ("pen", "haproxy", "nginx")
 
 
@@ -1628,7 +1630,7 @@ def fmt_table(summary: dict[str, Any], args: argparse.Namespace) -> str:
 
 COLOURS = {"quill": "#2b6cb0", "pen": "#a0aec0", "haproxy": "#ed8936", "nginx": "#48bb78",
            "backend": "#4a5568", "quill-nopoll": "#90cdf4", "quill-poll": "#1a365d",
-           "quill-defer": "#805ad5"}
+           "quill-defer": "#805ad5", "quill-pbs": "#2c7a7b"}
 
 
 def svg_chart(summary: dict[str, Any], title: str) -> str:

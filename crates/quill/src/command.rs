@@ -77,6 +77,10 @@ pub enum Command {
     /// until a byte or a close arrives (0 = never park); an HTTP/1.x client served request
     /// by request drops hyper and its buffers between requests.
     IdlePark(u64),
+    /// `poll_before_sleep N` (extension): microseconds an event loop that has just worked
+    /// keeps polling for events before it sleeps (0 = sleep at once, the default; at most
+    /// `proxy::poll_before_sleep::MAX_MICROS`): lower latency for more CPU.
+    PollBeforeSleep(u32),
     /// `pending_max N`: upstream connects allowed in progress at once.
     PendingMax(usize),
     /// `source IP`: local address for upstream connections.
@@ -1030,6 +1034,7 @@ pub const NAMES: &[&str] = &[
     "keepalive",
     "idle_timeout",
     "idle_park",
+    "poll_before_sleep",
     "defer_accept",
     "pending_max",
     "source",
@@ -1242,6 +1247,19 @@ fn parse_positive(command: &'static str, w: &mut Words<'_>) -> Result<Command, P
         "keepalive" => Command::Keepalive(true),
         "idle_timeout" => Command::IdleTimeout(w.number("number of seconds")?),
         "idle_park" => Command::IdlePark(w.number("number of seconds")?),
+        "poll_before_sleep" => {
+            let max = crate::proxy::poll_before_sleep::MAX_MICROS;
+            let what = "number of microseconds";
+            let n: u32 = w.number(what)?;
+            if n > max {
+                return Err(ParseError::Invalid {
+                    command,
+                    what,
+                    value: format!("{n} (at most {max})"),
+                });
+            }
+            Command::PollBeforeSleep(n)
+        }
         "defer_accept" => Command::DeferAccept(match w.next("auto or a number of seconds")? {
             "auto" => DeferAccept::Auto,
             n => {
@@ -1810,6 +1828,7 @@ impl fmt::Display for Command {
             Command::Keepalive(on) => on_off(f, *on, "keepalive"),
             Command::IdleTimeout(n) => write!(f, "idle_timeout {n}"),
             Command::IdlePark(n) => write!(f, "idle_park {n}"),
+            Command::PollBeforeSleep(n) => write!(f, "poll_before_sleep {n}"),
             Command::DeferAccept(DeferAccept::Auto) => write!(f, "defer_accept auto"),
             Command::DeferAccept(DeferAccept::Seconds(n)) => write!(f, "defer_accept {n}"),
             Command::PendingMax(n) => write!(f, "pending_max {n}"),
@@ -2188,6 +2207,7 @@ mod roundtrip {
             any::<bool>().prop_map(Command::Keepalive),
             any::<u64>().prop_map(Command::IdleTimeout),
             any::<u64>().prop_map(Command::IdlePark),
+            (0..=crate::proxy::poll_before_sleep::MAX_MICROS).prop_map(Command::PollBeforeSleep),
             prop_oneof![
                 Just(DeferAccept::Auto),
                 (0..=DeferAccept::MAX_SECONDS).prop_map(DeferAccept::Seconds)

@@ -448,9 +448,7 @@ pub fn run(inv: Invocation) -> Result<(), StartError> {
     for ((i, listener), rx) in listeners.into_iter().enumerate().zip(receivers) {
         let state = Arc::clone(&state);
         let stop = stop_rx.clone();
-        let rt = tokio::runtime::Builder::new_current_thread()
-            .enable_all()
-            .build()
+        let rt = crate::proxy::poll_before_sleep::event_loop_runtime(&state)
             .map_err(StartError::Runtime)?;
         let lot = crate::proxy::park::EpollSet::new().map_err(StartError::Runtime)?;
         let thread = std::thread::Builder::new()
@@ -460,6 +458,8 @@ pub fn run(inv: Invocation) -> Result<(), StartError> {
                 local.block_on(&rt, async move {
                     // Under load the loop polls instead of sleeping (`proxy::polling`).
                     tokio::task::spawn_local(crate::proxy::polling::poll_while_busy());
+                    // With `poll_before_sleep`, what keeps the loop polling for a while.
+                    tokio::task::spawn_local(crate::proxy::poll_before_sleep::keeper());
                     // Connections waiting for their clients' next request close at stop;
                     // the watching ones (`signals::Watcher`) hear of stops, reloads and
                     // drains.

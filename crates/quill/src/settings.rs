@@ -178,6 +178,9 @@ pub struct Settings {
     /// Seconds of silence after which a raw TCP connection is parked, or an HTTP/1.x client
     /// served request by request leaves hyper (0 = never).
     pub idle_park: u64,
+    /// Microseconds an event loop that has just worked polls before it sleeps
+    /// (`proxy::poll_before_sleep`; 0 = never).
+    pub poll_before_sleep: u32,
     pub source: Option<IpAddr>,
     pub dummy: bool,
     pub debug: u32,
@@ -309,6 +312,7 @@ impl Default for Settings {
             keepalive: false,
             idle_timeout: 0,
             idle_park: 1,
+            poll_before_sleep: 0,
             defer_accept: DeferAccept::Auto,
             source: None,
             dummy: false,
@@ -537,6 +541,7 @@ impl Settings {
             Command::Keepalive(on) => set(&mut self.keepalive, *on),
             Command::IdleTimeout(n) => set(&mut self.idle_timeout, *n),
             Command::IdlePark(n) => set(&mut self.idle_park, *n),
+            Command::PollBeforeSleep(n) => set(&mut self.poll_before_sleep, *n),
             Command::DeferAccept(d) => set(&mut self.defer_accept, *d),
             Command::PendingMax(n) => set(&mut self.pending_max, *n),
             Command::Source(ip) => set(&mut self.source, Some(*ip)),
@@ -770,6 +775,9 @@ impl Settings {
         out.push(Command::PendingMax(self.pending_max));
         out.push(Command::IdleTimeout(self.idle_timeout));
         out.push(Command::IdlePark(self.idle_park));
+        if self.poll_before_sleep != d.poll_before_sleep {
+            out.push(Command::PollBeforeSleep(self.poll_before_sleep));
+        }
         if self.defer_accept != d.defer_accept {
             out.push(Command::DeferAccept(self.defer_accept));
         }

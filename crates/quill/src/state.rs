@@ -130,6 +130,9 @@ pub struct State {
     /// `drain`: the whole node is out of the service (route withdrawn, `health` failing)
     /// while it serves on.
     pub node_draining: std::sync::atomic::AtomicBool,
+    /// `poll_before_sleep` of the published settings, for the event loops' runtime hooks
+    /// (`proxy::poll_before_sleep`), which run at every sleep and read one word.
+    poll_before_sleep: std::sync::atomic::AtomicU32,
 }
 
 impl State {
@@ -137,6 +140,7 @@ impl State {
     pub fn new(settings: Settings, registry: bool) -> Arc<State> {
         let servers = ServerTable::default();
         servers.mirror_limits(&settings);
+        let settings_poll_before_sleep = settings.poll_before_sleep;
         Arc::new(State {
             clients: ClientTable::new(settings.clients_max),
             settings: ArcSwap::from_pointee(settings),
@@ -162,6 +166,7 @@ impl State {
             asked: AtomicU64::new(0),
             announced: std::sync::atomic::AtomicU32::new(0),
             node_draining: std::sync::atomic::AtomicBool::new(false),
+            poll_before_sleep: std::sync::atomic::AtomicU32::new(settings_poll_before_sleep),
         })
     }
 
@@ -181,6 +186,11 @@ impl State {
     /// What quill asks of connections now.
     pub fn asked(&self) -> Asked {
         Asked(self.asked.load(Acquire))
+    }
+
+    /// `poll_before_sleep` in µs as last published.
+    pub fn poll_before_sleep(&self) -> u32 {
+        self.poll_before_sleep.load(Relaxed)
     }
 
     /// The current settings snapshot.
@@ -219,6 +229,8 @@ impl State {
     fn publish(&self, settings: Settings) {
         let servers_changed = self.settings.load().servers != settings.servers;
         self.servers.mirror_limits(&settings);
+        self.poll_before_sleep
+            .store(settings.poll_before_sleep, Relaxed);
         self.settings.store(Arc::new(settings));
         self.generation.send_modify(|g| *g = g.wrapping_add(1));
         if servers_changed {

@@ -395,6 +395,77 @@ fn post_control_honours_control_acl_and_refuses_cross_site_requests() {
     assert_eq!(server_state(m, 1), "up");
 }
 
+/// `quill_poll_before_sleep_windows_total{outcome=...}` from `/metrics`.
+fn poll_windows(m: SocketAddr, outcome: &str) -> u64 {
+    let line = format!("quill_poll_before_sleep_windows_total{{outcome=\"{outcome}\"}} ");
+    let text = get(m, "/metrics").text();
+    text.lines()
+        .find_map(|l| l.strip_prefix(&line)?.parse().ok())
+        .unwrap_or_else(|| panic!("no {line} in:\n{text}"))
+}
+
+#[test]
+fn poll_before_sleep_polls_after_work_only_while_set() {
+    if skip_on_pen("poll_before_sleep is quill's own") {
+        return;
+    }
+    let a = IdentityBackend::start("alpha");
+    let spec = a.spec();
+    let mut args = vec!["-C", "127.0.0.1:{ctl}"];
+    args.extend(run_as_args());
+    args.extend(["-O", "metrics_listen {metrics}", "{port}", &spec]);
+    let (q, m) = start_with_metrics(&args);
+    let ctl = q.arg_after("-C").expect("-C in the arguments").to_owned();
+    let echo = |s: &mut TcpStream| {
+        s.write_all(b"ping").unwrap();
+        let mut back = [0u8; 4];
+        s.read_exact(&mut back).unwrap();
+        assert_eq!(&back, b"ping");
+    };
+    let (_, mut s) = q.name_from("127.0.0.1");
+
+    // Off by default: the loops sleep at once and never poll.
+    for _ in 0..20 {
+        echo(&mut s);
+    }
+    assert_eq!(
+        (poll_windows(m, "caught"), poll_windows(m, "missed")),
+        (0, 0)
+    );
+    let d = TempDir::new("poll-before-sleep");
+    let written = || {
+        let file = d.path().join("quill.cfg");
+        ctl_ok(&ctl, &format!("write {}", file.display()));
+        std::fs::read_to_string(file).unwrap()
+    };
+    assert!(!written().contains("poll_before_sleep"));
+
+    // 10 ms windows: the loop that sent a request to the backend (a thread of this
+    // process, answering at once) is still polling when the answer comes; the windows
+    // after the answer run out with nothing to do.
+    ctl_ok(&ctl, "poll_before_sleep 10000");
+    wait_until(DEADLINE, "an answer caught within a window", || {
+        echo(&mut s);
+        poll_windows(m, "caught") > 0
+    });
+    wait_until(DEADLINE, "a window that ran out", || {
+        poll_windows(m, "missed") > 0
+    });
+    assert!(written().contains("poll_before_sleep 10000\n"));
+    assert!(ctl_err(&ctl, "poll_before_sleep 10001").contains("at most 10000"));
+
+    // Back to 0: nothing more is counted.
+    ctl_ok(&ctl, "poll_before_sleep 0");
+    let before = (poll_windows(m, "caught"), poll_windows(m, "missed"));
+    for _ in 0..20 {
+        echo(&mut s);
+    }
+    assert_eq!(
+        (poll_windows(m, "caught"), poll_windows(m, "missed")),
+        before
+    );
+}
+
 #[test]
 fn metrics_listen_moves_closes_and_is_written_back() {
     let a = IdentityBackend::start("alpha");

@@ -20,7 +20,7 @@ use super::report;
 use crate::balance::servers::Condition;
 use crate::balance::{clock, ServerState};
 use crate::dsr::DsrCounters;
-use crate::proxy::polling;
+use crate::proxy::{poll_before_sleep, polling};
 use crate::state::State;
 use crate::tls::Certificate;
 
@@ -337,6 +337,21 @@ pub static FAMILIES: &[Family] = &[
             values: &[
                 ("poll", |_| load(&polling::STATS.trials_poll)),
                 ("sleep", |_| load(&polling::STATS.trials_sleep)),
+            ],
+        },
+    },
+    Family {
+        name: "poll_before_sleep_windows",
+        help: "Windows in which an event loop that had just worked polled before sleeping \
+               (poll_before_sleep), by outcome: an event came (a wake-up spared), or none \
+               did and the loop slept.",
+        unit: None,
+        kind: Kind::Counter,
+        source: Source::ByLabel {
+            label: "outcome",
+            values: &[
+                ("caught", |_| load(&poll_before_sleep::STATS.caught)),
+                ("missed", |_| load(&poll_before_sleep::STATS.missed)),
             ],
         },
     },

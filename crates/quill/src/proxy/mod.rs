@@ -13,6 +13,7 @@ pub mod h2;
 pub mod h2_client;
 pub mod http;
 pub mod park;
+pub mod poll_before_sleep;
 pub mod polling;
 pub mod pool;
 pub mod pool_h2;

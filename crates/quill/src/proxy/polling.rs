@@ -73,6 +73,11 @@ pub(crate) fn moved(bytes: u64) {
     MOVED.with(|m| m.set(m.get().wrapping_add(bytes)));
 }
 
+/// What this thread's loop has moved so far ([`moved`]; wraps).
+pub(crate) fn moved_so_far() -> u64 {
+    MOVED.get()
+}
+
 /// The whole machine's busy time so far, in clock ticks (user, nice, system, irq, softirq
 /// and steal of every CPU, from the first line of `/proc/stat`); `None` where it cannot be
 /// read.
