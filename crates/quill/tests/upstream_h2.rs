@@ -622,10 +622,11 @@ fn turning_away() -> (
 fn a_server_that_turns_new_connections_away_is_busy_not_failed() {
     let (server, taken) = turning_away();
     let q = Quill::start(&["-H", "-O", "upstream_h2", "{port}", &server.to_string()]);
-    // Each request tries a second new connection, then gets 502; the server is never
-    // blacklisted (that would answer 503 without a connection).
+    // Each request tries a second new connection, then gets 503 (unavailable for now: not
+    // processed); the server is never blacklisted (that would answer 503 without a
+    // connection: the connections are counted).
     for round in 1..=3 {
-        assert_eq!(get(q.addr(), "/").0, 502, "round {round}");
+        assert_eq!(get(q.addr(), "/").0, 503, "round {round}");
         let n = taken.load(std::sync::atomic::Ordering::SeqCst);
         assert_eq!(n, 2 * round, "connections after round {round}");
     }
@@ -738,7 +739,8 @@ fn nghttp(args: &[&str]) -> Option<String> {
 /// not failed it. A GET goes once more over a new stream; what quill cannot send again (a
 /// POST's body is gone, or the second try was refused too) is refused to an HTTP/2 client
 /// in the same words, so that it may send it again itself; an HTTP/1.1 client, which has
-/// no such words, gets 502. The server stays in service.
+/// no such words, gets 503 (unavailable for now) with `Retry-After`. The server stays in
+/// service.
 #[test]
 fn a_request_a_server_refused_unprocessed_is_refused_to_an_http2_client() {
     let Some(server) = ResettingServer::start() else {
@@ -759,8 +761,22 @@ fn a_request_a_server_refused_unprocessed_is_refused_to_an_http2_client() {
     let out = nghttp(&["-v", &url("/refuse")]).unwrap();
     assert!(out.contains("error_code=REFUSED_STREAM"), "GET: {out}");
 
-    let (status, _) = get(q.addr(), "/refuse");
-    assert_eq!(status, 502, "HTTP/1.1 client");
+    let mut s = TcpStream::connect(q.addr()).unwrap();
+    s.set_read_timeout(Some(IO_TIMEOUT)).unwrap();
+    s.write_all(b"GET /refuse HTTP/1.1\r\nHost: example.test\r\nConnection: close\r\n\r\n")
+        .unwrap();
+    let mut answer = String::new();
+    s.read_to_string(&mut answer).unwrap();
+    let head = answer
+        .split("\r\n\r\n")
+        .next()
+        .unwrap_or_default()
+        .to_lowercase();
+    assert!(
+        head.starts_with("http/1.1 503 "),
+        "HTTP/1.1 client: {answer:?}"
+    );
+    assert!(head.contains("\r\nretry-after: 1\r\n"), "{answer:?}");
 
     let out = nghttp(&["-v", &url("/after")]).unwrap();
     assert!(

@@ -641,7 +641,12 @@ async fn route(
             }
             Sent::Refused(e) => {
                 tracing::info!("{c} refused a request's stream: {e}");
-                let mut refused = answer(StatusCode::BAD_GATEWAY, "Bad gateway\n");
+                // Not processed, so not a bad gateway: unavailable for now, and the
+                // client may send it again.
+                let mut refused = answer(StatusCode::SERVICE_UNAVAILABLE, "Service unavailable\n");
+                refused
+                    .headers_mut()
+                    .insert(header::RETRY_AFTER, HeaderValue::from_static("1"));
                 refused.extensions_mut().insert(Unprocessed);
                 return refused;
             }
@@ -1315,7 +1320,8 @@ struct Own(&'static str);
 /// `REFUSED_STREAM`, or GOAWAY as it was sent) and quill could not send again: an HTTP/2
 /// client's stream is reset with `REFUSED_STREAM` instead (`h2::serve`), which tells the
 /// client that it may send the request again, whatever its method (RFC 9113 8.7; browsers
-/// and gRPC do so by themselves); an HTTP/1.x client gets the 502.
+/// and gRPC do so by themselves); an HTTP/1.x client gets 503 with `Retry-After: 1`
+/// (RFC 9110 15.6.4: unavailable for now; not 502, which says the request failed).
 #[derive(Debug, Clone, Copy)]
 pub(super) struct Unprocessed;
 
