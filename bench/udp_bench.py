@@ -45,9 +45,10 @@ BENCH_DIR = Path(__file__).resolve().parent
 REPO_ROOT = BENCH_DIR.parent
 RESULTS_DIR = BENCH_DIR / "results"
 
-ALL = ("quill", "pen", "dnsdist", "backend", "quill-nopoll")
-# Measured only when named in --only: quill with busy polling off (QUILL_BUSY_POLL=off).
-OPTIONAL = ("quill-nopoll",)
+ALL = ("quill", "pen", "dnsdist", "backend", "quill-nopoll", "quill-pbs")
+# Measured only when named in --only: quill with busy polling off (QUILL_BUSY_POLL=off), and
+# quill polling 30 µs after each piece of work before it sleeps (`poll_before_sleep 30`).
+OPTIONAL = ("quill-nopoll", "quill-pbs")
 ANCHORS = ("pen", "dnsdist")
 BALANCER_CORE = "0"
 LOAD_CORE = "1"  # dnsperf and nsd
@@ -271,7 +272,7 @@ def main() -> int:
 
     ensure_tools({"dnsperf", "nsd", "taskset"} | ({"pen"} & set(only)) | ({"dnsdist"} & set(only)))
     quill_bin = Path(args.quill_bin) if args.quill_bin else REPO_ROOT / "target" / "release" / "quill"
-    if ({"quill", "quill-nopoll"} & set(only)) and not args.quill_bin and not args.no_build:
+    if ({"quill", "quill-nopoll", "quill-pbs"} & set(only)) and not args.quill_bin and not args.no_build:
         log("== cargo build --release -p quill")
         rc, out = run_capture(["cargo", "build", "--release", "-p", "quill"], timeout=1800)
         if rc != 0:
@@ -333,9 +334,10 @@ zone:
         def command(name: str, port: int, cores: str) -> list[str] | None:
             pin = [*NICE, "taskset", "-c", cores]
             be = f"127.0.0.1:{backend_port}"
-            if name in ("quill", "quill-nopoll"):
+            if name in ("quill", "quill-nopoll", "quill-pbs"):
                 env = ["env", "QUILL_BUSY_POLL=off"] if name == "quill-nopoll" else []
-                return [*env, *pin, str(quill_bin), "-f", "-U", "-r", f"127.0.0.1:{port}", be]
+                window = ["-O", "poll_before_sleep 30"] if name == "quill-pbs" else []
+                return [*env, *pin, str(quill_bin), "-f", "-U", *window, "-r", f"127.0.0.1:{port}", be]
             if name == "pen":
                 return [*pin, "pen", "-f", "-U", "-r", f"127.0.0.1:{port}", be]
             if name == "dnsdist":
