@@ -395,6 +395,18 @@ fn post_control_honours_control_acl_and_refuses_cross_site_requests() {
     assert_eq!(server_state(m, 1), "up");
 }
 
+/// quill in front of `backend` with a TCP control socket and a metrics listener: the
+/// process, the metrics address and the control address.
+fn start_with_control_and_metrics(backend: &IdentityBackend) -> (Quill, SocketAddr, String) {
+    let spec = backend.spec();
+    let mut args = vec!["-C", "127.0.0.1:{ctl}"];
+    args.extend(run_as_args());
+    args.extend(["-O", "metrics_listen {metrics}", "{port}", &spec]);
+    let (q, m) = start_with_metrics(&args);
+    let ctl = q.arg_after("-C").expect("-C in the arguments").to_owned();
+    (q, m, ctl)
+}
+
 /// `quill_poll_before_sleep_windows_total{outcome=...}` from `/metrics`.
 fn poll_windows(m: SocketAddr, outcome: &str) -> u64 {
     let line = format!("quill_poll_before_sleep_windows_total{{outcome=\"{outcome}\"}} ");
@@ -410,12 +422,7 @@ fn poll_before_sleep_polls_after_work_only_while_set() {
         return;
     }
     let a = IdentityBackend::start("alpha");
-    let spec = a.spec();
-    let mut args = vec!["-C", "127.0.0.1:{ctl}"];
-    args.extend(run_as_args());
-    args.extend(["-O", "metrics_listen {metrics}", "{port}", &spec]);
-    let (q, m) = start_with_metrics(&args);
-    let ctl = q.arg_after("-C").expect("-C in the arguments").to_owned();
+    let (q, m, ctl) = start_with_control_and_metrics(&a);
     let echo = |s: &mut TcpStream| {
         s.write_all(b"ping").unwrap();
         let mut back = [0u8; 4];
@@ -469,12 +476,7 @@ fn poll_before_sleep_polls_after_work_only_while_set() {
 #[test]
 fn metrics_listen_moves_closes_and_is_written_back() {
     let a = IdentityBackend::start("alpha");
-    let spec = a.spec();
-    let mut args = vec!["-C", "127.0.0.1:{ctl}"];
-    args.extend(run_as_args());
-    args.extend(["-O", "metrics_listen {metrics}", "{port}", &spec]);
-    let (q, m) = start_with_metrics(&args);
-    let ctl = q.arg_after("-C").expect("-C in the arguments").to_owned();
+    let (q, m, ctl) = start_with_control_and_metrics(&a);
     assert_eq!(ctl_ok(&ctl, "metrics_listen").trim(), m.to_string());
 
     // A port that is taken: an error, and the listener stays where it was.
