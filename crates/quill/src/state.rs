@@ -140,7 +140,7 @@ impl State {
     pub fn new(settings: Settings, registry: bool) -> Arc<State> {
         let servers = ServerTable::default();
         servers.mirror_limits(&settings);
-        let settings_poll_before_sleep = settings.poll_before_sleep;
+        let poll_before_sleep = settings.poll_before_sleep;
         Arc::new(State {
             clients: ClientTable::new(settings.clients_max),
             settings: ArcSwap::from_pointee(settings),
@@ -166,7 +166,7 @@ impl State {
             asked: AtomicU64::new(0),
             announced: std::sync::atomic::AtomicU32::new(0),
             node_draining: std::sync::atomic::AtomicBool::new(false),
-            poll_before_sleep: std::sync::atomic::AtomicU32::new(settings_poll_before_sleep),
+            poll_before_sleep: std::sync::atomic::AtomicU32::new(poll_before_sleep),
         })
     }
 

@@ -4,9 +4,10 @@
 //! An answer that comes back within the window is taken without the wake-up of a sleeping
 //! thread (on the benchmark's virtual machines a halted vCPU, an interrupt, a VM exit):
 //! lower latency, paid for with the CPU of the polling. Measured (bench/RESULTS.md,
-//! "Polling before sleeping"): at 30 µs a paced HTTPS load's p99 fell from 2.9 to 2.2 ms and
-//! a paced keep-alive relay's from 1.69 to 1.50 ms, for 3–6 µs more machine CPU a request;
-//! so it is off by default, a choice for latency. Unlike `proxy::polling` (a busy loop that
+//! "Polling before sleeping"): at 30 µs a paced keep-alive relay's p99 fell from 1.64 to
+//! 1.45 ms (the server's own), for 1–2 µs more machine CPU a request and 4–6 µs more of the
+//! loop's own; evenly paced UDP queries paid 40 µs more each; so it is off by default, a
+//! choice for latency. Unlike `proxy::polling` (a busy loop that
 //! polls without a time limit, only where its trials find that it saves CPU), the window
 //! is short and follows every piece of work, at any load. Invariant: with the setting at 0
 //! a loop never polls here (the hooks read one atomic and return), and a loop that found
