@@ -56,6 +56,42 @@ fn tracking_keeps_a_client_and_a_second_address_goes_to_the_other() {
     }
 }
 
+/// `poll_before_sleep`: a UDP loop that sent queries on to a server polls for the window's
+/// length, and takes the answers without going to sleep.
+#[test]
+fn poll_before_sleep_catches_answers_to_the_queries_sent_on() {
+    if skip_on_pen("poll_before_sleep is quill's own") {
+        return;
+    }
+    let a = DnsBackend::start(1);
+    let m = SocketAddr::from(([127, 0, 0, 1], support::free_port()));
+    let metrics = format!("metrics_listen {m}");
+    let q = UdpQuill::start(&[
+        "-O",
+        "poll_before_sleep 10000",
+        "-O",
+        &metrics,
+        "{port}",
+        &a.spec(),
+    ]);
+    let caught = || {
+        let line = "quill_poll_before_sleep_windows_total{outcome=\"caught\"} ";
+        let text = support::http::get(m, "/metrics").text();
+        text.lines()
+            .find_map(|l| l.strip_prefix(line)?.parse::<u64>().ok())
+            .unwrap_or_else(|| panic!("no {line} in:\n{text}"))
+    };
+    assert_eq!(caught(), 0);
+    wait_until(
+        Duration::from_secs(10),
+        "an answer caught within a window",
+        || {
+            assert_eq!(q.client("127.0.0.1").ask(WAIT), Some(a.ip()));
+            caught() > 0
+        },
+    );
+}
+
 #[test]
 fn round_robin_alternates_per_flow_and_a_flow_stays_put() {
     let a = DnsBackend::start(1);

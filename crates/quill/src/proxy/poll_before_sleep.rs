@@ -6,8 +6,9 @@
 //! lower latency, paid for with the CPU of the polling. Measured (bench/RESULTS.md,
 //! "Polling before sleeping"): at 30 µs a paced keep-alive relay's p99 fell from 1.64 to
 //! 1.45 ms (the server's own), for 1–2 µs more machine CPU a request and 4–6 µs more of the
-//! loop's own; evenly paced UDP queries paid 40 µs more each; so it is off by default, a
-//! choice for latency. Unlike `proxy::polling` (a busy loop that
+//! loop's own; so it is off by default, a choice for latency. A UDP loop opens a window
+//! only after sending queries on ([`only_after_requests`]): evenly paced queries paid 40 µs
+//! each for the windows after their answers. Unlike `proxy::polling` (a busy loop that
 //! polls without a time limit, only where its trials find that it saves CPU), the window
 //! is short and follows every piece of work, at any load. Invariant: with the setting at 0
 //! a loop never polls here (the hooks read one atomic and return), and a loop that found
@@ -60,6 +61,25 @@ thread_local! {
     /// The waker of this loop's [`keeper`]: waking it keeps the runtime from sleeping in
     /// epoll (it polls epoll without a timeout instead, and comes back).
     static KEEPER: Cell<Option<Waker>> = const { Cell::new(None) };
+    /// This loop opens a window only after a turn that sent requests on to servers
+    /// ([`only_after_requests`]).
+    static GATED: Cell<bool> = const { Cell::new(false) };
+    /// A request went on to a server since the loop last came back from epoll.
+    static REQUESTED: Cell<bool> = const { Cell::new(false) };
+}
+
+/// From now on, this thread's loop opens a window only after a turn in which it sent
+/// requests on to servers ([`requested`]), not after any work: for the UDP loops, whose
+/// clients (measured with dnsperf) send evenly, so that the window after an answer
+/// relayed to a client ran out before the next query came, costing each query two windows.
+pub(crate) fn only_after_requests() {
+    GATED.set(true);
+}
+
+/// The loop sent requests on to servers in this turn: their answers may come within the
+/// window.
+pub(crate) fn requested() {
+    REQUESTED.set(true);
 }
 
 /// The runtime's `on_thread_park` hook: called each time the loop has nothing left to run
@@ -71,11 +91,18 @@ pub(crate) fn before_park(micros: u32) {
     }
     let now = Instant::now();
     let mut w = WINDOW.get();
-    // Work: bytes relayed since the loop came back from epoll, or a turn too long to be
-    // empty.
-    let worked = w.unparked.is_some_and(|u| {
-        super::polling::moved_so_far() != w.moved || now.saturating_duration_since(u) > EMPTY_TURN
-    });
+    // Work: requests sent on (a gated loop), else bytes relayed since the loop came back
+    // from epoll, or a turn too long to be empty. A gated loop's window stays open to its
+    // end after the first answer: with queries in flight, more answers come (closing it
+    // at the first cost more CPU a query and gained no latency, 2026-12-01).
+    let worked = if GATED.get() {
+        REQUESTED.take()
+    } else {
+        w.unparked.is_some_and(|u| {
+            super::polling::moved_so_far() != w.moved
+                || now.saturating_duration_since(u) > EMPTY_TURN
+        })
+    };
     if worked {
         if w.polling {
             STATS.caught.fetch_add(1, Relaxed);

@@ -246,6 +246,7 @@ pub fn spawn_loops(
             .spawn(move || {
                 let local = tokio::task::LocalSet::new();
                 local.block_on(&rt, async move {
+                    crate::proxy::poll_before_sleep::only_after_requests();
                     tokio::task::spawn_local(crate::proxy::poll_before_sleep::keeper());
                     // A task of its own, as the TCP loops' accept loop (see `daemon`): the
                     // future given to `block_on` is polled again at every flow task's
@@ -315,6 +316,10 @@ pub async fn serve(
                 let n = batch.recv(fd.get_ref())?;
                 // The loop's work, for its busy-polling trials: datagrams in.
                 super::polling::moved(n as u64);
+                if n > 0 {
+                    // Sent on below: answers may come within a `poll_before_sleep` window.
+                    super::poll_before_sleep::requested();
+                }
                 if n < LISTEN_BATCH {
                     // The queue is empty: say so, so that the event loop's cached
                     // readiness is cleared without another (empty) recvmmsg.
