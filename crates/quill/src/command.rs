@@ -990,6 +990,18 @@ impl<'a> Words<'a> {
     }
 }
 
+/// `n`, unless it is over `max`.
+fn at_most(command: &'static str, what: &'static str, n: u32, max: u32) -> Result<u32, ParseError> {
+    if n > max {
+        return Err(ParseError::Invalid {
+            command,
+            what,
+            value: format!("{n} (at most {max})"),
+        });
+    }
+    Ok(n)
+}
+
 fn parse_number<T: FromStr>(
     command: &'static str,
     what: &'static str,
@@ -1248,30 +1260,16 @@ fn parse_positive(command: &'static str, w: &mut Words<'_>) -> Result<Command, P
         "idle_timeout" => Command::IdleTimeout(w.number("number of seconds")?),
         "idle_park" => Command::IdlePark(w.number("number of seconds")?),
         "poll_before_sleep" => {
-            let max = crate::proxy::poll_before_sleep::MAX_MICROS;
             let what = "number of microseconds";
-            let n: u32 = w.number(what)?;
-            if n > max {
-                return Err(ParseError::Invalid {
-                    command,
-                    what,
-                    value: format!("{n} (at most {max})"),
-                });
-            }
-            Command::PollBeforeSleep(n)
+            let max = crate::proxy::poll_before_sleep::MAX_MICROS;
+            Command::PollBeforeSleep(at_most(command, what, w.number(what)?, max)?)
         }
         "defer_accept" => Command::DeferAccept(match w.next("auto or a number of seconds")? {
             "auto" => DeferAccept::Auto,
             n => {
-                let n: u32 = parse_number(command, "number of seconds", n)?;
-                if n > DeferAccept::MAX_SECONDS {
-                    return Err(ParseError::Invalid {
-                        command,
-                        what: "number of seconds (at most 600)",
-                        value: n.to_string(),
-                    });
-                }
-                DeferAccept::Seconds(n)
+                let what = "number of seconds";
+                let n = parse_number(command, what, n)?;
+                DeferAccept::Seconds(at_most(command, what, n, DeferAccept::MAX_SECONDS)?)
             }
         }),
         "pending_max" => {

@@ -42,7 +42,7 @@ pub(crate) static STATS: Stats = Stats {
 const EMPTY_TURN: Duration = Duration::from_micros(4);
 
 /// This loop's window.
-#[derive(Default, Clone, Copy)]
+#[derive(Clone, Copy)]
 struct Window {
     /// When the runtime last came back from epoll.
     unparked: Option<Instant>,
