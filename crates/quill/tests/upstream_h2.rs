@@ -537,6 +537,51 @@ fn an_upload_the_server_refuses_early_gets_its_answer_and_the_server_stays_in() 
 }
 
 #[test]
+fn a_client_still_uploading_after_an_early_answer_is_not_reset() {
+    // The server answers 413 after the head; quill closes the client's connection after
+    // it. A client still sending its body (curl only stops once it has read the answer)
+    // must not have its connection reset under it: quill shuts its side, then reads and
+    // drops the rest until the client closes.
+    let port = free_port();
+    let Some(_nginx) = nginx_at(
+        port,
+        " http2",
+        " client_max_body_size 1k;",
+        "  location / { return 200 \"fine\\n\"; }",
+        &[],
+    ) else {
+        return;
+    };
+    let q = quill_h2(port, &["h2c"]);
+    let mut s = TcpStream::connect(q.addr()).unwrap();
+    s.set_read_timeout(Some(Duration::from_secs(20))).unwrap();
+    let chunk = vec![b'u'; 64 << 10];
+    write!(
+        s,
+        "POST /up HTTP/1.1\r\nHost: example.test\r\nContent-Length: {}\r\n\r\n",
+        4 << 20
+    )
+    .unwrap();
+    s.write_all(&chunk).unwrap();
+    // The whole answer, then the end of quill's side.
+    let mut answer = Vec::new();
+    s.read_to_end(&mut answer).unwrap();
+    let answer = String::from_utf8_lossy(&answer);
+    assert!(answer.starts_with("HTTP/1.1 413"), "{answer}");
+    // quill has closed its side; the client goes on sending for a while, as curl does
+    // until it reads the answer, then closes its own.
+    for i in 0..8 {
+        s.write_all(&chunk)
+            .unwrap_or_else(|e| panic!("write {i} after the answer: {e}"));
+    }
+    s.shutdown(std::net::Shutdown::Write).unwrap();
+    let mut rest = Vec::new();
+    s.read_to_end(&mut rest)
+        .expect("the connection ends without a reset");
+    assert!(rest.is_empty());
+}
+
+#[test]
 fn trailers_from_an_http2_server_reach_an_http2_client() {
     let port = free_port();
     let Some(_nginx) = nginx_at(

@@ -109,6 +109,16 @@ pub(super) async fn serve<IO: Parkable>(state: &'static State, io: IO, peer: Pee
             if let Some(t) = timed_out {
                 t.count(state);
             }
+            // hyper has shut the write side, maybe with a request body left unread (an
+            // upload its server answered early, a 413): dropping the socket now would
+            // reset the connection under a client still sending, which may then never
+            // read the answer. A client that went silent has nothing more to send.
+            if timed_out != Some(HeadTimeout::Silent) {
+                if let Some(parts) = conn.into_parts() {
+                    let mut io = parts.io.into_inner();
+                    super::pump::close_lingering(&mut io.inner, b"").await;
+                }
+            }
             return;
         }
         // Idle: hyper is dropped with its buffers; what it had read goes back in front.

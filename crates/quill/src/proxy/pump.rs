@@ -517,17 +517,7 @@ where
     let mut down = 0;
     if let Some(answer) = http.exchange.take_refusal() {
         down = answer.len() as u64;
-        // The answer, then what the client still sends is drained for a while, so that
-        // closing does not reset the connection before the client has read it. All of it
-        // within `LINGER`: a client that does not read cannot hold the connection.
-        let _ = tokio::time::timeout(LINGER, async {
-            client.write_all(answer).await?;
-            client.shutdown().await?;
-            let mut drained = 0;
-            poll_fn(|cx| poll_linger_bytes(cx, client, &mut drained)).await;
-            io::Result::Ok(())
-        })
-        .await;
+        close_lingering(client, answer).await;
     }
     let preread = std::mem::take(&mut http.preread);
     Some(Outcome {
@@ -887,6 +877,27 @@ where
         end,
         first: up.first.unwrap_or_default(),
     }
+}
+
+/// Ends a client connection without resetting it: writes `last` (the connection's last
+/// answer, if quill writes one now), shuts the write side, then reads and drops what the
+/// client still sends (the rest of an upload answered early) until it closes or
+/// `LINGER_BYTES` were dropped. Closing a socket with unread bytes resets the connection,
+/// and a client still sending may then lose the answer it had not read yet. All of it
+/// within `LINGER`: a client that does not read or never closes cannot hold the
+/// connection.
+pub(super) async fn close_lingering<C>(client: &mut C, last: &[u8])
+where
+    C: AsyncRead + AsyncWrite + Unpin + ?Sized,
+{
+    let _ = tokio::time::timeout(LINGER, async {
+        client.write_all(last).await?;
+        client.shutdown().await?;
+        let mut drained = 0;
+        poll_fn(|cx| poll_linger_bytes(cx, client, &mut drained)).await;
+        io::Result::Ok(())
+    })
+    .await;
 }
 
 /// Reads and drops what the refused client still sends, until it closes, `LINGER` passes
