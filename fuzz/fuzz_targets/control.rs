@@ -21,21 +21,23 @@ use quill::settings::Settings;
 use quill::state::State;
 use tokio::io::{AsyncReadExt, AsyncWriteExt};
 
-fn context() -> &'static Context {
-    static CTX: OnceLock<Context> = OnceLock::new();
-    CTX.get_or_init(|| Context {
-        state: State::new(Settings::default(), true),
-        control_addr: Some("127.0.0.1:10111".to_string()),
-        exit_enabled: false,
-        config_file: None,
-        base_commands: Vec::new(),
-        relisten: Vec::new(),
-        exit: Arc::new(tokio::sync::Notify::new()),
-        listener_fds: Mutex::new(Vec::new()),
-        control_fd: Mutex::new(None),
-        upgraded: AtomicBool::new(false),
-        // No metrics listener runs here: what is handed to it is dropped.
-        metrics: tokio::sync::mpsc::unbounded_channel().0,
+fn context() -> &'static Arc<Context> {
+    static CTX: OnceLock<Arc<Context>> = OnceLock::new();
+    CTX.get_or_init(|| {
+        Arc::new(Context {
+            state: State::new(Settings::default(), true),
+            control_addr: Some("127.0.0.1:10111".to_string()),
+            exit_enabled: false,
+            config_file: None,
+            base_commands: Vec::new(),
+            relisten: Vec::new(),
+            exit: Arc::new(tokio::sync::Notify::new()),
+            listener_fds: Mutex::new(Vec::new()),
+            control_fd: Mutex::new(None),
+            upgraded: AtomicBool::new(false),
+            // No metrics listener runs here: what is handed to it is dropped.
+            metrics: tokio::sync::mpsc::unbounded_channel().0,
+        })
     })
 }
 

@@ -670,7 +670,7 @@ impl Signals {
 }
 
 /// Serves signals until one says stop (TERM, INT, or the `exit` command).
-async fn handle_signals(ctx: &Context, signals: &mut Signals) {
+async fn handle_signals(ctx: &Arc<Context>, signals: &mut Signals) {
     loop {
         tokio::select! {
             _ = signals.term.recv() => return,
@@ -678,9 +678,13 @@ async fn handle_signals(ctx: &Context, signals: &mut Signals) {
             _ = ctx.exit.notified() => return,
             _ = signals.hup.recv() => {
                 systemd::reloading();
-                match ctx.reload() {
-                    Ok(()) => tracing::info!("configuration reloaded"),
-                    Err(e) => tracing::error!("reload failed, the running configuration stays: {e}"),
+                // Off the control thread, as a command: host names may be resolved.
+                match control::off_thread(ctx, Context::reload).await {
+                    Ok(Ok(())) => tracing::info!("configuration reloaded"),
+                    Ok(Err(e)) => {
+                        tracing::error!("reload failed, the running configuration stays: {e}")
+                    }
+                    Err(e) => tracing::error!("reload failed: {e}"),
                 }
                 systemd::ready();
             }

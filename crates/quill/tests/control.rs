@@ -524,6 +524,85 @@ fn pen_compatibility_words_are_accepted_and_do_nothing() {
     assert!(cfg.lines().any(|l| l == "no ascii"), "{cfg}");
 }
 
+#[test]
+fn a_slow_resolver_does_not_stall_other_control_commands() {
+    // `server N address HOST` resolves HOST when it is applied. With a resolver that
+    // never answers, that command waits for it; `servers` on another connection must be
+    // answered meanwhile. quill runs in a mount namespace of its own whose resolv.conf
+    // names a silent nameserver of this test's.
+    if !running_as_root() {
+        eprintln!("SKIPPED: needs root (a mount namespace for resolv.conf)");
+        return;
+    }
+    let dir = TempDir::new("resolver");
+    let Ok(dns) = std::net::UdpSocket::bind("127.66.0.1:53") else {
+        eprintln!("SKIPPED: cannot listen on 127.66.0.1:53");
+        return;
+    };
+    let conf = dir.path().join("resolv.conf");
+    fs::write(
+        &conf,
+        "nameserver 127.66.0.1\noptions timeout:3 attempts:1\n",
+    )
+    .unwrap();
+    let (port, ctl_port) = (free_port(), free_port());
+    let ctl = format!("127.0.0.1:{ctl_port}");
+    let script = format!(
+        "mount --bind {} /etc/resolv.conf && exec {} -f -u root -C {ctl} {port} 127.0.0.1:9",
+        conf.display(),
+        bin().display()
+    );
+    let child = std::process::Command::new("unshare")
+        .args(["-m", "sh", "-c", &script])
+        .stdin(std::process::Stdio::null())
+        .stderr(fs::File::create(dir.path().join("stderr")).unwrap())
+        .spawn();
+    let Ok(child) = child else {
+        eprintln!("SKIPPED: unshare(1) cannot be run");
+        return;
+    };
+    struct Killed(std::process::Child);
+    impl Drop for Killed {
+        fn drop(&mut self) {
+            let _ = self.0.kill();
+            let _ = self.0.wait();
+        }
+    }
+    let mut child = Killed(child);
+    let up = poll_until(Duration::from_secs(10), || {
+        quillctl(&ctl, &["pid"]).code == Some(0)
+    });
+    if !up {
+        let status = child.0.try_wait().ok().flatten();
+        let err = fs::read_to_string(dir.path().join("stderr")).unwrap_or_default();
+        if status.is_some() && err.contains("mount") {
+            eprintln!("SKIPPED: no mount namespace here: {err}");
+            return;
+        }
+        panic!("quill in its namespace did not answer on {ctl}: {status:?} {err}");
+    }
+    let slow = {
+        let ctl = ctl.clone();
+        thread::spawn(move || quillctl(&ctl, &["server", "1", "address", "slow.quill.test"]))
+    };
+    // The resolver has asked: the command is waiting on it.
+    dns.set_read_timeout(Some(Duration::from_secs(10))).unwrap();
+    let mut query = [0u8; 512];
+    dns.recv_from(&mut query)
+        .expect("quill's resolver asks the namespace's nameserver");
+    let servers = ctl_ok(&ctl, "servers");
+    assert!(servers.starts_with("0 addr 127.0.0.1 port 9"), "{servers}");
+    assert!(
+        !slow.is_finished(),
+        "`servers` was answered only after the resolver gave up"
+    );
+    // Nothing ever answers: the command fails, naming the host, and changes nothing.
+    let out = slow.join().unwrap();
+    assert_eq!(out.code, Some(1), "{out:?}");
+    assert!(out.stdout.contains("slow.quill.test"), "{out:?}");
+    assert!(!ctl_ok(&ctl, "servers").contains("\n1 addr"));
+}
+
 // ---------------------------------------------------------------------------
 // Operations on connections, the listener, files
 // ---------------------------------------------------------------------------

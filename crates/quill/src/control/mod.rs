@@ -449,7 +449,7 @@ pub async fn serve(ctx: Arc<Context>, listener: ControlListener) -> io::Result<(
 /// Reads one command line, executes it, writes the reply and closes. Public so that the
 /// fuzz target drives exactly this path (framing and dispatch) over an in-memory stream.
 pub async fn answer<S: tokio::io::AsyncRead + tokio::io::AsyncWrite + Unpin>(
-    ctx: &Context,
+    ctx: &Arc<Context>,
     mut sock: S,
 ) {
     let line = tokio::time::timeout(READ_TIMEOUT, read_line(&mut sock)).await;
@@ -457,7 +457,7 @@ pub async fn answer<S: tokio::io::AsyncRead + tokio::io::AsyncWrite + Unpin>(
 }
 
 /// As [`answer`], and on a Unix socket `upgrade` hands the sockets to a new process.
-async fn answer_unix(ctx: &Context, mut sock: tokio::net::UnixStream) {
+async fn answer_unix(ctx: &Arc<Context>, mut sock: tokio::net::UnixStream) {
     let line = tokio::time::timeout(READ_TIMEOUT, read_line(&mut sock)).await;
     if matches!(&line, Ok(Ok(l)) if l == "upgrade") {
         upgrade::offer(ctx, sock).await;
@@ -468,7 +468,7 @@ async fn answer_unix(ctx: &Context, mut sock: tokio::net::UnixStream) {
 
 /// Writes the reply to a framed line (or the error of one that could not be framed).
 async fn reply<S: tokio::io::AsyncRead + tokio::io::AsyncWrite + Unpin>(
-    ctx: &Context,
+    ctx: &Arc<Context>,
     mut sock: S,
     line: Result<Result<String, String>, tokio::time::error::Elapsed>,
 ) {
@@ -476,13 +476,28 @@ async fn reply<S: tokio::io::AsyncRead + tokio::io::AsyncWrite + Unpin>(
         Err(_) => "error: no command received in time\n".to_string(),
         Ok(Err(reason)) => format!("error: {reason}\n"),
         Ok(Ok(line)) => {
-            let reply = dispatch::execute_line(ctx, &line);
+            let reply = off_thread(ctx, move |ctx| dispatch::execute_line(ctx, &line))
+                .await
+                .unwrap_or_else(|e| format!("error: {e}\n"));
             let _ = sock.write_all(reply.as_bytes()).await;
             let _ = sock.shutdown().await;
             return;
         }
     };
     refuse(sock, &reply).await;
+}
+
+/// Runs `work` (a command, a reload) on a thread of the blocking pool and waits for it:
+/// a command may resolve a host name (`server N address HOST`, `-l HOST:PORT`) or read
+/// files, and a slow resolver must not stall what shares the control thread (other
+/// commands, the metrics listener, health checks). Settings changes stay ordered:
+/// `State::execute` takes the writer's lock.
+pub async fn off_thread<T: Send + 'static>(
+    ctx: &Arc<Context>,
+    work: impl FnOnce(&Context) -> T + Send + 'static,
+) -> Result<T, tokio::task::JoinError> {
+    let ctx = Arc::clone(ctx);
+    tokio::task::spawn_blocking(move || work(&ctx)).await
 }
 
 /// Sends an error and closes, with the client possibly still sending. Closing with unread
