@@ -54,9 +54,18 @@ struct Window {
     polling: bool,
 }
 
+impl Window {
+    const CLOSED: Window = Window {
+        unparked: None,
+        moved: 0,
+        until: None,
+        polling: false,
+    };
+}
+
 thread_local! {
     static WINDOW: Cell<Window> = const {
-        Cell::new(Window { unparked: None, moved: 0, until: None, polling: false })
+        Cell::new(Window::CLOSED)
     };
     /// The waker of this loop's [`keeper`]: waking it keeps the runtime from sleeping in
     /// epoll (it polls epoll without a timeout instead, and comes back).
@@ -87,6 +96,11 @@ pub(crate) fn requested() {
 /// wakes the [`keeper`] so that the runtime polls instead.
 pub(crate) fn before_park(micros: u32) {
     if micros == 0 {
+        // Turned off: a window open then must not count as missed when it is turned on
+        // again.
+        if WINDOW.get().until.is_some() {
+            WINDOW.set(Window::CLOSED);
+        }
         return;
     }
     let now = Instant::now();
