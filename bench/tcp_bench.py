@@ -49,17 +49,19 @@ RESULTS_DIR = BENCH_DIR / "results"
 LOADGEN_DIR = BENCH_DIR / "loadgen"
 
 ALL_BALANCERS = ("quill", "pen", "haproxy", "nginx", "backend", "quill-nopoll", "quill-poll",
-                 "quill-defer", "quill-pbs")
+                 "quill-defer", "quill-pbs", "quill-base")
 # Measured only when named in --only: quill with busy polling off (QUILL_BUSY_POLL=off) and
 # quill polling whenever busy, without trying whether it pays (QUILL_BUSY_POLL=always): the
 # A/B of what polling costs or saves, and of the default that tries both; quill-defer is
 # the raw relay told that its clients speak first (`defer_accept 1`, off by default there);
 # quill-pbs polls for 30 µs after each piece of work before it sleeps (`poll_before_sleep
-# 30`, off by default: lower latency for more CPU).
-OPTIONAL_BALANCERS = ("quill-nopoll", "quill-poll", "quill-defer", "quill-pbs")
+# 30`, off by default: lower latency for more CPU); quill-base is another quill binary
+# (`--base-bin`, maybe a script adding options), for an A/B of two builds in one run.
+OPTIONAL_BALANCERS = ("quill-nopoll", "quill-poll", "quill-defer", "quill-pbs", "quill-base")
 # The environment each quill variant runs with, and its own arguments.
 QUILL_VARIANTS = {"quill": [], "quill-nopoll": ["env", "QUILL_BUSY_POLL=off"],
-                  "quill-poll": ["env", "QUILL_BUSY_POLL=always"], "quill-defer": [], "quill-pbs": []}
+                  "quill-poll": ["env", "QUILL_BUSY_POLL=always"], "quill-defer": [], "quill-pbs": [],
+                  "quill-base": []}
 QUILL_VARIANT_ARGS = {"quill-defer": ["-O", "defer_accept 1"], "quill-pbs": ["-O", "poll_before_sleep 30"]}
 ANCHORS = ("pen", "haproxy", "nginx")
 
@@ -692,9 +694,10 @@ def in_turn(balancers: list[str], rnd: int) -> list[str]:
 
 
 def balancer_argv(name: str, port: int, backend_port: int, tmp: Path, quill_bin: Path,
-                  layout: str, tls: Certificate | None = None) -> list[str]:
+                  layout: str, tls: Certificate | None = None, base_bin: Path | None = None) -> list[str]:
     """How each balancer is started; with `tls` it terminates TLS with that certificate
-    (TLS 1.3 only where it can be said) and relays plain TCP to the backend."""
+    (TLS 1.3 only where it can be said) and relays plain TCP to the backend. `quill-base`
+    runs `base_bin` instead of `quill_bin`."""
     listen, target = f"127.0.0.1:{port}", f"127.0.0.1:{backend_port}"
     # quill and Pen: -E certificate, -K key (Pen negotiates TLS 1.3 through OpenSSL).
     tls_args = [] if tls is None else ["-E", str(tls.cert), "-K", str(tls.key)]
@@ -703,7 +706,8 @@ def balancer_argv(name: str, port: int, backend_port: int, tmp: Path, quill_bin:
     cores = 1 if one else len(os.sched_getaffinity(0))
     if name in QUILL_VARIANTS:
         # No worker-count option: quill sizes itself from the cores it may use.
-        return QUILL_VARIANTS[name] + pin + [str(quill_bin), "-f", "-r", "-x", MAX_CONNS, *tls_args,
+        binary = base_bin if name == "quill-base" and base_bin is not None else quill_bin
+        return QUILL_VARIANTS[name] + pin + [str(binary), "-f", "-r", "-x", MAX_CONNS, *tls_args,
                                              *QUILL_VARIANT_ARGS.get(name, []), listen, target]
     if name == "pen":
         return pin + ["pen", "-f", "-r", "-x", MAX_CONNS, *tls_args, listen, target]
@@ -1153,7 +1157,7 @@ class Bench:
                 if sc.tls and self.certificate is None:
                     self.certificate = make_certificate(self.tmp)
                 argv = balancer_argv(bal, port, self.backend_port, self.tmp, self.quill_bin, sc.layout,
-                                     self.certificate if sc.tls else None)
+                                     self.certificate if sc.tls else None, self.args.base_bin)
                 run.command = argv
                 logf = self.tmp / f"{bal}-{port}.log"
                 try:
@@ -1630,7 +1634,7 @@ def fmt_table(summary: dict[str, Any], args: argparse.Namespace) -> str:
 
 COLOURS = {"quill": "#2b6cb0", "pen": "#a0aec0", "haproxy": "#ed8936", "nginx": "#48bb78",
            "backend": "#4a5568", "quill-nopoll": "#90cdf4", "quill-poll": "#1a365d",
-           "quill-defer": "#805ad5", "quill-pbs": "#2c7a7b"}
+           "quill-defer": "#805ad5", "quill-pbs": "#2c7a7b", "quill-base": "#b7791f"}
 
 
 def svg_chart(summary: dict[str, Any], title: str) -> str:
@@ -1682,6 +1686,9 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     p.add_argument("--duration", type=int, default=None, help="seconds per load run (default 10, --quick: 3)")
     p.add_argument("--only", default=",".join(b for b in ALL_BALANCERS if b not in OPTIONAL_BALANCERS),
                    help=f"comma list out of {','.join(ALL_BALANCERS)} (default: all)")
+    p.add_argument("--base-bin", type=Path, default=None,
+                   help="the binary of the quill-base variant (another build, or a script running one "
+                        "with options), for an A/B in one run; measured when --only names quill-base")
     p.add_argument("--scenarios", default=None,
                    help="comma list of scenario names to run (default: all; see the table headings)")
     p.add_argument("--latency-rate", type=int, default=20000,
@@ -1720,6 +1727,8 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     if bad or not sel:
         p.error(f"--only: unknown {bad}; choose from {','.join(ALL_BALANCERS)}")
     a.selected = [b for b in ALL_BALANCERS if b in sel]  # canonical order
+    if "quill-base" in a.selected and a.base_bin is None:
+        p.error("--only names quill-base: give its binary with --base-bin")
     return a
 
 
