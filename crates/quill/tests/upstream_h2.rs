@@ -487,19 +487,25 @@ fn established_to(port: u16) -> usize {
         .count()
 }
 
+/// NGINX over HTTP/2 in plain answering "fine" to every request, and 413 at once (then a
+/// reset of the stream) to one whose body is over 1 KiB.
+fn nginx_refusing_uploads(port: u16) -> Option<Daemon> {
+    nginx_at(
+        port,
+        " http2",
+        " client_max_body_size 1k;",
+        "  location / { return 200 \"fine\\n\"; }",
+        &[],
+    )
+}
+
 #[test]
 fn an_upload_the_server_refuses_early_gets_its_answer_and_the_server_stays_in() {
     // NGINX answers 413 as soon as it reads the head, then resets the stream: the answer
     // must reach the client while its 2 MB are still on their way, and no later request
     // may find the server taken out of service.
     let port = free_port();
-    let Some(_nginx) = nginx_at(
-        port,
-        " http2",
-        " client_max_body_size 1k;",
-        "  location / { return 200 \"fine\\n\"; }",
-        &[],
-    ) else {
+    let Some(_nginx) = nginx_refusing_uploads(port) else {
         return;
     };
     let q = quill_h2(port, &["h2c"]);
@@ -543,13 +549,7 @@ fn a_client_still_uploading_after_an_early_answer_is_not_reset() {
     // must not have its connection reset under it: quill shuts its side, then reads and
     // drops the rest until the client closes.
     let port = free_port();
-    let Some(_nginx) = nginx_at(
-        port,
-        " http2",
-        " client_max_body_size 1k;",
-        "  location / { return 200 \"fine\\n\"; }",
-        &[],
-    ) else {
+    let Some(_nginx) = nginx_refusing_uploads(port) else {
         return;
     };
     let q = quill_h2(port, &["h2c"]);
