@@ -41,6 +41,18 @@ fn context() -> &'static Arc<Context> {
     })
 }
 
+/// One runtime for every input: a command runs on its blocking pool (`control::off_thread`),
+/// whose threads a runtime per input would start and join each time.
+fn runtime() -> &'static tokio::runtime::Runtime {
+    static RT: OnceLock<tokio::runtime::Runtime> = OnceLock::new();
+    RT.get_or_init(|| {
+        tokio::runtime::Builder::new_current_thread()
+            .enable_time()
+            .build()
+            .expect("runtime")
+    })
+}
+
 /// True for commands that touch files, sockets or the resolver when executed.
 fn leaves_the_process(cmd: &Command) -> bool {
     match cmd {
@@ -94,11 +106,7 @@ fuzz_target!(|data: &[u8]| {
         }
     }
 
-    let rt = tokio::runtime::Builder::new_current_thread()
-        .enable_time()
-        .build()
-        .expect("runtime");
-    let reply = rt.block_on(async {
+    let reply = runtime().block_on(async {
         let (mut client, server) = tokio::io::duplex(64 * 1024);
         let sending = async {
             for chunk in input.chunks(write_size) {
