@@ -66,6 +66,7 @@ fn leaves_the_process(cmd: &Command) -> bool {
         | Command::Include(_)
         | Command::Write(_)
         | Command::Log(Some(_))
+        | Command::AccessLog(Some(_))
         | Command::WebStats(Some(_))
         | Command::MetricsListen(Some(_)) => true,
         _ => false,
