@@ -448,8 +448,11 @@ pub fn run(inv: Invocation) -> Result<(), StartError> {
     for ((i, listener), rx) in listeners.into_iter().enumerate().zip(receivers) {
         let state = Arc::clone(&state);
         let stop = stop_rx.clone();
-        let rt = crate::proxy::poll_before_sleep::event_loop_runtime(&state)
-            .map_err(StartError::Runtime)?;
+        let rt = crate::proxy::poll_before_sleep::event_loop_runtime(
+            &state,
+            crate::proxy::poll_before_sleep::Opens::AfterWork,
+        )
+        .map_err(StartError::Runtime)?;
         let lot = crate::proxy::park::EpollSet::new().map_err(StartError::Runtime)?;
         let thread = std::thread::Builder::new()
             .name(format!("quill-loop-{i}"))

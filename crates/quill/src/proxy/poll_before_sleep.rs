@@ -7,12 +7,14 @@
 //! "Polling before sleeping"): at 30 µs a paced keep-alive relay's p99 fell from 1.64 to
 //! 1.45 ms (the server's own), for 1–2 µs more machine CPU a request and 4–6 µs more of the
 //! loop's own; so it is off by default, a choice for latency. A UDP loop opens a window
-//! only after sending queries on ([`only_after_requests`]): evenly paced queries paid 40 µs
-//! each for the windows after their answers. Unlike `proxy::polling` (a busy loop that
-//! polls without a time limit, only where its trials find that it saves CPU), the window
-//! is short and follows every piece of work, at any load. Invariant: with the setting at 0
-//! a loop never polls here (the hooks read one atomic and return), and a loop that found
-//! nothing in its window sleeps until its next event.
+//! only after sending queries on ([`Opens::AfterRequests`]): evenly paced queries paid
+//! 40 µs each for the windows after their answers. TCP loops open one after any work: the
+//! same gate for them, tried, lost most of the latency the window is for (RESULTS.md, "The
+//! same gate for TCP loops"). Unlike `proxy::polling` (a busy loop that polls without a
+//! time limit, only where its trials find that it saves CPU), the window is short and
+//! follows every piece of work, at any load. Invariant: with the setting at 0 a loop never
+//! polls here (the hooks read one atomic and this loop's window, and return), and a loop
+//! that found nothing in its window sleeps until its next event.
 
 use std::cell::Cell;
 use std::sync::atomic::{AtomicU64, Ordering::Relaxed};
@@ -70,19 +72,20 @@ thread_local! {
     /// The waker of this loop's [`keeper`]: waking it keeps the runtime from sleeping in
     /// epoll (it polls epoll without a timeout instead, and comes back).
     static KEEPER: Cell<Option<Waker>> = const { Cell::new(None) };
-    /// This loop opens a window only after a turn that sent requests on to servers
-    /// ([`only_after_requests`]).
-    static GATED: Cell<bool> = const { Cell::new(false) };
     /// A request went on to a server since the loop last came back from epoll.
     static REQUESTED: Cell<bool> = const { Cell::new(false) };
 }
 
-/// From now on, this thread's loop opens a window only after a turn in which it sent
-/// requests on to servers ([`requested`]), not after any work: for the UDP loops, whose
-/// clients (measured with dnsperf) send evenly, so that the window after an answer
-/// relayed to a client ran out before the next query came, costing each query two windows.
-pub(crate) fn only_after_requests() {
-    GATED.set(true);
+/// After which turns a loop opens a window.
+#[derive(Clone, Copy)]
+pub(crate) enum Opens {
+    /// After any turn that did work (TCP loops).
+    AfterWork,
+    /// Only after a turn that sent requests on to servers ([`requested`]): the UDP loops,
+    /// whose clients (measured with dnsperf) send evenly, so that the window after an
+    /// answer relayed to a client ran out before the next query came, costing each query
+    /// two windows.
+    AfterRequests,
 }
 
 /// The loop sent requests on to servers in this turn: their answers may come within the
@@ -94,7 +97,7 @@ pub(crate) fn requested() {
 /// The runtime's `on_thread_park` hook: called each time the loop has nothing left to run
 /// and is about to sleep in epoll. Within `micros` of the end of the last turn that did work,
 /// wakes the [`keeper`] so that the runtime polls instead.
-pub(crate) fn before_park(micros: u32) {
+pub(crate) fn before_park(micros: u32, opens: Opens) {
     if micros == 0 {
         // Turned off: a window open then must not count as missed when it is turned on
         // again.
@@ -109,13 +112,12 @@ pub(crate) fn before_park(micros: u32) {
     // from epoll, or a turn too long to be empty. A gated loop's window stays open to its
     // end after the first answer: with queries in flight, more answers come (closing it
     // at the first cost more CPU a query and gained no latency, 2026-12-01).
-    let worked = if GATED.get() {
-        REQUESTED.take()
-    } else {
-        w.unparked.is_some_and(|u| {
+    let worked = match opens {
+        Opens::AfterRequests => REQUESTED.take(),
+        Opens::AfterWork => w.unparked.is_some_and(|u| {
             super::polling::moved_so_far() != w.moved
                 || now.saturating_duration_since(u) > EMPTY_TURN
-        })
+        }),
     };
     if worked {
         if w.polling {
@@ -167,15 +169,16 @@ pub(crate) async fn keeper() {
 }
 
 /// The runtime of one event loop (TCP or UDP): current-thread, with the hooks that poll
-/// before sleeping as `state`'s published `poll_before_sleep` says. Its `LocalSet` must run
-/// a [`keeper`].
+/// before sleeping as `state`'s published `poll_before_sleep` says, windows opening as
+/// `opens` says. Its `LocalSet` must run a [`keeper`].
 pub(crate) fn event_loop_runtime(
     state: &std::sync::Arc<crate::state::State>,
+    opens: Opens,
 ) -> std::io::Result<tokio::runtime::Runtime> {
     let (parking, unparking) = (std::sync::Arc::clone(state), std::sync::Arc::clone(state));
     tokio::runtime::Builder::new_current_thread()
         .enable_all()
-        .on_thread_park(move || before_park(parking.poll_before_sleep()))
+        .on_thread_park(move || before_park(parking.poll_before_sleep(), opens))
         .on_thread_unpark(move || after_unpark(unparking.poll_before_sleep()))
         .build()
 }

@@ -240,13 +240,15 @@ pub fn spawn_loops(
     for (i, listener) in listeners.into_iter().enumerate() {
         let state = Arc::clone(state);
         let stop = shutdown.clone();
-        let rt = crate::proxy::poll_before_sleep::event_loop_runtime(&state)?;
+        let rt = crate::proxy::poll_before_sleep::event_loop_runtime(
+            &state,
+            crate::proxy::poll_before_sleep::Opens::AfterRequests,
+        )?;
         let thread = std::thread::Builder::new()
             .name(format!("quill-udp-{i}"))
             .spawn(move || {
                 let local = tokio::task::LocalSet::new();
                 local.block_on(&rt, async move {
-                    crate::proxy::poll_before_sleep::only_after_requests();
                     tokio::task::spawn_local(crate::proxy::poll_before_sleep::keeper());
                     // A task of its own, as the TCP loops' accept loop (see `daemon`): the
                     // future given to `block_on` is polled again at every flow task's
