@@ -364,8 +364,11 @@ pub fn run(inv: Invocation) -> Result<(), StartError> {
     }
     // The signal handlers exist before the pid file does: `kill -HUP $(cat pidfile)` must
     // never meet the default action, which would end the process.
+    // Control commands run on its blocking pool (`control::off_thread`): a few threads
+    // are plenty for them, and bound what clients stuck on a slow resolver can hold.
     let rt = tokio::runtime::Builder::new_current_thread()
         .enable_all()
+        .max_blocking_threads(CONTROL_THREADS)
         .build()
         .map_err(StartError::Runtime)?;
     let mut signals = rt
@@ -671,6 +674,10 @@ impl Signals {
         })
     }
 }
+
+/// Threads that run control commands and reloads at once (the control runtime's blocking
+/// pool); more wait their turn.
+const CONTROL_THREADS: usize = 8;
 
 /// Serves signals until one says stop (TERM, INT, or the `exit` command).
 async fn handle_signals(ctx: &Arc<Context>, signals: &mut Signals) {

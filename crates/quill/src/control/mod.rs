@@ -491,7 +491,8 @@ async fn reply<S: tokio::io::AsyncRead + tokio::io::AsyncWrite + Unpin>(
 /// a command may resolve a host name (`server N address HOST`, `-l HOST:PORT`) or read
 /// files, and a slow resolver must not stall what shares the control thread (other
 /// commands, the metrics listener, health checks). Settings changes stay ordered:
-/// `State::execute` takes the writer's lock.
+/// `State::execute` takes the writer's lock. The daemon's control runtime has a few such
+/// threads (`daemon::CONTROL_THREADS`); work beyond them waits.
 pub async fn off_thread<T: Send + 'static>(
     ctx: &Arc<Context>,
     work: impl FnOnce(&Context) -> T + Send + 'static,
