@@ -603,6 +603,9 @@ pub fn run(inv: Invocation) -> Result<(), StartError> {
     state.access_log.store(None);
     crate::logfile::finish(Duration::from_secs(2));
     drop(cleanup);
+    // A control command or reload may still wait on a resolver on the blocking pool:
+    // dropping the runtime would wait for it, so it is left behind with the process.
+    rt.shutdown_background();
     Ok(())
 }
 
@@ -681,15 +684,23 @@ const CONTROL_THREADS: usize = 8;
 
 /// Serves signals until one says stop (TERM, INT, or the `exit` command).
 async fn handle_signals(ctx: &Arc<Context>, signals: &mut Signals) {
+    // A reload runs beside this loop rather than in it: a slow resolver must not hold a
+    // stop. A HUP during a reload waits for it to end (the signal stream keeps one), then
+    // reloads once more.
+    let mut reload: Option<tokio::task::JoinHandle<Result<(), crate::config::ConfigError>>> = None;
     loop {
         tokio::select! {
             _ = signals.term.recv() => return,
             _ = signals.int.recv() => return,
             _ = ctx.exit.notified() => return,
-            _ = signals.hup.recv() => {
-                systemd::reloading();
-                // Off the control thread, as a command: host names may be resolved.
-                match control::off_thread(ctx, Context::reload).await {
+            done = async {
+                match reload.as_mut() {
+                    Some(running) => running.await,
+                    None => std::future::pending().await,
+                }
+            }, if reload.is_some() => {
+                reload = None;
+                match done {
                     Ok(Ok(())) => tracing::info!("configuration reloaded"),
                     Ok(Err(e)) => {
                         tracing::error!("reload failed, the running configuration stays: {e}")
@@ -697,6 +708,12 @@ async fn handle_signals(ctx: &Arc<Context>, signals: &mut Signals) {
                     Err(e) => tracing::error!("reload failed: {e}"),
                 }
                 systemd::ready();
+            }
+            _ = signals.hup.recv(), if reload.is_none() => {
+                systemd::reloading();
+                // Off the control thread, as a command: host names may be resolved.
+                let ctx = Arc::clone(ctx);
+                reload = Some(tokio::task::spawn_blocking(move || ctx.reload()));
             }
             _ = signals.usr1.recv() => {
                 let stats = control::report::servers(&ctx.state);

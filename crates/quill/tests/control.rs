@@ -524,60 +524,97 @@ fn pen_compatibility_words_are_accepted_and_do_nothing() {
     assert!(cfg.lines().any(|l| l == "no ascii"), "{cfg}");
 }
 
+/// A quill whose resolver asks a nameserver of the test's that never answers: quill runs
+/// in a mount namespace of its own whose resolv.conf names `nameserver` (on port 53; each
+/// test its own address, as tests run at once), a query given up after `timeout` seconds. `args` follow `-f -u root -C {ctl}`; a file `quill.conf` in
+/// the daemon's directory may be named with `{dir}`. `None` (with a message) where root, a
+/// mount namespace or the nameserver's address is missing.
+struct SilentResolver {
+    quill: support::daemon::Daemon,
+    /// The nameserver's socket: a query quill's resolver sent is waiting here.
+    nameserver: std::net::UdpSocket,
+    /// The control address.
+    ctl: String,
+}
+
+impl SilentResolver {
+    fn start(nameserver: &str, timeout: u32, args: &str) -> Option<SilentResolver> {
+        if !running_as_root() {
+            eprintln!("SKIPPED: needs root (a mount namespace for resolv.conf)");
+            return None;
+        }
+        let dir = TempDir::new("resolver");
+        let conf = dir.path().join("resolv.conf");
+        fs::write(
+            &conf,
+            format!("nameserver {nameserver}\noptions timeout:{timeout} attempts:1\n"),
+        )
+        .unwrap();
+        let Ok(nameserver) = std::net::UdpSocket::bind((nameserver, 53)) else {
+            eprintln!("SKIPPED: cannot listen on {nameserver}:53");
+            return None;
+        };
+        fs::write(dir.path().join("quill.conf"), "").unwrap();
+        let namespaces = std::process::Command::new("unshare")
+            .args(["-m", "true"])
+            .status();
+        if !namespaces.is_ok_and(|s| s.success()) {
+            eprintln!("SKIPPED: no mount namespace here (unshare -m)");
+            return None;
+        }
+        let (port, ctl_port) = (free_port(), free_port());
+        let ctl = format!("127.0.0.1:{ctl_port}");
+        let args = args
+            .replace("{port}", &port.to_string())
+            .replace("{dir}", &dir.path().display().to_string());
+        let script = format!(
+            "mount --bind {} /etc/resolv.conf && exec {} -f -u root -C {ctl} {args}",
+            conf.display(),
+            bin().display()
+        );
+        let args = ["-m", "sh", "-c", &script].map(String::from);
+        let quill = support::daemon::Daemon::start("unshare", &args, port, dir)?;
+        wait_until(
+            Duration::from_secs(10),
+            "the control socket answers",
+            || quillctl(&ctl, &["pid"]).code == Some(0),
+        );
+        nameserver
+            .set_read_timeout(Some(Duration::from_secs(10)))
+            .unwrap();
+        Some(SilentResolver {
+            quill,
+            nameserver,
+            ctl,
+        })
+    }
+
+    /// Waits until quill's resolver has sent its query (and now waits for an answer).
+    fn wait_for_query(&self) {
+        let mut query = [0u8; 512];
+        self.nameserver
+            .recv_from(&mut query)
+            .expect("quill's resolver asks the namespace's nameserver");
+    }
+
+    /// `server 1 address slow.quill.test` on a thread of its own: it waits on the resolver.
+    fn slow_command(&self) -> thread::JoinHandle<Exit> {
+        let ctl = self.ctl.clone();
+        thread::spawn(move || quillctl(&ctl, &["server", "1", "address", "slow.quill.test"]))
+    }
+}
+
 #[test]
 fn a_slow_resolver_does_not_stall_other_control_commands() {
     // `server N address HOST` resolves HOST when it is applied. With a resolver that
     // never answers, that command waits for it; `servers` on another connection must be
-    // answered meanwhile. quill runs in a mount namespace of its own whose resolv.conf
-    // names a silent nameserver of this test's.
-    if !running_as_root() {
-        eprintln!("SKIPPED: needs root (a mount namespace for resolv.conf)");
-        return;
-    }
-    let dir = TempDir::new("resolver");
-    let Ok(dns) = std::net::UdpSocket::bind("127.66.0.1:53") else {
-        eprintln!("SKIPPED: cannot listen on 127.66.0.1:53");
+    // answered meanwhile.
+    let Some(q) = SilentResolver::start("127.66.0.1", 3, "{port} 127.0.0.1:9") else {
         return;
     };
-    let conf = dir.path().join("resolv.conf");
-    fs::write(
-        &conf,
-        "nameserver 127.66.0.1\noptions timeout:3 attempts:1\n",
-    )
-    .unwrap();
-    let namespaces = std::process::Command::new("unshare")
-        .args(["-m", "true"])
-        .status();
-    if !namespaces.is_ok_and(|s| s.success()) {
-        eprintln!("SKIPPED: no mount namespace here (unshare -m)");
-        return;
-    }
-    let (port, ctl_port) = (free_port(), free_port());
-    let ctl = format!("127.0.0.1:{ctl_port}");
-    let script = format!(
-        "mount --bind {} /etc/resolv.conf && exec {} -f -u root -C {ctl} {port} 127.0.0.1:9",
-        conf.display(),
-        bin().display()
-    );
-    let args = ["-m", "sh", "-c", &script].map(String::from);
-    let Some(_quill) = support::daemon::Daemon::start("unshare", &args, port, dir) else {
-        return;
-    };
-    wait_until(
-        Duration::from_secs(10),
-        "the control socket answers",
-        || quillctl(&ctl, &["pid"]).code == Some(0),
-    );
-    let slow = {
-        let ctl = ctl.clone();
-        thread::spawn(move || quillctl(&ctl, &["server", "1", "address", "slow.quill.test"]))
-    };
-    // The resolver has asked: the command is waiting on it.
-    dns.set_read_timeout(Some(Duration::from_secs(10))).unwrap();
-    let mut query = [0u8; 512];
-    dns.recv_from(&mut query)
-        .expect("quill's resolver asks the namespace's nameserver");
-    let servers = ctl_ok(&ctl, "servers");
+    let slow = q.slow_command();
+    q.wait_for_query();
+    let servers = ctl_ok(&q.ctl, "servers");
     assert!(servers.starts_with("0 addr 127.0.0.1 port 9"), "{servers}");
     assert!(
         !slow.is_finished(),
@@ -587,7 +624,52 @@ fn a_slow_resolver_does_not_stall_other_control_commands() {
     let out = slow.join().unwrap();
     assert_eq!(out.code, Some(1), "{out:?}");
     assert!(out.stdout.contains("slow.quill.test"), "{out:?}");
-    assert!(!ctl_ok(&ctl, "servers").contains("\n1 addr"));
+    assert!(!ctl_ok(&q.ctl, "servers").contains("\n1 addr"));
+}
+
+#[test]
+fn a_stop_does_not_wait_for_a_command_stuck_on_the_resolver() {
+    // The resolver would take 20 s to give up; TERM stops quill long before.
+    let Some(mut q) = SilentResolver::start("127.66.0.2", 20, "{port} 127.0.0.1:9") else {
+        return;
+    };
+    let _slow = q.slow_command();
+    q.wait_for_query();
+    q.quill.signal("TERM");
+    let status = q.quill.wait_exit(Duration::from_secs(5));
+    assert!(
+        status.is_some_and(|s| s.success()),
+        "quill did not stop within 5 s of TERM ({status:?}): {}",
+        q.quill.stderr()
+    );
+}
+
+#[test]
+fn a_stop_does_not_wait_for_a_reload_stuck_on_the_resolver() {
+    // SIGHUP rebuilds the settings from the file, which now names a host the resolver
+    // never answers for; control commands are answered meanwhile, and TERM during that
+    // reload stops quill at once.
+    let args = "-F {dir}/quill.conf {port} 127.0.0.1:9";
+    let Some(mut q) = SilentResolver::start("127.66.0.3", 20, args) else {
+        return;
+    };
+    fs::write(
+        q.quill.dir().join("quill.conf"),
+        "server 1 address slow.quill.test port 80\n",
+    )
+    .unwrap();
+    q.quill.signal("HUP");
+    q.wait_for_query();
+    // Still serving control commands while the reload waits.
+    let servers = ctl_ok(&q.ctl, "servers");
+    assert!(servers.starts_with("0 addr 127.0.0.1 port 9"), "{servers}");
+    q.quill.signal("TERM");
+    let status = q.quill.wait_exit(Duration::from_secs(5));
+    assert!(
+        status.is_some_and(|s| s.success()),
+        "quill did not stop within 5 s of TERM ({status:?}): {}",
+        q.quill.stderr()
+    );
 }
 
 // ---------------------------------------------------------------------------

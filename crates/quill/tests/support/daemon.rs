@@ -58,6 +58,27 @@ impl Daemon {
         s
     }
 
+    /// Sends a signal with kill(1).
+    pub fn signal(&self, sig: &str) {
+        let st = Command::new("kill")
+            .arg(format!("-{sig}"))
+            .arg(self.child.id().to_string())
+            .status()
+            .expect("kill");
+        assert!(st.success());
+    }
+
+    /// The daemon's exit status once it has exited, waiting at most `within`; `None` if it
+    /// still runs then.
+    pub fn wait_exit(&mut self, within: Duration) -> Option<std::process::ExitStatus> {
+        let mut status = None;
+        poll_until(within, || {
+            status = self.child.try_wait().unwrap();
+            status.is_some()
+        });
+        status
+    }
+
     /// The daemon's private directory (its configuration, logs and files).
     pub fn dir(&self) -> &Path {
         self.dir.path()
