@@ -69,7 +69,10 @@ fn parse_args() -> Result<Args, String> {
             Long("addr") => {
                 let v = p.value().map_err(|e| e.to_string())?;
                 let s = v.to_string_lossy().into_owned();
-                addr = Some(s.parse().map_err(|_| format!("--addr: not HOST:PORT: {s}"))?);
+                addr = Some(
+                    s.parse()
+                        .map_err(|_| format!("--addr: not HOST:PORT: {s}"))?,
+                );
             }
             Long("path") => {
                 a.path = p
@@ -86,8 +89,10 @@ fn parse_args() -> Result<Args, String> {
             Long("sources") => {
                 let v = p.value().map_err(|e| e.to_string())?;
                 for s in v.to_string_lossy().split(',').filter(|s| !s.is_empty()) {
-                    a.sources
-                        .push(s.parse().map_err(|_| format!("--sources: not an IP: {s}"))?);
+                    a.sources.push(
+                        s.parse()
+                            .map_err(|_| format!("--sources: not an IP: {s}"))?,
+                    );
                 }
             }
             Long("help") | Short('h') => return Err(USAGE.into()),
@@ -313,8 +318,8 @@ fn count(a: &Args) -> Result<serde_json::Value, String> {
                     Ok(_) => errors += 1,
                     Err(_) => {
                         errors += 1;
-                        client = Client::connect(addr, &path)
-                            .map_err(|e| format!("reconnect: {e}"))?;
+                        client =
+                            Client::connect(addr, &path).map_err(|e| format!("reconnect: {e}"))?;
                     }
                 }
             }

@@ -96,9 +96,7 @@ fn parse_args() -> Args {
             "--plain" => a.plain = true,
             "--expect-bytes" => a.expect = val().parse().unwrap_or_else(|_| usage()),
             "--per-connection" => a.per_connection = val().parse().unwrap_or_else(|_| usage()),
-            "--pace" => {
-                a.pace = Duration::from_millis(val().parse().unwrap_or_else(|_| usage()))
-            }
+            "--pace" => a.pace = Duration::from_millis(val().parse().unwrap_or_else(|_| usage())),
             _ => usage(),
         }
     }
@@ -137,9 +135,7 @@ impl ServerCertVerifier for NoVerify {
         Ok(HandshakeSignatureValid::assertion())
     }
     fn supported_verify_schemes(&self) -> Vec<SignatureScheme> {
-        self.0
-            .signature_verification_algorithms
-            .supported_schemes()
+        self.0.signature_verification_algorithms.supported_schemes()
     }
 }
 
@@ -217,7 +213,9 @@ async fn read_response<S: AsyncRead + Unpin>(
         })
         .ok_or_else(|| io::Error::other("no Content-Length"))?;
     if len != expect {
-        return Err(io::Error::other(format!("body of {len} bytes, expected {expect}")));
+        return Err(io::Error::other(format!(
+            "body of {len} bytes, expected {expect}"
+        )));
     }
     while buf.len() < head_end + len {
         let n = s.read(&mut chunk).await?;
@@ -229,10 +227,7 @@ async fn read_response<S: AsyncRead + Unpin>(
     Ok(())
 }
 
-async fn connect(
-    args: &Args,
-    config: &Arc<ClientConfig>,
-) -> io::Result<Box<dyn Stream>> {
+async fn connect(args: &Args, config: &Arc<ClientConfig>) -> io::Result<Box<dyn Stream>> {
     let tcp = TcpStream::connect(args.addr).await?;
     tcp.set_nodelay(true)?;
     if args.plain {
@@ -248,7 +243,12 @@ async fn connect(
 trait Stream: AsyncRead + AsyncWrite + Unpin + Send {}
 impl<T: AsyncRead + AsyncWrite + Unpin + Send> Stream for T {}
 
-async fn worker(args: Arc<Args>, config: Arc<ClientConfig>, totals: Arc<Totals>, stop: Arc<AtomicBool>) {
+async fn worker(
+    args: Arc<Args>,
+    config: Arc<ClientConfig>,
+    totals: Arc<Totals>,
+    stop: Arc<AtomicBool>,
+) {
     let keep = format!("GET {} HTTP/1.1\r\nHost: bench\r\n\r\n", args.path);
     let close = format!(
         "GET {} HTTP/1.1\r\nHost: bench\r\nConnection: close\r\n\r\n",
@@ -267,7 +267,11 @@ async fn worker(args: Arc<Args>, config: Arc<ClientConfig>, totals: Arc<Totals>,
         totals.handshakes.fetch_add(1, Relaxed);
         let mut sent = 0u64;
         loop {
-            let req = if args.mode == Mode::Handshake { &close } else { &keep };
+            let req = if args.mode == Mode::Handshake {
+                &close
+            } else {
+                &keep
+            };
             let began = Instant::now();
             let r = async {
                 conn.write_all(req.as_bytes()).await?;
