@@ -2186,6 +2186,123 @@ fn a_server_that_closes_ends_its_own_connection_not_the_clients() {
     assert_eq!(resp.status, 200, "{}", resp.head);
 }
 
+/// A server as NGINX behaves to the two cases below: a `POST` is read to the end of its
+/// body and answered, and closed unanswered when the client's EOF comes first; `GET /cut`
+/// is answered with a head announcing 1,000,000 bytes, 10,000 of them, and the close of a
+/// server that died. Counts the connections it closed on an unfinished body.
+fn unfinished_server() -> (u16, Arc<AtomicUsize>) {
+    let listener = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
+    let port = listener.local_addr().unwrap().port();
+    let abandoned = Arc::new(AtomicUsize::new(0));
+    let count = Arc::clone(&abandoned);
+    std::thread::spawn(move || {
+        for conn in listener.incoming() {
+            let Ok(mut conn) = conn else { continue };
+            let count = Arc::clone(&count);
+            std::thread::spawn(move || {
+                let mut got = Vec::new();
+                let mut buf = [0u8; 4096];
+                let head_end = loop {
+                    if let Some(at) = got.windows(4).position(|w| w == b"\r\n\r\n") {
+                        break at + 4;
+                    }
+                    match conn.read(&mut buf) {
+                        Ok(0) | Err(_) => return,
+                        Ok(n) => got.extend_from_slice(&buf[..n]),
+                    }
+                };
+                let head = String::from_utf8_lossy(&got[..head_end]).to_ascii_lowercase();
+                if head.starts_with("get /cut") {
+                    let mut answer = b"HTTP/1.1 200 OK\r\nContent-Length: 1000000\r\n\r\n".to_vec();
+                    answer.resize(answer.len() + 10_000, b'x');
+                    let _ = conn.write_all(&answer);
+                    return; // dies: the connection closes with the answer cut
+                }
+                let length: usize = head
+                    .lines()
+                    .find_map(|l| l.strip_prefix("content-length:"))
+                    .and_then(|v| v.trim().parse().ok())
+                    .unwrap_or(0);
+                let mut body = got.len() - head_end;
+                while body < length {
+                    match conn.read(&mut buf) {
+                        Ok(0) | Err(_) => {
+                            count.fetch_add(1, SeqCst);
+                            return;
+                        }
+                        Ok(n) => body += n,
+                    }
+                }
+                let _ = conn.write_all(b"HTTP/1.1 200 OK\r\nContent-Length: 2\r\n\r\nok");
+            });
+        }
+    });
+    (port, abandoned)
+}
+
+/// A client that closes its connection halfway through an upload has given the request
+/// up; the server that then closes without answering did nothing wrong and stays in
+/// (before, any client could blacklist every server that way, one upload each).
+#[test]
+fn a_client_that_gives_up_an_upload_does_not_blacklist_the_server() {
+    let (port, abandoned) = unfinished_server();
+    let (q, ctl) =
+        support::ctl::start_with_tcp_control(&["-H", "{port}", &format!("127.0.0.1:{port}")]);
+    let mut client = q.connect();
+    client
+        .write_all(b"POST /upload HTTP/1.1\r\nHost: x\r\nContent-Length: 100000\r\n\r\nfoo=bar")
+        .unwrap();
+    client.shutdown(std::net::Shutdown::Write).unwrap();
+    wait_until(IO_TIMEOUT, "the server saw the upload given up", || {
+        abandoned.load(SeqCst) == 1
+    });
+    drop(client);
+    wait_until(IO_TIMEOUT, "quill let the connection go", || {
+        support::ctl::status_json(&ctl)["connections"]["open"] == 0
+    });
+    let server = support::ctl::server_status(&ctl, 0);
+    assert_eq!(server["blacklisted"], false, "{server}");
+    assert_eq!(server["failures"], 0, "{server}");
+    let mut next = q.connect();
+    next.set_read_timeout(Some(IO_TIMEOUT)).unwrap();
+    next.write_all(b"POST /upload HTTP/1.1\r\nHost: x\r\nContent-Length: 3\r\n\r\nabc")
+        .unwrap();
+    let resp = read_response(&mut next).expect("the next client's answer");
+    assert_eq!(resp.status, 200, "{}", resp.head);
+}
+
+/// A server that dies in the middle of an answer ends the client's connection (the answer
+/// cut short, as the client can tell by its length) and is blacklisted; quill keeps
+/// nothing of the connection (before, request by request, the client was not read while
+/// its answer came, and its leaving went unseen: the connection stayed open for good).
+#[test]
+fn a_server_that_dies_mid_answer_ends_the_clients_connection() {
+    let (port, _) = unfinished_server();
+    let (q, ctl) =
+        support::ctl::start_with_tcp_control(&["-H", "{port}", &format!("127.0.0.1:{port}")]);
+    let mut client = q.connect();
+    client.set_read_timeout(Some(IO_TIMEOUT)).unwrap();
+    client
+        .write_all(b"GET /cut HTTP/1.1\r\nHost: x\r\n\r\n")
+        .unwrap();
+    let mut got = Vec::new();
+    client
+        .read_to_end(&mut got)
+        .expect("the connection ends after the cut answer");
+    assert!(
+        got.starts_with(b"HTTP/1.1 200"),
+        "{:?}",
+        String::from_utf8_lossy(&got)
+    );
+    assert!(got.len() < 1_000_000, "{} bytes", got.len());
+    drop(client);
+    wait_until(IO_TIMEOUT, "quill let the connection go", || {
+        support::ctl::status_json(&ctl)["connections"]["open"] == 0
+    });
+    let server = support::ctl::server_status(&ctl, 0);
+    assert_eq!(server["blacklisted"], true, "{server}");
+}
+
 /// The fields about the client's connection to quill (`Keep-Alive`, `Proxy-Connection`,
 /// what its `Connection` names) do not reach the server, pooled or one-to-one; the others
 /// do, and a named field that frames the body still frames it.

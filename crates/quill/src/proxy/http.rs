@@ -410,6 +410,12 @@ impl Exchange {
         self.server_left = true;
     }
 
+    /// Request by request: whether the request taken was received whole, body included
+    /// (a client that closes before then has given it up).
+    pub fn request_whole(&self) -> bool {
+        self.paused
+    }
+
     /// Whether the last request received may be sent again (no body, idempotent method).
     pub fn replayable(&self) -> bool {
         self.replayable
@@ -469,6 +475,16 @@ impl Exchange {
             && self.resp == Resp::Head
             && self.resp_head.is_empty()
             && matches!(self.req, Req::Head | Req::Body(_) | Req::Chunked(_))
+    }
+
+    /// Whether the server closing its connection now cuts an answer short: one due, or
+    /// begun and framed by a length or chunks (not one the close ends, nor a tunnel).
+    pub fn cut_by_close(&self) -> bool {
+        match self.resp {
+            Resp::Body(_) | Resp::Chunked(_) => true,
+            Resp::Head => !self.resp_head.is_empty() || !self.pending.is_empty(),
+            Resp::UntilClose | Resp::Tunnel | Resp::Raw => false,
+        }
     }
 
     /// Asks the client to end the connection: the next final response that leaves no

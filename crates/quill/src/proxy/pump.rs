@@ -93,6 +93,10 @@ struct Shared<'a> {
     server_failed: bool,
     /// Request by request: the server closed its connection between requests.
     server_left: bool,
+    /// Request by request: the client closed its side before its request was whole (an
+    /// upload given up; its EOF went on to the server). A server that then ends without
+    /// an answer, or fails, is not at fault: it was left with half a request.
+    abandoned: bool,
 }
 
 impl Shared<'_> {
@@ -213,7 +217,7 @@ impl Flow {
                             shared.server_left = true;
                             return Poll::Pending;
                         }
-                        if self.bytes == 0 {
+                        if self.bytes == 0 && !shared.abandoned {
                             // Gone before answering: the request may go elsewhere.
                             shared.server_failed = true;
                             return Poll::Ready(Err(io::Error::new(
@@ -221,9 +225,29 @@ impl Flow {
                                 "the server closed the connection before answering",
                             )));
                         }
+                        if !shared.abandoned
+                            && shared.exchange.as_ref().is_some_and(|ex| ex.cut_by_close())
+                        {
+                            // The client, not read while its answer comes, would never be
+                            // seen leaving: the connection ends here, the answer cut.
+                            shared.server_failed = true;
+                            return Poll::Ready(Err(io::Error::new(
+                                ErrorKind::UnexpectedEof,
+                                "the server closed the connection in the middle of its answer",
+                            )));
+                        }
                     }
                     if input.is_empty() {
                         self.eof = true;
+                        if dir == Dir::Up
+                            && shared.one_request
+                            && !shared
+                                .exchange
+                                .as_ref()
+                                .is_some_and(|ex| ex.request_whole())
+                        {
+                            shared.abandoned = true;
+                        }
                         if dir == Dir::Down {
                             if let Some(ex) = shared.exchange.as_mut() {
                                 // Forwarded before the EOF is passed on.
@@ -681,6 +705,7 @@ where
     let mut down = Flow::default();
     let mut active = false;
     let mut refusing = false;
+    let mut abandoned = false;
     // The connection ends as asked: the client's side is being shut, then drained.
     let mut ending = false;
     let mut idle = IdleTimer::new(opts.idle_timeout, None);
@@ -703,10 +728,11 @@ where
             one_request,
             server_failed: false,
             server_left: false,
+            abandoned,
         };
         let blocked_before = !shared.accepts(Dir::Up);
         let failed = |e, shared: &Shared<'_>| {
-            if shared.one_request && shared.server_failed {
+            if shared.one_request && shared.server_failed && !shared.abandoned {
                 End::ServerError(e)
             } else {
                 End::Error(e)
@@ -786,6 +812,7 @@ where
         }
         active = shared.active;
         refusing = shared.refusing;
+        abandoned = shared.abandoned;
         let refused = shared
             .exchange
             .as_ref()
