@@ -472,6 +472,43 @@ fn hop_by_hop_fields_stay_behind_and_host_becomes_the_authority() {
     );
 }
 
+/// The head of the answer to an HTTP/1.1 `GET path` on a connection of its own.
+fn head_of(addr: std::net::SocketAddr, path: &str) -> String {
+    let mut s = TcpStream::connect(addr).unwrap();
+    s.set_read_timeout(Some(Duration::from_secs(20))).unwrap();
+    write!(
+        s,
+        "GET {path} HTTP/1.1\r\nHost: x\r\nConnection: close\r\n\r\n"
+    )
+    .unwrap();
+    let mut raw = Vec::new();
+    s.read_to_end(&mut raw).unwrap();
+    let text = String::from_utf8_lossy(&raw).into_owned();
+    text.split_once("\r\n\r\n")
+        .map_or(text.clone(), |(head, _)| head.to_string())
+}
+
+/// HTTP/2 field names are lowercase; an HTTP/1.1 client gets them in title case, as
+/// servers write them (some clients look fields up by their exact case), and quill's own
+/// answers too.
+#[test]
+fn http11_clients_get_field_names_in_title_case() {
+    let port = free_port();
+    let Some(_nginx) = nginx_on(port, " http2", None) else {
+        return;
+    };
+    let q = quill_h2(port, &[]);
+    let head = head_of(q.addr(), "/who");
+    for name in ["Server: ", "Content-Type: ", "Content-Length: "] {
+        assert!(head.contains(name), "{name:?} in {head}");
+    }
+    let down = quill_h2(free_port(), &[]);
+    let head = head_of(down.addr(), "/who");
+    assert!(head.starts_with("HTTP/1.1 503"), "{head}");
+    assert!(head.contains("Content-Length: "), "{head}");
+    assert!(!head.contains("content-length"), "{head}");
+}
+
 /// Connections established to `port` on this host (from /proc/net/tcp): quill's to its
 /// server, in these tests.
 fn established_to(port: u16) -> usize {
@@ -862,7 +899,7 @@ fn a_server_reset_in_the_middle_of_an_answer_reaches_an_http2_client_with_its_re
     let _ = s.read_to_end(&mut got);
     let text = String::from_utf8_lossy(&got);
     assert!(text.starts_with("HTTP/1.1 200"), "{text}");
-    assert!(text.contains("content-length: 100"), "{text}");
+    assert!(text.contains("Content-Length: 100"), "{text}");
     assert!(
         text.ends_with("\r\n\r\nstart"),
         "the body ends short: {text}"

@@ -64,6 +64,9 @@ pub(super) async fn serve<IO: Parkable>(state: &'static State, io: IO, peer: Pee
         .max_buf_size(settings.http_header_max.max(8192))
         .pipeline_flush(true)
         .preserve_header_case(true)
+        // Names without a case of their own (an HTTP/2 server's, quill's) as servers write
+        // them.
+        .title_case_headers(true)
         // A client that half-closes after its request still gets the answer.
         .half_close(true)
         // quill's own watchdog bounds later heads: it answers a partial one 408.
