@@ -972,6 +972,44 @@ fn http_after_tls_gets_forwarded_proto_https_and_hsts() {
     );
 }
 
+/// quill's own answers over TLS carry `hsts` as the servers' do: 503 when no server can
+/// take the request (on the byte pump, and through hyper with `upstream_h2`), 400 to a
+/// request quill refuses.
+#[test]
+fn quills_own_answers_over_tls_carry_hsts_too() {
+    use support::http_echo::read_final_response;
+    if skip_on_pen("quill's own answers (Pen closes)") {
+        return;
+    }
+    let (_dir, ca, leaf) = tls_fixture();
+    let nowhere = format!("127.0.0.1:{}", free_port());
+    for extra in [&[][..], &["-O", "upstream_h2"][..]] {
+        let mut args = vec!["-H", "-E", s(&leaf.cert), "-K", s(&leaf.key)];
+        args.extend(["-O", "hsts 600", "{port}", &nowhere]);
+        args.extend_from_slice(extra);
+        let q = Quill::start(&args);
+        for (request, status) in [
+            (&b"GET / HTTP/1.1\r\nHost: x\r\n\r\n"[..], 503),
+            (
+                &b"GET / HTTP/1.1\r\nHost: x\r\nContent-Length: x\r\n\r\n"[..],
+                400,
+            ),
+        ] {
+            let mut tls =
+                tls_connect(q.addr(), "localhost", &client_config(&ca.cert, None)).unwrap();
+            tls.write_all(request).unwrap();
+            let resp = read_final_response(&mut tls).expect("quill's answer");
+            assert_eq!(resp.status, status, "{extra:?}: {}", resp.head);
+            assert_eq!(
+                resp.field("Strict-Transport-Security").as_deref(),
+                Some("max-age=600"),
+                "{extra:?}: {}",
+                resp.head
+            );
+        }
+    }
+}
+
 /// With `http` (-H) after TLS, an idle keep-alive client parks between requests (hyper
 /// let go, rustls kept) and its next requests are served on the same TLS session.
 #[test]

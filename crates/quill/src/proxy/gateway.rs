@@ -425,6 +425,18 @@ thread_local! {
         const { std::cell::RefCell::new(None) };
 }
 
+/// `hsts` on a TLS client's answer (the server's or quill's own) that has none.
+fn add_hsts(settings: &Settings, peer: Peer, headers: &mut HeaderMap) {
+    let Some(h) = settings.hsts.filter(|_| peer.tls) else {
+        return;
+    };
+    if !headers.contains_key(header::STRICT_TRANSPORT_SECURITY) {
+        if let Some(v) = hsts_value(h) {
+            headers.insert(header::STRICT_TRANSPORT_SECURITY, v);
+        }
+    }
+}
+
 /// The `Strict-Transport-Security` value of `hsts`.
 fn hsts_value(hsts: Hsts) -> Option<HeaderValue> {
     HSTS.with(|cached| {
@@ -508,10 +520,15 @@ pub(super) async fn forward(
         r.status.set(reply.status().as_u16());
     }
     if !grpc || reply.extensions().get::<Unprocessed>().is_some() {
+        if reply.extensions().get::<Own>().is_some() {
+            add_hsts(&state.settings(), peer, reply.headers_mut());
+        }
         return reply;
     }
     if let Some(&Own(text)) = reply.extensions().get::<Own>() {
-        return grpc::answer(reply.status(), text);
+        let mut reply = grpc::answer(reply.status(), text);
+        add_hsts(&state.settings(), peer, reply.headers_mut());
+        return reply;
     }
     if let Either::Left(body) = reply.body_mut() {
         body.grpc = true;
@@ -1177,18 +1194,7 @@ fn reply(
     }
     let (mut parts, body) = resp.into_parts();
     strip_hop_by_hop(&mut parts.headers);
-    if peer.tls {
-        if let Some(h) = settings.hsts {
-            if !parts
-                .headers
-                .contains_key(header::STRICT_TRANSPORT_SECURITY)
-            {
-                if let Some(v) = hsts_value(h) {
-                    parts.headers.insert(header::STRICT_TRANSPORT_SECURITY, v);
-                }
-            }
-        }
-    }
+    add_hsts(settings, peer, &mut parts.headers);
     parts.version = how.version;
     if how.version != Version::HTTP_2 && !upgraded && stream.activity.close_next.get() {
         // hyper closes the connection after a response that says so.

@@ -259,15 +259,17 @@ async fn close<C: Parkable>(client: &mut C) {
 /// Gives the client one of quill's own answers, then closes.
 async fn answer<C: Parkable>(
     client: &mut C,
-    (status, answer): (u16, &[u8]),
+    http: &Http,
+    (status, answer): (u16, &'static [u8]),
     record: Option<&Record>,
 ) -> Served {
     if let Some(r) = record {
         r.status.set(status);
         r.server.set(None);
     }
+    let answer = http.exchange.own_answer(answer);
     let _ = tokio::time::timeout(Duration::from_secs(1), async {
-        client.write_all(answer).await?;
+        client.write_all(&answer).await?;
         client.shutdown().await
     })
     .await;
@@ -332,13 +334,13 @@ async fn choose_and_send<C: Parkable>(
             Tried::Unreachable(e) if is_local_failure(&e) => {
                 tracing::warn!(peer = %peer.addr, "cannot connect to {c}: {e}");
                 state.counters.no_server.fetch_add(1, Relaxed);
-                return answer(client, UNAVAILABLE, record).await;
+                return answer(client, http, UNAVAILABLE, record).await;
             }
             Tried::Unreachable(e) => candidates.failed(&c, &e),
         }
     }
     state.counters.no_server.fetch_add(1, Relaxed);
-    answer(client, UNAVAILABLE, record).await
+    answer(client, http, UNAVAILABLE, record).await
 }
 
 /// Where a request goes.
@@ -432,7 +434,7 @@ async fn send<C: Parkable>(
                     continue;
                 }
                 server_failed(state, settings, to, reused, &e);
-                answer(client, BAD_GATEWAY, record).await
+                answer(client, http, BAD_GATEWAY, record).await
             }
             End::ServerError(e) => {
                 // Part of the answer went out: the client sees its connection end.

@@ -8,6 +8,7 @@
 //! or 431 after the answers to its earlier requests); responses are forwarded byte for byte
 //! (with HSTS one header line is added); nothing here panics on any input.
 
+use std::borrow::Cow;
 use std::collections::VecDeque;
 use std::io::Write;
 use std::net::IpAddr;
@@ -1165,7 +1166,7 @@ impl Exchange {
     /// to its earlier requests have been forwarded. After it the connection closes and
     /// nothing more from the server may be forwarded. `None` while earlier answers are
     /// still due, and after it was handed out once.
-    pub fn take_refusal(&mut self) -> Option<&'static [u8]> {
+    pub fn take_refusal(&mut self) -> Option<Cow<'static, [u8]>> {
         let Req::Failed(refusal) = self.req else {
             return None;
         };
@@ -1180,7 +1181,24 @@ impl Exchange {
             return None;
         }
         self.refusal_sent = true;
-        Some(refusal.response())
+        Some(self.own_answer(refusal.response()))
+    }
+
+    /// One of quill's own answers (head and body in one) as this connection sends it:
+    /// with `Strict-Transport-Security` over TLS when `hsts` is set, as every answer.
+    pub fn own_answer(&self, answer: &'static [u8]) -> Cow<'static, [u8]> {
+        let hsts = self
+            .params
+            .hsts
+            .filter(|_| self.params.scheme == Scheme::Https);
+        let head_end = answer.windows(4).position(|w| w == b"\r\n\r\n");
+        let (Some(_), Some(end)) = (hsts, head_end) else {
+            return Cow::Borrowed(answer);
+        };
+        let mut out = Vec::with_capacity(answer.len() + 64);
+        write_with_hsts(&answer[..end + 4], hsts, &mut out);
+        out.extend_from_slice(&answer[end + 4..]);
+        Cow::Owned(out)
     }
 }
 
@@ -1909,7 +1927,7 @@ mod tests {
         server(&mut ex, b"HTTP/1.1 200 OK\r\nContent-Length: 2\r\n\r\no");
         assert_eq!(ex.take_refusal(), None);
         server(&mut ex, b"k");
-        assert_eq!(ex.take_refusal(), Some(Refusal::BadRequest.response()));
+        assert_eq!(ex.take_refusal().as_deref(), Some(Refusal::BadRequest.response()));
         assert_eq!(ex.take_refusal(), None, "handed out once");
     }
 
@@ -1945,7 +1963,7 @@ mod tests {
         server(&mut ex, b"HTTP/1.1 204 No Content\r\n\r\n");
         let answer = ex.take_refusal().unwrap();
         assert!(answer.starts_with(b"HTTP/1.1 408 Request Timeout\r\n"));
-        let text = String::from_utf8_lossy(answer);
+        let text = String::from_utf8_lossy(&answer);
         let (head, body) = text.split_once("\r\n\r\n").unwrap();
         assert!(head.contains("\r\nConnection: close"));
         assert!(head.contains(&format!("\r\nContent-Length: {}", body.len())));

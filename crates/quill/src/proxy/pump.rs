@@ -160,7 +160,7 @@ impl Flow {
             if dir == Dir::Down && !shared.refusing {
                 if let Some(refusal) = shared.exchange.as_mut().and_then(|ex| ex.take_refusal()) {
                     // The answers to earlier requests are out: now the refusal, then close.
-                    self.out.extend_from_slice(refusal);
+                    self.out.extend_from_slice(&refusal);
                     self.eof = true;
                     shared.refusing = true;
                     continue;
@@ -541,7 +541,7 @@ where
     let mut down = 0;
     if let Some(answer) = http.exchange.take_refusal() {
         down = answer.len() as u64;
-        close_lingering(client, answer).await;
+        close_lingering(client, &answer).await;
     }
     let preread = std::mem::take(&mut http.preread);
     Some(Outcome {
