@@ -579,6 +579,52 @@ fn stopping_closes_idle_clients(pump: Pump) {
     );
 }
 
+/// A pipeline whose last request asks to close: the earlier answers say nothing of a
+/// close (a client that took one for its connection's last would send the rest of its
+/// pipeline again, POSTs too), the last says `Connection: close`, and the connection ends
+/// after it. With one server connection per client's every head of the pipeline is read
+/// before the first answer comes, so the close must not leak into the earlier answers.
+#[test]
+fn byte_pump_pipelines_close_after_the_answer_to_the_request_that_asks() {
+    pipeline_closes_after_the_answer_to_the_request_that_asks(Pump::Connection);
+}
+
+#[test]
+fn request_by_request_pipelines_close_after_the_answer_to_the_request_that_asks() {
+    pipeline_closes_after_the_answer_to_the_request_that_asks(Pump::Request);
+}
+
+fn pipeline_closes_after_the_answer_to_the_request_that_asks(pump: Pump) {
+    if matches!(pump, Pump::Connection) && skip_on_pen("upstream_keepalive is quill's") {
+        return;
+    }
+    let backend = EchoServer::start();
+    let (q, _ctl) = start_pump(pump, &[], &backend);
+    let mut s = q.connect();
+    s.set_read_timeout(Some(Duration::from_secs(10))).unwrap();
+    // One write: the requests are pipelined.
+    s.write_all(
+        b"GET /1 HTTP/1.1\r\nHost: x\r\n\r\n\
+          POST /2 HTTP/1.1\r\nHost: x\r\nContent-Length: 2\r\n\r\nhi\
+          GET /3 HTTP/1.1\r\nHost: x\r\nConnection: close\r\n\r\n",
+    )
+    .unwrap();
+    for line in ["GET /1 HTTP/1.1", "POST /2 HTTP/1.1"] {
+        let resp = read_response(&mut s).expect("an earlier answer");
+        assert_eq!(resp.seen().request_line(), line);
+        assert_eq!(resp.field("connection"), None, "{}", resp.head);
+    }
+    let last = read_response(&mut s).expect("the last answer");
+    assert_eq!(last.seen().request_line(), "GET /3 HTTP/1.1");
+    assert_eq!(
+        last.field("connection").as_deref(),
+        Some("close"),
+        "{}",
+        last.head
+    );
+    expect_closed_without_data(&mut s, Duration::from_secs(10));
+}
+
 /// With `http` every client speaks first, so `defer_accept auto` lets the kernel hold a new
 /// connection until its first bytes: quill does not even see a client that stays silent,
 /// and is woken once for a connection and its request. `defer_accept 0`, given at run

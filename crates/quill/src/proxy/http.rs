@@ -146,6 +146,12 @@ struct Pending {
     /// An HTTP/1.0 request: its client reads an answer without `Connection: keep-alive`
     /// as the connection's last.
     http10: bool,
+    /// The request said the client's connection ends with its answer (`Connection:
+    /// close`, HTTP/1.0 without keep-alive). Kept per request, not for the connection: a
+    /// pipelining client's later request that asks to close must not make the answers to
+    /// its earlier ones say close (it would take them for the last, and send the rest of
+    /// its pipeline again).
+    close: bool,
 }
 
 /// The response side.
@@ -209,10 +215,12 @@ pub struct Exchange {
     one_at_a_time: bool,
     /// A request was received whole: the client's bytes wait for `resume`.
     paused: bool,
-    /// The client's connection goes on after the answer: its request did not say it ends
-    /// (`Connection: close`, HTTP/1.0 without keep-alive), nor, when the server connection
-    /// is the client's own (not request by request), did the answer; and the answer's end
-    /// is framed, not the server's close.
+    /// The client's connection goes on after the answer: the request it answers did not
+    /// say it ends (`Connection: close`, HTTP/1.0 without keep-alive), nor, when the server
+    /// connection is the client's own (not request by request), did the answer; and the
+    /// answer's end is framed, not the server's close. Set as each answer's head is
+    /// written, never by a request head read before it; once false it stays false, so
+    /// every answer after the one that said close says it too.
     client_keep: bool,
     /// The server's connection goes on after the answer: neither the request as forwarded
     /// nor the answer said it ends.
@@ -726,7 +734,6 @@ impl Exchange {
         out.reserve(n + self.client_text.len() + REWRITE_EXTRA);
         self.write_request_head(method, path, version, req.headers, towards, out);
         self.req_switch = connect || upgrade;
-        self.client_keep &= keeps;
         if self.one_at_a_time {
             // Each request may go to another server connection: only its own head counts.
             self.server_keep = true;
@@ -746,6 +753,7 @@ impl Exchange {
                 connect,
                 switch: self.req_switch,
                 http10: version == 0,
+                close: !keeps,
             });
         }
         // One at a time, the driver takes each request's facts before the next head.
@@ -1059,6 +1067,11 @@ impl Exchange {
         }
         let server_keeps = options.keeps(resp.version != Some(0));
         self.server_keep &= server_keeps;
+        if request.close {
+            // This answer's own request asked to close: it, and every answer after it, says
+            // so. The requests pipelined before it keep their answers' say.
+            self.client_keep = false;
+        }
         if !self.one_at_a_time {
             // The server's connection is the client's: it ends with it.
             self.client_keep &= server_keeps;
@@ -2266,6 +2279,92 @@ mod tests {
             1000,
         );
         assert!(!ex.replayable());
+    }
+
+    #[test]
+    fn an_earlier_answer_of_a_pipeline_keeps_alive_when_a_later_request_asks_to_close() {
+        // One server connection per client's: every request head of the pipeline is read
+        // before the first answer comes. Each answer says what its own request asked.
+        let mut ex = exchange();
+        client(
+            &mut ex,
+            b"GET /1 HTTP/1.1\r\n\r\nGET /2 HTTP/1.1\r\n\r\nGET /3 HTTP/1.1\r\nConnection: close\r\n\r\n",
+            1000,
+        );
+        let ok = b"HTTP/1.1 200 OK\r\nContent-Length: 1\r\n\r\nx";
+        for _ in 0..2 {
+            let out = server(&mut ex, ok);
+            assert_eq!(String::from_utf8_lossy(&out), String::from_utf8_lossy(ok));
+            assert!(ex.client_keeps());
+        }
+        // The answer to the request that asked to close says it, whatever the server wrote.
+        assert_eq!(
+            String::from_utf8_lossy(&server(&mut ex, ok)),
+            "HTTP/1.1 200 OK\r\nContent-Length: 1\r\nConnection: close\r\n\r\nx"
+        );
+        assert!(!ex.client_keeps() && ex.between());
+        // Fed a byte at a time, with an HTTP/1.0 request that did not ask to keep alive as
+        // the closing one.
+        let mut ex = exchange();
+        client(
+            &mut ex,
+            b"GET /1 HTTP/1.1\r\n\r\nGET /2 HTTP/1.0\r\n\r\n",
+            1,
+        );
+        let out = server(&mut ex, b"HTTP/1.1 200 OK\r\nContent-Length: 2\r\n\r\no");
+        assert_eq!(
+            String::from_utf8_lossy(&out),
+            "HTTP/1.1 200 OK\r\nContent-Length: 2\r\n\r\no"
+        );
+        assert!(ex.client_keeps());
+        assert_eq!(server(&mut ex, b"k"), b"k");
+        // The server's own `close` for the HTTP/1.0 request passes as it came.
+        let last = b"HTTP/1.1 200 OK\r\nConnection: close\r\nContent-Length: 0\r\n\r\n";
+        assert_eq!(
+            String::from_utf8_lossy(&server(&mut ex, last)),
+            String::from_utf8_lossy(last)
+        );
+        assert!(!ex.client_keeps());
+    }
+
+    #[test]
+    fn every_answer_after_the_one_to_a_request_that_asked_to_close_says_close() {
+        // A server ought to answer nothing after the request that asked to close (RFC 9112
+        // 9.6); one that does anyway is not made to look as if the connection went on.
+        let mut ex = exchange();
+        client(
+            &mut ex,
+            b"GET /1 HTTP/1.1\r\nConnection: close\r\n\r\nGET /2 HTTP/1.1\r\n\r\n",
+            1000,
+        );
+        let ok = b"HTTP/1.1 204 No Content\r\n\r\n";
+        let close = "HTTP/1.1 204 No Content\r\nConnection: close\r\n\r\n";
+        assert_eq!(String::from_utf8_lossy(&server(&mut ex, ok)), close);
+        assert!(!ex.client_keeps());
+        assert_eq!(String::from_utf8_lossy(&server(&mut ex, ok)), close);
+        assert!(!ex.client_keeps());
+        // A later request's head asking to close does not undo an earlier `keep-alive`
+        // of an HTTP/1.0 client either.
+        let mut ex = exchange();
+        client(
+            &mut ex,
+            b"GET /1 HTTP/1.0\r\nConnection: keep-alive\r\n\r\nGET /2 HTTP/1.0\r\n\r\n",
+            1000,
+        );
+        let ok10 = b"HTTP/1.0 200 OK\r\nConnection: keep-alive\r\nContent-Length: 0\r\n\r\n";
+        assert_eq!(
+            String::from_utf8_lossy(&server(&mut ex, ok10)),
+            String::from_utf8_lossy(ok10)
+        );
+        assert!(ex.client_keeps());
+        assert_eq!(
+            String::from_utf8_lossy(&server(
+                &mut ex,
+                b"HTTP/1.0 200 OK\r\nContent-Length: 0\r\n\r\n"
+            )),
+            "HTTP/1.0 200 OK\r\nContent-Length: 0\r\n\r\n"
+        );
+        assert!(!ex.client_keeps());
     }
 
     #[test]
