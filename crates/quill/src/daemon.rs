@@ -504,6 +504,7 @@ pub fn run(inv: Invocation) -> Result<(), StartError> {
     }
 
     tracing::info!("listening on {listen_addr} with {workers} event loop(s)");
+    warn_idle_without_http(&state.settings());
 
     let tasks = rt.block_on(async {
         // Health checks and the metrics listener live on this (control) runtime, never on
@@ -609,6 +610,14 @@ pub fn run(inv: Invocation) -> Result<(), StartError> {
     Ok(())
 }
 
+/// Names the commands that do nothing because `http` is off (a reload too).
+pub(crate) fn warn_idle_without_http(settings: &crate::settings::Settings) {
+    let idle = settings.idle_without_http();
+    if !idle.is_empty() {
+        tracing::warn!("ignored without http (-H): {}", idle.join(", "));
+    }
+}
+
 /// Stopping with an announced route: the route goes first, then quill serves on (accepting
 /// too) for `announce_grace` seconds, so that the routers move new flows elsewhere before
 /// the listeners close. Without a route, nothing waits.
@@ -701,7 +710,10 @@ async fn handle_signals(ctx: &Arc<Context>, signals: &mut Signals) {
             }, if reload.is_some() => {
                 reload = None;
                 match done {
-                    Ok(Ok(())) => tracing::info!("configuration reloaded"),
+                    Ok(Ok(())) => {
+                        tracing::info!("configuration reloaded");
+                        warn_idle_without_http(&ctx.state.settings());
+                    }
                     Ok(Err(e)) => {
                         tracing::error!("reload failed, the running configuration stays: {e}")
                     }

@@ -289,6 +289,44 @@ pub fn default_conn_max() -> usize {
     (fds.saturating_sub(64) / 2).max(16)
 }
 
+impl Settings {
+    /// The commands set here that only `http` (-H) acts on, when it is off: start-up and
+    /// reloads name them rather than ignore them without a word.
+    pub fn idle_without_http(&self) -> Vec<&'static str> {
+        if self.http {
+            return Vec::new();
+        }
+        let d = Settings::default();
+        [
+            ("h2c", self.h2c),
+            ("upstream_h2", self.upstream_h2),
+            ("hsts", self.hsts.is_some()),
+            ("access_log", self.access_log.is_some()),
+            (
+                "upstream_keepalive",
+                self.upstream_keepalive != d.upstream_keepalive,
+            ),
+            (
+                "upstream_idle_timeout",
+                self.upstream_idle_timeout != d.upstream_idle_timeout,
+            ),
+            (
+                "upstream_max_requests",
+                self.upstream_max_requests != d.upstream_max_requests,
+            ),
+            ("h2_max_streams", self.h2_max_streams != d.h2_max_streams),
+            ("http_header_max", self.http_header_max != d.http_header_max),
+            (
+                "http_request_timeout",
+                self.http_request_timeout != d.http_request_timeout,
+            ),
+        ]
+        .into_iter()
+        .filter_map(|(name, set)| set.then_some(name))
+        .collect()
+    }
+}
+
 impl Default for Settings {
     fn default() -> Settings {
         Settings {

@@ -281,3 +281,31 @@ fn server_port_defaults_to_the_listening_port() {
     let (name, _) = q.name_from("127.0.0.1");
     assert_eq!(name, a.name());
 }
+
+#[test]
+fn http_commands_without_http_are_named_at_start_up() {
+    // A raw relay does nothing with `h2c` or a pool to servers: quill says so rather than
+    // start as if they were in force.
+    if skip_on_pen("h2c and upstream_keepalive are quill's") {
+        return;
+    }
+    let a = IdentityBackend::start("plain");
+    let q = Quill::start(&[
+        "-O",
+        "h2c",
+        "-O",
+        "upstream_keepalive 4",
+        "{port}",
+        &a.spec(),
+    ]);
+    wait_until(
+        Duration::from_secs(5),
+        "quill names the commands it ignores",
+        || {
+            q.stderr()
+                .contains("ignored without http (-H): h2c, upstream_keepalive")
+        },
+    );
+    let (name, _) = q.name_from("127.0.0.1");
+    assert_eq!(name, a.name(), "the relay serves all the same");
+}

@@ -1940,7 +1940,10 @@ mod tests {
         server(&mut ex, b"HTTP/1.1 200 OK\r\nContent-Length: 2\r\n\r\no");
         assert_eq!(ex.take_refusal(), None);
         server(&mut ex, b"k");
-        assert_eq!(ex.take_refusal().as_deref(), Some(Refusal::BadRequest.response()));
+        assert_eq!(
+            ex.take_refusal().as_deref(),
+            Some(Refusal::BadRequest.response())
+        );
         assert_eq!(ex.take_refusal(), None, "handed out once");
     }
 
