@@ -144,9 +144,7 @@ fn a_one_mib_body_goes_up_and_down_over_h2c() {
     let q = quill_h2(port, &[]);
     let dir = TempDir::new("uph2");
     let file = dir.path().join("upload");
-    let data: Vec<u8> = (0..1u32 << 20)
-        .map(|i| (i.wrapping_mul(2_654_435_761) >> 24) as u8)
-        .collect();
+    let data = patterned(1 << 20);
     std::fs::write(&file, &data).unwrap();
     let url = format!("http://127.0.0.1:{}/files/blob", q.port);
     let Some(out) = tool(
@@ -904,4 +902,86 @@ fn a_server_reset_in_the_middle_of_an_answer_reaches_an_http2_client_with_its_re
         text.ends_with("\r\n\r\nstart"),
         "the body ends short: {text}"
     );
+}
+
+/// A response body pattern no window boundary can hide a lost or repeated chunk in.
+fn patterned(len: usize) -> Vec<u8> {
+    (0..len as u32)
+        .map(|i| (i.wrapping_mul(2_654_435_761) >> 24) as u8)
+        .collect()
+}
+
+#[test]
+fn an_http11_client_that_stops_reading_holds_a_window_not_the_whole_answer() {
+    // 64 MiB against a bound of 12: room for the loopback socket buffers (the kernel grows
+    // quill's send buffer up to 4 MiB), the stream's window (256 KiB) and hyper's buffer.
+    const SIZE: usize = 64 << 20;
+    const BOUND: u64 = 12 << 20;
+    let port = free_port();
+    let data = patterned(SIZE);
+    let Some(_nginx) = nginx_at(port, " http2", "", "", &[("big.bin", &data)]) else {
+        return;
+    };
+    let (q, ctl) = support::ctl::start_with_tcp_control(&[
+        "-H",
+        "-O",
+        "upstream_h2",
+        "{port}",
+        &format!("127.0.0.1:{port}"),
+    ]);
+    let received = || {
+        support::ctl::server_status(&ctl, 0)["bytes_from_server"]
+            .as_u64()
+            .unwrap()
+    };
+    let rss_before = q.rss_kib();
+    let mut s = TcpStream::connect(q.addr()).unwrap();
+    s.set_read_timeout(Some(Duration::from_secs(20))).unwrap();
+    s.write_all(b"GET /big.bin HTTP/1.1\r\nHost: example.test\r\nConnection: close\r\n\r\n")
+        .unwrap();
+    // The head and a little of the body, then the client reads no more.
+    let mut got = vec![0; 64 << 10];
+    s.read_exact(&mut got).unwrap();
+
+    // Until quill has stopped taking the answer from the server (the same count for a
+    // second), or has taken more than the bound.
+    let mut last = (received(), Instant::now());
+    let settled = poll_until(Duration::from_secs(30), || {
+        let now = received();
+        if now > BOUND {
+            return true;
+        }
+        if now != last.0 {
+            last = (now, Instant::now());
+        }
+        last.1.elapsed() >= Duration::from_secs(1)
+    });
+    let held = received();
+    assert!(
+        settled,
+        "quill never stopped taking the answer ({held} bytes)"
+    );
+    assert!(
+        held <= BOUND,
+        "a client that read 64 KiB made quill take {held} bytes of a {SIZE}-byte answer"
+    );
+    if let (Some(before), Some(now)) = (rss_before, q.rss_kib()) {
+        assert!(
+            now.saturating_sub(before) < 24 << 10,
+            "quill's RSS grew from {before} to {now} KiB for a client that does not read"
+        );
+    }
+
+    // Reading again, the client gets all of it, exactly.
+    s.read_to_end(&mut got).unwrap();
+    let text = String::from_utf8_lossy(&got[..got.len().min(1024)]);
+    assert!(text.starts_with("HTTP/1.1 200"), "{text}");
+    let body = got
+        .windows(4)
+        .position(|w| w == b"\r\n\r\n")
+        .map(|at| &got[at + 4..])
+        .unwrap_or_else(|| panic!("no end of head: {text}"));
+    assert_eq!(body.len(), SIZE, "the body's length");
+    assert!(body == &data[..], "the body came changed");
+    assert_eq!(received(), SIZE as u64);
 }

@@ -61,8 +61,13 @@ pub(super) async fn serve<IO: Parkable>(state: &'static State, io: IO, peer: Pee
     let mut builder = hyper::server::conn::http1::Builder::new();
     builder
         .timer(TokioTimer::new())
+        // Also bounds what hyper buffers of a response for a slow client: it polls the
+        // body only while its write buffer is under this, so a server's answer (an HTTP/2
+        // stream's data, released to its window as it is polled) waits at the server.
+        // Hence no `pipeline_flush`: with it hyper buffers without limit (its
+        // `can_buffer` is then always true), the whole answer for a client that does
+        // not read.
         .max_buf_size(settings.http_header_max.max(8192))
-        .pipeline_flush(true)
         .preserve_header_case(true)
         // Names without a case of their own (an HTTP/2 server's, quill's) as servers write
         // them.
