@@ -597,6 +597,17 @@ impl SilentResolver {
             .expect("quill's resolver asks the namespace's nameserver");
     }
 
+    /// Sends TERM; quill must have exited, successfully, within 5 s.
+    fn stops_at_once_on_term(&mut self) {
+        self.quill.signal("TERM");
+        let status = self.quill.wait_exit(Duration::from_secs(5));
+        assert!(
+            status.is_some_and(|s| s.success()),
+            "quill did not stop within 5 s of TERM ({status:?}): {}",
+            self.quill.stderr()
+        );
+    }
+
     /// `server 1 address slow.quill.test` on a thread of its own: it waits on the resolver.
     fn slow_command(&self) -> thread::JoinHandle<Exit> {
         let ctl = self.ctl.clone();
@@ -635,13 +646,7 @@ fn a_stop_does_not_wait_for_a_command_stuck_on_the_resolver() {
     };
     let _slow = q.slow_command();
     q.wait_for_query();
-    q.quill.signal("TERM");
-    let status = q.quill.wait_exit(Duration::from_secs(5));
-    assert!(
-        status.is_some_and(|s| s.success()),
-        "quill did not stop within 5 s of TERM ({status:?}): {}",
-        q.quill.stderr()
-    );
+    q.stops_at_once_on_term();
 }
 
 #[test]
@@ -663,13 +668,7 @@ fn a_stop_does_not_wait_for_a_reload_stuck_on_the_resolver() {
     // Still serving control commands while the reload waits.
     let servers = ctl_ok(&q.ctl, "servers");
     assert!(servers.starts_with("0 addr 127.0.0.1 port 9"), "{servers}");
-    q.quill.signal("TERM");
-    let status = q.quill.wait_exit(Duration::from_secs(5));
-    assert!(
-        status.is_some_and(|s| s.success()),
-        "quill did not stop within 5 s of TERM ({status:?}): {}",
-        q.quill.stderr()
-    );
+    q.stops_at_once_on_term();
 }
 
 // ---------------------------------------------------------------------------
