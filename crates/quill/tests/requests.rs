@@ -2186,10 +2186,12 @@ fn a_server_that_closes_ends_its_own_connection_not_the_clients() {
     assert_eq!(resp.status, 200, "{}", resp.head);
 }
 
-/// A server as NGINX behaves to the two cases below: a `POST` is read to the end of its
-/// body and answered, and closed unanswered when the client's EOF comes first; `GET /cut`
-/// is answered with a head announcing 1,000,000 bytes, 10,000 of them, and the close of a
-/// server that died. Counts the connections it closed on an unfinished body.
+/// A server as NGINX behaves to the cases below: a `POST` is read to the end of its body
+/// and answered, and closed unanswered when the client's EOF comes first; `GET /cut` is
+/// answered with a head announcing 1,000,000 bytes, 10,000 of them, and the close of a
+/// server that died; `GET /until-close` with a body the close ends (no length), `GET
+/// /not-http` with a line that is not HTTP, then the close. Counts the connections it
+/// closed on an unfinished body.
 fn unfinished_server() -> (u16, Arc<AtomicUsize>) {
     let listener = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
     let port = listener.local_addr().unwrap().port();
@@ -2212,6 +2214,14 @@ fn unfinished_server() -> (u16, Arc<AtomicUsize>) {
                     }
                 };
                 let head = String::from_utf8_lossy(&got[..head_end]).to_ascii_lowercase();
+                if head.starts_with("get /until-close") {
+                    let _ = conn.write_all(b"HTTP/1.1 200 OK\r\n\r\nthe close ends this body");
+                    return;
+                }
+                if head.starts_with("get /not-http") {
+                    let _ = conn.write_all(b"SSH-2.0-quill-test\r\n");
+                    return;
+                }
                 if head.starts_with("get /cut") {
                     let mut answer = b"HTTP/1.1 200 OK\r\nContent-Length: 1000000\r\n\r\n".to_vec();
                     answer.resize(answer.len() + 10_000, b'x');
@@ -2301,6 +2311,39 @@ fn a_server_that_dies_mid_answer_ends_the_clients_connection() {
     });
     let server = support::ctl::server_status(&ctl, 0);
     assert_eq!(server["blacklisted"], true, "{server}");
+}
+
+/// An answer that the server's close ends (a body without a length, or no HTTP at all)
+/// reaches the client whole, and its connection ends after it: it cannot carry another
+/// request. quill keeps nothing of it (before, request by request, the client was not
+/// read after such an answer and its leaving went unseen: the connection stayed open).
+#[test]
+fn an_answer_the_servers_close_ends_ends_the_clients_connection_too() {
+    let (port, _) = unfinished_server();
+    let (q, ctl) =
+        support::ctl::start_with_tcp_control(&["-H", "{port}", &format!("127.0.0.1:{port}")]);
+    for (path, body) in [
+        ("/until-close", "the close ends this body"),
+        ("/not-http", "SSH-2.0-quill-test\r\n"),
+    ] {
+        let mut client = q.connect();
+        client.set_read_timeout(Some(IO_TIMEOUT)).unwrap();
+        write!(client, "GET {path} HTTP/1.1\r\nHost: x\r\n\r\n").unwrap();
+        let mut got = Vec::new();
+        client
+            .read_to_end(&mut got)
+            .expect("the connection ends after the answer");
+        let got = String::from_utf8_lossy(&got);
+        assert!(got.ends_with(body), "{path}: {got:?}");
+        drop(client);
+        wait_until(
+            IO_TIMEOUT,
+            format_args!("quill let {path}'s connection go"),
+            || support::ctl::status_json(&ctl)["connections"]["open"] == 0,
+        );
+    }
+    let server = support::ctl::server_status(&ctl, 0);
+    assert_eq!(server["blacklisted"], false, "{server}");
 }
 
 /// The fields about the client's connection to quill (`Keep-Alive`, `Proxy-Connection`,

@@ -486,6 +486,12 @@ impl Exchange {
             && matches!(self.req, Req::Head | Req::Body(_) | Req::Chunked(_))
     }
 
+    /// Whether the answer in hand is one that the server's close ends: a body delimited by
+    /// the close, or answers quill cannot frame.
+    pub fn ended_by_close(&self) -> bool {
+        matches!(self.resp, Resp::UntilClose | Resp::Raw)
+    }
+
     /// Whether the server closing its connection now cuts an answer short: one due, or
     /// begun and framed by a length or chunks (not one the close ends, nor a tunnel).
     pub fn cut_by_close(&self) -> bool {

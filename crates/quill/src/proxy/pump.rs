@@ -777,6 +777,27 @@ where
                 server.acknowledge();
             }
         }
+        if one_request
+            && down.done
+            && !up.done
+            && !ending
+            && shared
+                .exchange
+                .as_ref()
+                .is_some_and(|ex| ex.ended_by_close())
+        {
+            // The answer ended with the server's connection (a body delimited by the close,
+            // or no HTTP quill can frame): the client's connection cannot carry another
+            // request and ends too, as an asked-for end does. Request by request the
+            // client is not read while its answer comes: left waiting for the client to
+            // close, the relay would never see it go.
+            ending = true;
+            up.done = true;
+            up_stopped = true;
+            up.out = Vec::new();
+            up.held = Vec::new();
+            cx.waker().wake_by_ref();
+        }
         if server_refused.is_some() && !server_gone {
             if down.bytes > 0 && shared.exchange.as_ref().is_some_and(|ex| ex.answered()) {
                 server_gone = true;
