@@ -724,8 +724,7 @@ async fn handle_signals(ctx: &Arc<Context>, signals: &mut Signals) {
             _ = signals.hup.recv(), if reload.is_none() => {
                 systemd::reloading();
                 // Off the control thread, as a command: host names may be resolved.
-                let ctx = Arc::clone(ctx);
-                reload = Some(tokio::task::spawn_blocking(move || ctx.reload()));
+                reload = Some(control::off_thread(ctx, Context::reload));
             }
             _ = signals.usr1.recv() => {
                 let stats = control::report::servers(&ctx.state);

@@ -487,18 +487,18 @@ async fn reply<S: tokio::io::AsyncRead + tokio::io::AsyncWrite + Unpin>(
     refuse(sock, &reply).await;
 }
 
-/// Runs `work` (a command, a reload) on a thread of the blocking pool and waits for it:
+/// Runs `work` (a command, a reload) on a thread of the blocking pool; await the handle:
 /// a command may resolve a host name (`server N address HOST`, `-l HOST:PORT`) or read
 /// files, and a slow resolver must not stall what shares the control thread (other
 /// commands, the metrics listener, health checks). Settings changes stay ordered:
 /// `State::execute` takes the writer's lock. The daemon's control runtime has a few such
 /// threads (`daemon::CONTROL_THREADS`); work beyond them waits.
-pub async fn off_thread<T: Send + 'static>(
+pub fn off_thread<T: Send + 'static>(
     ctx: &Arc<Context>,
     work: impl FnOnce(&Context) -> T + Send + 'static,
-) -> Result<T, tokio::task::JoinError> {
+) -> tokio::task::JoinHandle<T> {
     let ctx = Arc::clone(ctx);
-    tokio::task::spawn_blocking(move || work(&ctx)).await
+    tokio::task::spawn_blocking(move || work(&ctx))
 }
 
 /// Sends an error and closes, with the client possibly still sending. Closing with unread
