@@ -93,10 +93,6 @@ struct Shared<'a> {
     server_failed: bool,
     /// Request by request: the server closed its connection between requests.
     server_left: bool,
-    /// Request by request: the client closed its side before its request was whole (an
-    /// upload given up; its EOF went on to the server). A server that then ends without
-    /// an answer, or fails, is not at fault: it was left with half a request.
-    abandoned: bool,
 }
 
 impl Shared<'_> {
@@ -110,6 +106,16 @@ impl Shared<'_> {
             && self.server_failed
             && answer_bytes > 0
             && self.exchange.as_ref().is_some_and(|ex| ex.answered())
+    }
+
+    /// Request by request, whether the client, its side done (`client_done`), closed it
+    /// before its request was whole: an upload given up (its EOF went on to the server). A
+    /// server that then ends without an answer, or fails, is not at fault: it was left with
+    /// half a request.
+    fn given_up(&self, client_done: bool) -> bool {
+        self.one_request
+            && client_done
+            && !self.exchange.as_ref().is_some_and(|ex| ex.request_whole())
     }
 
     fn accepts(&self, dir: Dir) -> bool {
@@ -197,77 +203,68 @@ impl Flow {
                 return Poll::Pending;
             }
             budget -= 1;
-            let step =
-                SCRATCH.with(|scratch| {
-                    let mut scratch = scratch.borrow_mut();
-                    let mut buf = ReadBuf::new(&mut scratch[..]);
-                    match Pin::new(&mut *src).poll_read(cx, &mut buf) {
-                        Poll::Pending => return Poll::Pending,
-                        Poll::Ready(Err(e)) => {
-                            shared.server_failed = dir == Dir::Down;
-                            return Poll::Ready(Err(e));
-                        }
-                        Poll::Ready(Ok(())) => {}
+            let step = SCRATCH.with(|scratch| {
+                let mut scratch = scratch.borrow_mut();
+                let mut buf = ReadBuf::new(&mut scratch[..]);
+                match Pin::new(&mut *src).poll_read(cx, &mut buf) {
+                    Poll::Pending => return Poll::Pending,
+                    Poll::Ready(Err(e)) => {
+                        shared.server_failed = dir == Dir::Down;
+                        return Poll::Ready(Err(e));
                     }
-                    let input = buf.filled();
-                    if input.is_empty() && dir == Dir::Down && shared.one_request {
-                        if shared.exchange.as_ref().is_some_and(|ex| ex.between()) {
-                            // Between requests: the connection is of no further use, but
-                            // the client's goes on.
-                            shared.server_left = true;
-                            return Poll::Pending;
-                        }
-                        if self.bytes == 0 && !shared.abandoned {
-                            // Gone before answering: the request may go elsewhere.
-                            shared.server_failed = true;
-                            return Poll::Ready(Err(io::Error::new(
-                                ErrorKind::UnexpectedEof,
-                                "the server closed the connection before answering",
-                            )));
-                        }
-                        if !shared.abandoned
-                            && shared.exchange.as_ref().is_some_and(|ex| ex.cut_by_close())
-                        {
-                            // The client, not read while its answer comes, would never be
-                            // seen leaving: the connection ends here, the answer cut.
-                            shared.server_failed = true;
-                            return Poll::Ready(Err(io::Error::new(
-                                ErrorKind::UnexpectedEof,
-                                "the server closed the connection in the middle of its answer",
-                            )));
+                    Poll::Ready(Ok(())) => {}
+                }
+                let input = buf.filled();
+                if input.is_empty() && dir == Dir::Down && shared.one_request {
+                    if shared.exchange.as_ref().is_some_and(|ex| ex.between()) {
+                        // Between requests: the connection is of no further use, but
+                        // the client's goes on.
+                        shared.server_left = true;
+                        return Poll::Pending;
+                    }
+                    let given_up = shared.given_up(other_done);
+                    if self.bytes == 0 && !given_up {
+                        // Gone before answering: the request may go elsewhere.
+                        shared.server_failed = true;
+                        return Poll::Ready(Err(io::Error::new(
+                            ErrorKind::UnexpectedEof,
+                            "the server closed the connection before answering",
+                        )));
+                    }
+                    if !given_up && shared.exchange.as_ref().is_some_and(|ex| ex.cut_by_close()) {
+                        // The client, not read while its answer comes, would never be
+                        // seen leaving: the connection ends here, the answer cut.
+                        shared.server_failed = true;
+                        return Poll::Ready(Err(io::Error::new(
+                            ErrorKind::UnexpectedEof,
+                            "the server closed the connection in the middle of its answer",
+                        )));
+                    }
+                }
+                if input.is_empty() {
+                    self.eof = true;
+                    if dir == Dir::Down {
+                        if let Some(ex) = shared.exchange.as_mut() {
+                            // Forwarded before the EOF is passed on.
+                            ex.server_closed(&mut self.out);
                         }
                     }
-                    if input.is_empty() {
-                        self.eof = true;
-                        if dir == Dir::Up
-                            && shared.one_request
-                            && !shared
-                                .exchange
-                                .as_ref()
-                                .is_some_and(|ex| ex.request_whole())
-                        {
-                            shared.abandoned = true;
-                        }
-                        if dir == Dir::Down {
-                            if let Some(ex) = shared.exchange.as_mut() {
-                                // Forwarded before the EOF is passed on.
-                                ex.server_closed(&mut self.out);
-                            }
-                        }
-                        return Poll::Ready(Ok(()));
-                    }
-                    self.bytes += input.len() as u64;
-                    super::polling::moved(input.len() as u64);
-                    shared.active = true;
-                    if let Some(first) = self.first.as_mut().filter(|f| f.is_empty()) {
-                        first.extend_from_slice(
-                            &input[..input.len().min(crate::connlog::REQUEST_BYTES)],
-                        );
-                    }
-                    Poll::Ready(OUT.with(|out| {
+                    return Poll::Ready(Ok(()));
+                }
+                self.bytes += input.len() as u64;
+                super::polling::moved(input.len() as u64);
+                shared.active = true;
+                if let Some(first) = self.first.as_mut().filter(|f| f.is_empty()) {
+                    first.extend_from_slice(
+                        &input[..input.len().min(crate::connlog::REQUEST_BYTES)],
+                    );
+                }
+                Poll::Ready(
+                    OUT.with(|out| {
                         self.forward(dir, cx, input, &mut out.borrow_mut(), dst, shared)
-                    }))
-                });
+                    }),
+                )
+            });
             ready!(step)?;
         }
     }
@@ -705,7 +702,6 @@ where
     let mut down = Flow::default();
     let mut active = false;
     let mut refusing = false;
-    let mut abandoned = false;
     // The connection ends as asked: the client's side is being shut, then drained.
     let mut ending = false;
     let mut idle = IdleTimer::new(opts.idle_timeout, None);
@@ -728,11 +724,10 @@ where
             one_request,
             server_failed: false,
             server_left: false,
-            abandoned,
         };
         let blocked_before = !shared.accepts(Dir::Up);
-        let failed = |e, shared: &Shared<'_>| {
-            if shared.one_request && shared.server_failed && !shared.abandoned {
+        let failed = |e, shared: &Shared<'_>, client_done: bool| {
+            if shared.one_request && shared.server_failed && !shared.given_up(client_done) {
                 End::ServerError(e)
             } else {
                 End::Error(e)
@@ -755,7 +750,7 @@ where
                     up.unflushed = false;
                     server_refused = Some(e);
                 } else {
-                    return Poll::Ready(failed(e, &shared));
+                    return Poll::Ready(failed(e, &shared, up.done && !up_stopped));
                 }
             }
         }
@@ -769,7 +764,7 @@ where
                 &mut shared,
             ) {
                 if !shared.failed_after_answering(down.bytes) {
-                    return Poll::Ready(failed(e, &shared));
+                    return Poll::Ready(failed(e, &shared, up.done && !up_stopped));
                 }
                 server_gone = true;
             }
@@ -833,7 +828,6 @@ where
         }
         active = shared.active;
         refusing = shared.refusing;
-        abandoned = shared.abandoned;
         let refused = shared
             .exchange
             .as_ref()
