@@ -5,6 +5,7 @@
 //! side goes through [`State::execute`], which applies a command to a copy and publishes the
 //! copy atomically, so a reader sees either the old or the new configuration, never a mix.
 
+use std::fmt;
 use std::sync::atomic::{
     AtomicU64, AtomicUsize,
     Ordering::{Acquire, Relaxed, SeqCst},
@@ -286,11 +287,20 @@ impl State {
         }
     }
 
-    /// Marks a server as failed: counted and blacklisted for the configured time.
-    pub fn server_failed(&self, index: usize, blacklist_secs: u64) {
-        if let Some(s) = self.servers.get(index) {
-            s.failures.fetch_add(1, Relaxed);
-            s.blacklist(clock::now_ms(), blacklist_secs);
+    /// Marks a server as failed (`what` says how, naming it): counted and blacklisted for
+    /// the configured time. The failure that takes a server out of use is a warning (an
+    /// operator sees it at the default level); those while it is out already, which only
+    /// move its return, are debug lines, so that a dead server under load does not flood
+    /// the log.
+    pub fn server_failed(&self, index: usize, blacklist_secs: u64, what: fmt::Arguments<'_>) {
+        let Some(s) = self.servers.get(index) else {
+            return;
+        };
+        s.failures.fetch_add(1, Relaxed);
+        if s.blacklist(clock::now_ms(), blacklist_secs) && blacklist_secs > 0 {
+            tracing::warn!("{what}; blacklisted for {blacklist_secs} s");
+        } else {
+            tracing::debug!("{what}; blacklisted for {blacklist_secs} s");
         }
     }
 }

@@ -102,6 +102,44 @@ fn a_refused_server_is_not_tried_before_its_blacklist_time() {
     );
 }
 
+/// An operator sees a server taken out of use at the default log level, as a warning that
+/// names it; the connections that go elsewhere meanwhile add nothing to the log.
+#[test]
+fn a_blacklisted_server_is_a_warning_in_the_log() {
+    if skip_on_pen("Pen 0.34 does not blacklist a server that refuses connections") {
+        return;
+    }
+    let a = IdentityBackend::start("a");
+    let b = IdentityBackend::start("b");
+    let q = Quill::start(&[
+        "-b",
+        "30",
+        "-r",
+        "-t",
+        "1",
+        "127.0.0.1:{port}",
+        &a.spec(),
+        &b.spec(),
+    ]);
+    a.stop();
+    for _ in 0..6 {
+        assert_eq!(q.name_from("127.0.0.1").0, "b");
+    }
+    let warnings = || {
+        q.stderr()
+            .lines()
+            .filter(|l| l.contains("WARN") && l.contains("blacklisted for 30 s"))
+            .map(str::to_owned)
+            .collect::<Vec<_>>()
+    };
+    wait_until(Duration::from_secs(5), "the blacklisting's warning", || {
+        !warnings().is_empty()
+    });
+    let lines = warnings();
+    assert_eq!(lines.len(), 1, "{lines:?}");
+    assert!(lines[0].contains(&a.spec()), "{lines:?}");
+}
+
 #[test]
 fn an_unresponsive_server_is_not_tried_before_its_blacklist_time() {
     let a = UnresponsiveBackend::start();

@@ -247,14 +247,16 @@ impl ServerState {
         self.blacklisted_until.load(Relaxed) > now
     }
 
-    /// Avoid this server for `seconds` from `now`; 0 whitelists it.
-    pub fn blacklist(&self, now: u64, seconds: u64) {
+    /// Avoid this server for `seconds` from `now`; 0 whitelists it. Whether the server
+    /// was in use until now (not blacklisted at `now`): of event loops that blacklist it
+    /// at once, one sees that.
+    pub fn blacklist(&self, now: u64, seconds: u64) -> bool {
         let until = if seconds == 0 {
             0
         } else {
             now.saturating_add(seconds.saturating_mul(1000))
         };
-        self.blacklisted_until.store(until, Relaxed);
+        self.blacklisted_until.swap(until, Relaxed) <= now
     }
 
     /// The health check's verdict.

@@ -288,11 +288,11 @@ impl<'a, 's: 'a> Candidates<'a, 's> {
     pub(super) fn failed(&mut self, c: &Candidate<'_, '_>, e: &io::Error) {
         match c.index {
             Some(index) => {
-                tracing::info!(
-                    "{c} failed: {e}; blacklisted for {} s",
-                    self.settings.blacklist
+                self.state.server_failed(
+                    index,
+                    self.settings.blacklist,
+                    format_args!("{c} failed: {e}"),
                 );
-                self.state.server_failed(index, self.settings.blacklist);
                 self.choice = self.selector.as_mut().map(|s| s.failover(index));
             }
             None => {
@@ -383,8 +383,11 @@ impl Drop for Waiting<'_> {
 pub(super) fn lost(state: &State, blacklist: u64, c: &Candidate<'_, '_>, e: &io::Error) {
     match c.index {
         Some(index) => {
-            tracing::info!("{c} failed during a request: {e}; blacklisted for {blacklist} s");
-            state.server_failed(index, blacklist);
+            state.server_failed(
+                index,
+                blacklist,
+                format_args!("{c} failed during a request: {e}"),
+            );
         }
         None => tracing::warn!("{c} failed during a request: {e}"),
     }

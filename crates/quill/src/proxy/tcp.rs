@@ -621,11 +621,11 @@ impl<'a, E> Session<'a, E> {
                 // A server that resets a connection mid-transfer is treated like one that
                 // refuses: new clients go elsewhere for the blacklist time.
                 Some(index) => {
-                    let blacklist = state.settings().blacklist;
-                    tracing::info!(
-                        "server {index} failed mid-connection: {e}; blacklisted for {blacklist} s"
+                    state.server_failed(
+                        index,
+                        state.settings().blacklist,
+                        format_args!("server {index} failed mid-connection: {e}"),
                     );
-                    state.server_failed(index, blacklist);
                 }
                 None => tracing::debug!(%peer, "emergency or abuse server failed: {e}"),
             },

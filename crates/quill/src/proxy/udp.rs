@@ -172,12 +172,11 @@ impl Flow {
     fn server_failed(&self, why: &dyn std::fmt::Display) {
         match self.upstream {
             Upstream::Server(i) => {
-                tracing::info!(
-                    "server {i} failed for udp client {}: {why}; blacklisted for {} s",
-                    self.client,
-                    self.blacklist_secs
+                self.state.server_failed(
+                    i,
+                    self.blacklist_secs,
+                    format_args!("server {i} failed for udp client {}: {why}", self.client),
                 );
-                self.state.server_failed(i, self.blacklist_secs);
             }
             other => tracing::info!(
                 "{other:?} server failed for udp client {}: {why}",
@@ -574,11 +573,11 @@ impl Worker {
                     return None;
                 }
                 Err(e) => {
-                    tracing::info!(
-                        "server {index} ({addr}) failed: {e}; blacklisted for {} s",
-                        settings.blacklist
+                    state.server_failed(
+                        index,
+                        settings.blacklist,
+                        format_args!("server {index} ({addr}) failed: {e}"),
                     );
-                    state.server_failed(index, settings.blacklist);
                     choice = selector.failover(index);
                 }
             }
