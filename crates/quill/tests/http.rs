@@ -520,9 +520,9 @@ fn drain_moves_on(s: &mut std::net::TcpStream, ctl: &str) {
     support::ctl::ctl_ok(ctl, "drain 0");
 }
 
-/// Stopping, the byte pump closes a keep-alive client that is between requests at once,
-/// and lets a request in flight finish with `Connection: close`: quill is gone long before
-/// `shutdown_grace`.
+/// Stopping, the byte pump closes a keep-alive client that is between requests at once
+/// (served request by request: within a second of its last answer), and lets a request in
+/// flight finish with `Connection: close`: quill is gone long before `shutdown_grace`.
 #[test]
 fn stopping_closes_idle_byte_pump_clients_and_finishes_answers_in_flight() {
     stopping_closes_idle_clients(Pump::Connection);
@@ -573,6 +573,49 @@ fn stopping_closes_idle_clients(pump: Pump) {
     );
     expect_closed(&mut busy, Duration::from_secs(10));
     drop((idle, busy));
+    assert!(
+        q.wait_exit(Duration::from_secs(10)).is_some(),
+        "quill still runs, waiting out shutdown_grace"
+    );
+}
+
+/// Stopping, a keep-alive client that has just read an answer saying nothing of a close
+/// may be sending its next request already (a client at full speed, `wrk`, always is):
+/// that request is served, its answer saying `Connection: close`, and the connection
+/// closes after it. Closed under it, the request was lost without a word (`wrk` counted a
+/// read error on every connection at a stop or a binary upgrade; HAProxy answers it).
+#[test]
+fn stopping_answers_the_request_a_keep_alive_client_sends_right_after_its_answer() {
+    if skip_on_pen("shutdown_grace is a quill extension") {
+        return;
+    }
+    let backend = EchoServer::start();
+    let extra = ["-O", "shutdown_grace 60"];
+    let (mut q, _ctl) = start_pump(Pump::Request, &extra, &backend);
+    let mut s = q.connect();
+    s.set_read_timeout(Some(Duration::from_secs(10))).unwrap();
+    s.write_all(b"GET /first HTTP/1.1\r\nHost: x\r\n\r\n")
+        .unwrap();
+    let first = read_response(&mut s).expect("an answer");
+    assert_eq!(first.field("connection"), None, "{}", first.head);
+    q.signal("TERM");
+    // Not accepting any more: quill has taken the stop in.
+    let addr = q.addr();
+    wait_until(Duration::from_secs(5), "quill stops accepting", || {
+        std::net::TcpStream::connect(addr).is_err()
+    });
+    s.write_all(b"GET /second HTTP/1.1\r\nHost: x\r\n\r\n")
+        .unwrap();
+    let second = read_response(&mut s).expect("the request sent after the stop is answered");
+    assert_eq!(second.status, 200);
+    assert_eq!(
+        second.field("connection").as_deref(),
+        Some("close"),
+        "{}",
+        second.head
+    );
+    expect_closed(&mut s, Duration::from_secs(10));
+    drop(s);
     assert!(
         q.wait_exit(Duration::from_secs(10)).is_some(),
         "quill still runs, waiting out shutdown_grace"

@@ -32,6 +32,9 @@ pub(super) trait Parkable: AsyncRead + AsyncWrite + Unpin + Send + 'static {
     /// Whether bytes wait to be read without the socket (given back, or decrypted), or
     /// to be written (TLS records): then the connection is not idle.
     fn busy(&self) -> bool;
+    /// Whether the client sent something not read yet: bytes given back or decrypted, or
+    /// anything in the socket (asked of the socket: the event loop may not have seen it).
+    fn sent(&self) -> bool;
 }
 
 impl<I, S> Graceful for hyper::server::conn::http1::UpgradeableConnection<I, S>

@@ -169,9 +169,10 @@ pub(super) async fn serve<C: Parkable>(
         if let Served::Over = one_request(state, &mut client, &mut http, peer, &ask).await {
             return;
         }
-        let deadline = between.map(|b| Instant::now() + b);
+        let answered = Instant::now();
+        let deadline = between.map(|b| answered + b);
         http.exchange.resume();
-        match wait_for_head(state, &client, &http, deadline, park_after).await {
+        match wait_for_head(state, &client, &http, answered, deadline, park_after).await {
             Waited::Ready => {}
             Waited::Overdue => {
                 count_http_end(state, &End::RequestTimeout { answered: false });
@@ -204,6 +205,17 @@ enum Waited {
     Stop,
 }
 
+/// How long after an answer that did not say `Connection: close` a stopping quill still
+/// waits for the client's next request (which then gets that answer) before it closes the
+/// connection. A keep-alive client sends its next request as soon as it has read an
+/// answer: closing at once, quill would reset a request that is on its way or about to
+/// be (a loopback client's turn-around is tens of microseconds; a distant one's request
+/// can be in flight for a round trip), and no client can tell that from a request lost
+/// to a failed server (`wrk` failed once on every connection at a binary upgrade).
+/// HAProxy's soft stop answers such a request with `connection: close` too. A client
+/// silent for longer is idle, and its connection closes at once.
+const NEXT_REQUEST_AT_STOP: Duration = Duration::from_secs(1);
+
 /// Waits until the client sends again, counted in `State::parked` once it has been idle
 /// for `idle_park`. It holds no buffer meanwhile, so unlike hyper's parking this frees
 /// nothing and asks the allocator for no release (which, for clients that all think
@@ -213,6 +225,7 @@ async fn wait_for_head<C: Parkable>(
     state: &State,
     client: &C,
     http: &Http,
+    answered: Instant,
     deadline: Option<Instant>,
     park_after: Option<Duration>,
 ) -> Waited {
@@ -222,7 +235,7 @@ async fn wait_for_head<C: Parkable>(
     // Registered before the look at the flag: a stop in between still wakes it.
     let stopped = signals::bell().notified();
     if state.asked().stopping() {
-        return Waited::Stop;
+        return stopped_between(client, answered, deadline).await;
     }
     let overdue = async {
         match deadline {
@@ -246,8 +259,32 @@ async fn wait_for_head<C: Parkable>(
                 state.parked.fetch_add(1, Relaxed);
                 parked = Some(Held(&state.parked));
             }
-            () = &mut stopped => return Waited::Stop,
+            () = &mut stopped => return stopped_between(client, answered, deadline).await,
         }
+    }
+}
+
+/// quill stops while the client is between requests: the connection closes once the
+/// client has been silent for `NEXT_REQUEST_AT_STOP` since its last answer (at once if it
+/// already was); a request that comes before is served, its answer saying `Connection:
+/// close`.
+async fn stopped_between<C: Parkable>(
+    client: &C,
+    answered: Instant,
+    deadline: Option<Instant>,
+) -> Waited {
+    // Asked of the socket: the event loop may have woken for the stop before it took the
+    // event of a request already there.
+    if client.sent() {
+        return Waited::Ready;
+    }
+    let until = deadline.map_or(answered + NEXT_REQUEST_AT_STOP, |d| {
+        d.min(answered + NEXT_REQUEST_AT_STOP)
+    });
+    let next = poll_fn(|cx| client.poll_read_ready(cx));
+    match tokio::time::timeout_at(until.into(), next).await {
+        Ok(_) => Waited::Ready,
+        Err(_) => Waited::Stop,
     }
 }
 

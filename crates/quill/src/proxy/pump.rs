@@ -858,7 +858,10 @@ where
                 Ask::MoveOn => ex.close_after_answer(),
                 Ask::Stop => {
                     ex.close_after_answer();
-                    if up.held.is_empty() {
+                    // Request by request, an answer that went out without `Connection:
+                    // close` ends at its boundary as usual: `h1_pump` then gives the
+                    // client a moment to send the request it may be sending already.
+                    if up.held.is_empty() && !one_request {
                         ex.close_now();
                     }
                 }

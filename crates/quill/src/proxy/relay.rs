@@ -67,6 +67,10 @@ pub trait Stream: Acknowledge {
     /// only where no await separates it from the last look at the socket (tokio keeps a
     /// readiness that arrived with a newer tick).
     fn forget_readable(&self);
+    /// Whether something waits to be read (bytes, EOF or an error), asked of the socket
+    /// itself (a peek) rather than of the event loop, which may not have taken the event
+    /// that announces it yet.
+    fn readable_now(&self) -> bool;
     fn try_write(&self, buf: &[u8]) -> io::Result<usize>;
     fn shutdown_write(&self) -> io::Result<()>;
     /// Copies received bytes without consuming them. When `more(peeked)` says more bytes
@@ -126,6 +130,11 @@ macro_rules! impl_stream {
                     Stream::forget_readable(self);
                 }
                 read
+            }
+            fn readable_now(&self) -> bool {
+                let mut byte = [0u8; 1];
+                let flags = rustix::net::RecvFlags::PEEK | rustix::net::RecvFlags::DONTWAIT;
+                !matches!(rustix::net::recv(self, &mut byte, flags), Err(e) if e == rustix::io::Errno::AGAIN)
             }
             fn forget_readable(&self) {
                 // Saying "would block" from inside `try_io` is how tokio is told.
@@ -715,6 +724,9 @@ mod tests {
         }
         fn forget_readable(&self) {
             Stream::forget_readable(&self.socket);
+        }
+        fn readable_now(&self) -> bool {
+            self.socket.readable_now()
         }
         fn try_write(&self, buf: &[u8]) -> io::Result<usize> {
             Stream::try_write(&self.socket, buf)

@@ -325,6 +325,9 @@ impl<C: ClientStream> super::h1::Parkable for Prefixed<C> {
     fn busy(&self) -> bool {
         self.has_prefix()
     }
+    fn sent(&self) -> bool {
+        self.has_prefix() || self.get_ref().readable_now()
+    }
 }
 
 /// An HTTP/1.x client over TLS served request by request: idle when rustls has no record
@@ -340,6 +343,10 @@ impl<C: ClientStream> super::h1::Parkable for Prefixed<Box<ServerTlsStream<C>>> 
         // Decrypted bytes not read yet count too (rustls then wants no more records).
         let tls = self.get_ref().get_ref().1;
         self.has_prefix() || tls.wants_write() || !tls.wants_read()
+    }
+    fn sent(&self) -> bool {
+        let (tcp, tls) = self.get_ref().get_ref();
+        self.has_prefix() || !tls.wants_read() || tcp.readable_now()
     }
 }
 
