@@ -40,6 +40,7 @@ use super::h2_client;
 use super::pool::{self, Conn, Limits, Target};
 use super::pool_h2::{self, Take};
 use super::quickack;
+use super::signals::NEXT_REQUEST_AT_STOP;
 use super::tcp::{open_upstream, Preamble, Server};
 use crate::accesslog::{AccessLog, Record};
 use crate::balance::{Place, ServerState};
@@ -334,7 +335,8 @@ pub(super) enum Ended {
 }
 
 /// Drives `conn` until it ends, and ends it: asked to (GOAWAY, or a close after the
-/// response in flight) when quill stops or no request came within `timers`; asked to move
+/// response in flight; an HTTP/1.x client active within `NEXT_REQUEST_AT_STOP` may send
+/// one more request first, answered with `Connection: close`) when quill stops or no request came within `timers`; asked to move
 /// on ([`Graceful::recycle`]) after a reload and when the node drains; dropped when a
 /// request in flight moves no byte for `timers.stalled`, or when the client stays longer
 /// than `CLOSE_GRACE` after being asked to go. When `timers.between` passes, `late_head`
@@ -355,21 +357,30 @@ pub(super) async fn supervise<G: Graceful>(
     // Read at every wake-up of the connection: one load, not two watch channels' locks.
     let mut asked = super::signals::Watcher::new(state);
     let mut shut: Option<Instant> = None;
+    // quill stops, and this HTTP/1.x connection's next response says `Connection: close`:
+    // it is shut once its client has been quiet for `NEXT_REQUEST_AT_STOP` (the request
+    // it may be sending right after an answer is answered, not closed under it).
+    let mut stopping = false;
     let mut timed_out = None;
     if asked.seen().stopping() {
-        conn.as_mut().shut();
-        shut = Some(Instant::now());
+        shut = stop(conn.as_mut(), activity, &mut stopping);
     }
     loop {
-        // The watchdog looks again every second at most.
-        let tick = tokio::time::sleep(Duration::from_secs(1));
+        // The watchdog looks again every second at most (a stopping connection when its
+        // client's time to send is up).
+        let wait = match activity.last.get() {
+            Some(last) if stopping && activity.in_flight.get() == 0 => {
+                (last + NEXT_REQUEST_AT_STOP).saturating_duration_since(Instant::now())
+            }
+            _ => Duration::from_secs(1),
+        };
+        let tick = tokio::time::sleep(wait.min(Duration::from_secs(1)));
         tokio::select! {
             _ = conn.as_mut() => break,
-            now = asked.changed(), if shut.is_none() => {
+            now = asked.changed(), if shut.is_none() && !stopping => {
                 // A stop outranks a reload or a drain that came with it.
                 if now.stopping() {
-                    conn.as_mut().shut();
-                    shut = Some(Instant::now());
+                    shut = stop(conn.as_mut(), activity, &mut stopping);
                 } else if conn.as_mut().recycle(activity) {
                     shut = Some(Instant::now());
                 }
@@ -380,6 +391,13 @@ pub(super) async fn supervise<G: Graceful>(
                 if activity.in_flight.get() > 0 {
                     if timers.stalled.is_some_and(|l| quiet >= l) {
                         return Ended::Closed(timed_out);
+                    }
+                    continue;
+                }
+                if stopping && shut.is_none() {
+                    if quiet >= NEXT_REQUEST_AT_STOP {
+                        conn.as_mut().shut();
+                        shut = Some(Instant::now());
                     }
                     continue;
                 }
@@ -416,6 +434,33 @@ pub(super) async fn supervise<G: Graceful>(
         tunnel.await;
     }
     Ended::Closed(timed_out)
+}
+
+/// quill stops: an HTTP/2 connection gets GOAWAY at once (its client knows which streams
+/// were not taken), and so does an HTTP/1.x one whose client has been quiet for
+/// `NEXT_REQUEST_AT_STOP`; a busier HTTP/1.x one is only asked to close after its next
+/// response (`stopping`), and shut by the watchdog once its client is quiet that long.
+/// Returns when the connection was shut.
+fn stop<G: Graceful>(
+    mut conn: Pin<&mut G>,
+    activity: &Activity,
+    stopping: &mut bool,
+) -> Option<Instant> {
+    if conn.as_mut().recycle(activity) {
+        return Some(Instant::now());
+    }
+    let quiet = activity.in_flight.get() == 0
+        && activity
+            .last
+            .get()
+            .map_or(true, |last| last.elapsed() >= NEXT_REQUEST_AT_STOP);
+    if quiet {
+        conn.shut();
+        Some(Instant::now())
+    } else {
+        *stopping = true;
+        None
+    }
 }
 
 thread_local! {

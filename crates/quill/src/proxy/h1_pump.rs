@@ -205,17 +205,6 @@ enum Waited {
     Stop,
 }
 
-/// How long after an answer that did not say `Connection: close` a stopping quill still
-/// waits for the client's next request (which then gets that answer) before it closes the
-/// connection. A keep-alive client sends its next request as soon as it has read an
-/// answer: closing at once, quill would reset a request that is on its way or about to
-/// be (a loopback client's turn-around is tens of microseconds; a distant one's request
-/// can be in flight for a round trip), and no client can tell that from a request lost
-/// to a failed server (`wrk` failed once on every connection at a binary upgrade).
-/// HAProxy's soft stop answers such a request with `connection: close` too. A client
-/// silent for longer is idle, and its connection closes at once.
-const NEXT_REQUEST_AT_STOP: Duration = Duration::from_secs(1);
-
 /// Waits until the client sends again, counted in `State::parked` once it has been idle
 /// for `idle_park`. It holds no buffer meanwhile, so unlike hyper's parking this frees
 /// nothing and asks the allocator for no release (which, for clients that all think
@@ -265,7 +254,7 @@ async fn wait_for_head<C: Parkable>(
 }
 
 /// quill stops while the client is between requests: the connection closes once the
-/// client has been silent for `NEXT_REQUEST_AT_STOP` since its last answer (at once if it
+/// client has been silent for `signals::NEXT_REQUEST_AT_STOP` since its last answer (at once if it
 /// already was); a request that comes before is served, its answer saying `Connection:
 /// close`.
 async fn stopped_between<C: Parkable>(
@@ -278,8 +267,8 @@ async fn stopped_between<C: Parkable>(
     if client.sent() {
         return Waited::Ready;
     }
-    let until = deadline.map_or(answered + NEXT_REQUEST_AT_STOP, |d| {
-        d.min(answered + NEXT_REQUEST_AT_STOP)
+    let until = deadline.map_or(answered + signals::NEXT_REQUEST_AT_STOP, |d| {
+        d.min(answered + signals::NEXT_REQUEST_AT_STOP)
     });
     let next = poll_fn(|cx| client.poll_read_ready(cx));
     match tokio::time::timeout_at(until.into(), next).await {
