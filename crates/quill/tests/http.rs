@@ -520,9 +520,9 @@ fn drain_moves_on(s: &mut std::net::TcpStream, ctl: &str) {
     support::ctl::ctl_ok(ctl, "drain 0");
 }
 
-/// Stopping, the byte pump closes a keep-alive client that is between requests at once
-/// (served request by request: within a second of its last answer), and lets a request in
-/// flight finish with `Connection: close`: quill is gone long before `shutdown_grace`.
+/// Stopping, quill closes a keep-alive client that is between requests (within a second of
+/// its last answer), and lets a request in flight finish with `Connection: close`: quill is
+/// gone long before `shutdown_grace`.
 #[test]
 fn stopping_closes_idle_byte_pump_clients_and_finishes_answers_in_flight() {
     stopping_closes_idle_clients(Pump::Connection);
@@ -586,12 +586,21 @@ fn stopping_closes_idle_clients(pump: Pump) {
 /// read error on every connection at a stop or a binary upgrade; HAProxy answers it).
 #[test]
 fn stopping_answers_the_request_a_keep_alive_client_sends_right_after_its_answer() {
+    stopping_answers_the_next_request(Pump::Request);
+}
+
+#[test]
+fn stopping_the_byte_pump_answers_the_request_a_keep_alive_client_sends_right_after_its_answer() {
+    stopping_answers_the_next_request(Pump::Connection);
+}
+
+fn stopping_answers_the_next_request(pump: Pump) {
     if skip_on_pen("shutdown_grace is a quill extension") {
         return;
     }
     let backend = EchoServer::start();
     let extra = ["-O", "shutdown_grace 60"];
-    let (mut q, _ctl) = start_pump(Pump::Request, &extra, &backend);
+    let (mut q, _ctl) = start_pump(pump, &extra, &backend);
     let mut s = q.connect();
     s.set_read_timeout(Some(Duration::from_secs(10))).unwrap();
     s.write_all(b"GET /first HTTP/1.1\r\nHost: x\r\n\r\n")

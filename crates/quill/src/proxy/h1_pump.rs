@@ -254,9 +254,9 @@ async fn wait_for_head<C: Parkable>(
 }
 
 /// quill stops while the client is between requests: the connection closes once the
-/// client has been silent for `signals::NEXT_REQUEST_AT_STOP` since its last answer (at once if it
-/// already was); a request that comes before is served, its answer saying `Connection:
-/// close`.
+/// client has been silent for `signals::NEXT_REQUEST_AT_STOP` since its last answer (at
+/// once if it already was); a request that comes before is served, its answer saying
+/// `Connection: close`.
 async fn stopped_between<C: Parkable>(
     client: &C,
     answered: Instant,

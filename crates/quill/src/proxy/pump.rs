@@ -32,6 +32,7 @@ use super::quickack::Acknowledge;
 use super::relay::{
     fast_close, turn_end, End, IdleTimer, Outcome, RelayOptions, BUDGET, SCRATCH_SIZE,
 };
+use super::signals::NEXT_REQUEST_AT_STOP;
 use crate::accesslog::{AccessLog, Arrival, Record};
 
 /// After a refusal (400/431), how long the client's remaining bytes are read and dropped
@@ -654,7 +655,8 @@ impl HeadTimer {
 /// Relays between `client` and `server` until the connection ends, through the exchange
 /// of `http` when given (HTTP rewriting; the bytes [`first_head`] read go first),
 /// verbatim otherwise. With `http`, what `ask` says ends the connection gracefully: after
-/// an answer that says `Connection: close`, or at once between requests when quill stops;
+/// an answer that says `Connection: close`, or between requests when quill stops (once
+/// the client has been silent for `NEXT_REQUEST_AT_STOP` since its last answer);
 /// the client's side is shut and what it still sends drained for a while (`End::Closed`).
 ///
 /// Request by request (`Exchange::request_by_request`), the relay carries one request
@@ -706,6 +708,10 @@ where
     let mut ending = false;
     let mut idle = IdleTimer::new(opts.idle_timeout, None);
     let mut linger: Option<(Pin<Box<Sleep>>, usize)> = None;
+    // Since when quill has been waiting on the client alone for its next request.
+    let mut waiting_since: Option<Instant> = None;
+    // Stopping between requests: the client's time to send one more.
+    let mut stop_wait: Option<Pin<Box<Sleep>>> = None;
     // Request by request: writing the request to the server failed; its answer may come.
     let mut server_refused: Option<io::Error> = None;
     // The client's direction was stopped because the server took no more, not because the
@@ -832,14 +838,20 @@ where
             .exchange
             .as_ref()
             .is_some_and(|ex| ex.refusal().is_some());
+        // Waiting on the client alone: nothing of its own is still being written.
+        let waiting = !one_request
+            && !refusing
+            && !up.eof
+            && up.out.is_empty()
+            && up.held.is_empty()
+            && down.out.is_empty()
+            && exchange.as_deref().is_some_and(Exchange::awaiting_head);
+        if !waiting {
+            waiting_since = None;
+        } else if waiting_since.is_none() {
+            waiting_since = Some(Instant::now());
+        }
         if let Some(timer) = head.as_mut().filter(|_| !one_request) {
-            // Waiting on the client alone: nothing of its own is still being written.
-            let waiting = !refusing
-                && !up.eof
-                && up.out.is_empty()
-                && up.held.is_empty()
-                && down.out.is_empty()
-                && exchange.as_deref().is_some_and(Exchange::awaiting_head);
             if timer.expired(cx, waiting) {
                 match exchange.as_deref_mut() {
                     Some(ex) if ex.head_started() => {
@@ -858,11 +870,25 @@ where
                 Ask::MoveOn => ex.close_after_answer(),
                 Ask::Stop => {
                     ex.close_after_answer();
-                    // Request by request, an answer that went out without `Connection:
-                    // close` ends at its boundary as usual: `h1_pump` then gives the
-                    // client a moment to send the request it may be sending already.
+                    // Between requests the connection ends once the client has had
+                    // `NEXT_REQUEST_AT_STOP` since its last answer to send the request it
+                    // may be sending already (which is then answered with `Connection:
+                    // close`). Request by request, the relay ends at the answer's boundary
+                    // as usual, and `h1_pump` gives the client that moment.
+                    let until = waiting_since.map(|since| since + NEXT_REQUEST_AT_STOP);
                     if up.held.is_empty() && !one_request {
-                        ex.close_now();
+                        match until.filter(|&until| until > Instant::now()) {
+                            Some(until) => {
+                                let sleep = stop_wait.get_or_insert_with(|| {
+                                    Box::pin(tokio::time::sleep_until(until))
+                                });
+                                sleep.as_mut().reset(until);
+                                if sleep.as_mut().poll(cx).is_ready() {
+                                    ex.close_now();
+                                }
+                            }
+                            None => ex.close_now(),
+                        }
                     }
                 }
             }

@@ -35,13 +35,14 @@ thread_local! {
 
 /// How long after an answer that did not say `Connection: close` a stopping quill still
 /// waits for an HTTP/1.x client's next request (which then gets that answer) before it
-/// closes the connection (`h1_pump`, and hyper's connections in `gateway::supervise`). A keep-alive client sends its next request as soon as it has read an
-/// answer: closing at once, quill would reset a request that is on its way or about to
-/// be (a loopback client's turn-around is tens of microseconds; a distant one's request
-/// can be in flight for a round trip), and no client can tell that from a request lost
-/// to a failed server (`wrk` failed once on every connection at a binary upgrade).
-/// HAProxy's soft stop answers such a request with `connection: close` too. A client
-/// silent for longer is idle, and its connection closes at once.
+/// closes the connection (the byte pump's `relay`, `h1_pump`, and hyper's connections in
+/// `gateway::supervise`). A keep-alive client sends its next request as soon as it has read
+/// an answer: closing at once, quill would reset a request that is on its way or about to
+/// be (a loopback client's turn-around is tens of microseconds; a distant one's request can
+/// be in flight for a round trip), and no client can tell that from a request lost to a
+/// failed server (`wrk` failed once on every connection at a binary upgrade). HAProxy's
+/// soft stop answers such a request with `connection: close` too. A client silent for
+/// longer is idle, and its connection closes at once.
 pub(super) const NEXT_REQUEST_AT_STOP: Duration = Duration::from_secs(1);
 
 /// This event loop's bell, rung when quill stops.
