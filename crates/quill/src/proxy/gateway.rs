@@ -336,10 +336,11 @@ pub(super) enum Ended {
 
 /// Drives `conn` until it ends, and ends it: asked to (GOAWAY, or a close after the
 /// response in flight; an HTTP/1.x client active within `NEXT_REQUEST_AT_STOP` may send
-/// one more request first, answered with `Connection: close`) when quill stops or no request came within `timers`; asked to move
-/// on ([`Graceful::recycle`]) after a reload and when the node drains; dropped when a
-/// request in flight moves no byte for `timers.stalled`, or when the client stays longer
-/// than `CLOSE_GRACE` after being asked to go. When `timers.between` passes, `late_head`
+/// one more request first, answered with `Connection: close`) when quill stops or no
+/// request came within `timers`; asked to move on ([`Graceful::recycle`]) after a reload
+/// and when the node drains; dropped when a request in flight moves no byte for
+/// `timers.stalled`, or when the client stays longer than `CLOSE_GRACE` after being asked
+/// to go. When `timers.between` passes, `late_head`
 /// is asked first whether the client had started a head since `last` (it then answers the
 /// client 408 itself). Then runs the tunnel a request upgraded to, if any. Returns how a
 /// head did not come in time, if one did not; or [`Ended::Idle`] once the connection has
