@@ -340,12 +340,11 @@ pub(super) enum Ended {
 /// request came within `timers`; asked to move on ([`Graceful::recycle`]) after a reload
 /// and when the node drains; dropped when a request in flight moves no byte for
 /// `timers.stalled`, or when the client stays longer than `CLOSE_GRACE` after being asked
-/// to go. When `timers.between` passes, `late_head`
-/// is asked first whether the client had started a head since `last` (it then answers the
-/// client 408 itself). Then runs the tunnel a request upgraded to, if any. Returns how a
-/// head did not come in time, if one did not; or [`Ended::Idle`] once the connection has
-/// been idle for `timers.park` and `parkable` (asked with the time of the last answer)
-/// agrees.
+/// to go. When `timers.between` passes, `late_head` is asked first whether the client had
+/// started a head since `last` (it then answers the client 408 itself). Then runs the
+/// tunnel a request upgraded to, if any. Returns how a head did not come in time, if one
+/// did not; or [`Ended::Idle`] once the connection has been idle for `timers.park` and
+/// `parkable` (asked with the time of the last answer) agrees.
 pub(super) async fn supervise<G: Graceful>(
     state: &State,
     mut conn: Pin<&mut G>,
