@@ -8,6 +8,14 @@ use std::time::{Duration, Instant};
 
 use support::*;
 
+/// quill in round robin over `servers` (`-r`), a connect timeout of 1 s and `blacklist`
+/// seconds of blacklisting.
+fn round_robin(servers: &[&str], blacklist: &str) -> Quill {
+    let mut args = vec!["-b", blacklist, "-r", "-t", "1", "127.0.0.1:{port}"];
+    args.extend_from_slice(servers);
+    Quill::start(&args)
+}
+
 #[test]
 fn failover_to_a_live_server_is_invisible_to_the_client() {
     if skip_on_pen("Pen 0.34 closes the client whose server failed to connect") {
@@ -15,16 +23,7 @@ fn failover_to_a_live_server_is_invisible_to_the_client() {
     }
     let a = IdentityBackend::start("a");
     let b = IdentityBackend::start("b");
-    let q = Quill::start(&[
-        "-b",
-        "2",
-        "-r",
-        "-t",
-        "1",
-        "127.0.0.1:{port}",
-        &a.spec(),
-        &b.spec(),
-    ]);
+    let q = round_robin(&[&a.spec(), &b.spec()], "2");
     a.stop();
 
     for i in 0..6 {
@@ -70,16 +69,7 @@ fn a_refused_server_is_not_tried_before_its_blacklist_time() {
     }
     let a = IdentityBackend::start("a");
     let b = IdentityBackend::start("b");
-    let q = Quill::start(&[
-        "-b",
-        "30",
-        "-r",
-        "-t",
-        "1",
-        "127.0.0.1:{port}",
-        &a.spec(),
-        &b.spec(),
-    ]);
+    let q = round_robin(&[&a.spec(), &b.spec()], "30");
     a.stop();
     for _ in 0..2 {
         assert_eq!(q.name_from("127.0.0.1").0, "b");
@@ -111,16 +101,7 @@ fn a_blacklisted_server_is_a_warning_in_the_log() {
     }
     let a = IdentityBackend::start("a");
     let b = IdentityBackend::start("b");
-    let q = Quill::start(&[
-        "-b",
-        "30",
-        "-r",
-        "-t",
-        "1",
-        "127.0.0.1:{port}",
-        &a.spec(),
-        &b.spec(),
-    ]);
+    let q = round_robin(&[&a.spec(), &b.spec()], "30");
     a.stop();
     for _ in 0..6 {
         assert_eq!(q.name_from("127.0.0.1").0, "b");
@@ -144,16 +125,7 @@ fn a_blacklisted_server_is_a_warning_in_the_log() {
 fn an_unresponsive_server_is_not_tried_before_its_blacklist_time() {
     let a = UnresponsiveBackend::start();
     let b = IdentityBackend::start("b");
-    let q = Quill::start(&[
-        "-b",
-        "30",
-        "-r",
-        "-t",
-        "1",
-        "127.0.0.1:{port}",
-        &a.spec(),
-        &b.spec(),
-    ]);
+    let q = round_robin(&[&a.spec(), &b.spec()], "30");
 
     // The first attempt on a times out after 1 s; a is blacklisted then.
     for _ in 0..2 {
@@ -180,16 +152,7 @@ fn a_refused_server_serves_again_after_the_blacklist_time() {
     }
     let a = IdentityBackend::start("a");
     let b = IdentityBackend::start("b");
-    let q = Quill::start(&[
-        "-b",
-        "2",
-        "-r",
-        "-t",
-        "1",
-        "127.0.0.1:{port}",
-        &a.spec(),
-        &b.spec(),
-    ]);
+    let q = round_robin(&[&a.spec(), &b.spec()], "2");
     a.stop();
     for _ in 0..2 {
         assert_eq!(q.name_from("127.0.0.1").0, "b");
@@ -202,16 +165,7 @@ fn a_refused_server_serves_again_after_the_blacklist_time() {
 fn an_unresponsive_server_serves_again_after_the_blacklist_time() {
     let a = UnresponsiveBackend::start();
     let b = IdentityBackend::start("b");
-    let q = Quill::start(&[
-        "-b",
-        "2",
-        "-r",
-        "-t",
-        "1",
-        "127.0.0.1:{port}",
-        &a.spec(),
-        &b.spec(),
-    ]);
+    let q = round_robin(&[&a.spec(), &b.spec()], "2");
     for _ in 0..2 {
         assert_eq!(q.name_from("127.0.0.1").0, "b");
     }

@@ -607,28 +607,12 @@ fn stopping_answers_the_next_request(pump: Pump) {
         .unwrap();
     let first = read_response(&mut s).expect("an answer");
     assert_eq!(first.field("connection"), None, "{}", first.head);
-    q.signal("TERM");
-    // Not accepting any more: quill has taken the stop in.
-    let addr = q.addr();
-    wait_until(Duration::from_secs(5), "quill stops accepting", || {
-        std::net::TcpStream::connect(addr).is_err()
-    });
+    q.stop_accepting();
     s.write_all(b"GET /second HTTP/1.1\r\nHost: x\r\n\r\n")
         .unwrap();
     let second = read_response(&mut s).expect("the request sent after the stop is answered");
     assert_eq!(second.status, 200);
-    assert_eq!(
-        second.field("connection").as_deref(),
-        Some("close"),
-        "{}",
-        second.head
-    );
-    expect_closed(&mut s, Duration::from_secs(10));
-    drop(s);
-    assert!(
-        q.wait_exit(Duration::from_secs(10)).is_some(),
-        "quill still runs, waiting out shutdown_grace"
-    );
+    q.expect_last_answer(s, &second);
 }
 
 /// A pipeline whose last request asks to close: the earlier answers say nothing of a

@@ -510,6 +510,33 @@ impl Quill {
         assert!(st.success(), "kill -{sig} {} failed", self.pid());
     }
 
+    /// Sends TERM and waits until quill no longer accepts connections: it has taken the
+    /// stop in.
+    pub fn stop_accepting(&self) {
+        self.signal("TERM");
+        let addr = self.addr();
+        wait_until(Duration::from_secs(5), "quill stops accepting", || {
+            TcpStream::connect(addr).is_err()
+        });
+    }
+
+    /// `answer` came after a stop on `s`: it says `Connection: close`, the connection then
+    /// closes, and quill exits (within 10 s, not after `shutdown_grace`).
+    pub fn expect_last_answer(&mut self, mut s: TcpStream, answer: &http_echo::Response) {
+        assert_eq!(
+            answer.field("connection").as_deref(),
+            Some("close"),
+            "{}",
+            answer.head
+        );
+        expect_closed(&mut s, Duration::from_secs(10));
+        drop(s);
+        assert!(
+            self.wait_exit(Duration::from_secs(10)).is_some(),
+            "quill still runs, waiting out shutdown_grace"
+        );
+    }
+
     /// Waits up to `timeout` for the daemon to exit; its exit code if it did
     /// (None for death by signal).
     pub fn wait_exit(&mut self, timeout: Duration) -> Option<Option<i32>> {
