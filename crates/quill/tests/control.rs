@@ -19,6 +19,7 @@ use std::time::{Duration, Instant};
 
 use serde_json::Value;
 use support::ctl::*;
+use support::http_echo::{read_response, EchoServer};
 use support::*;
 
 /// Waits until quill reports no open client connection.
@@ -713,6 +714,43 @@ fn connection_and_close_act_on_live_connections() {
     assert_one_line_error(&ctl_err(&ctl, "connection 99"), "connection 99");
     assert_one_line_error(&ctl_err(&ctl, "close 99"), "close 99");
     a.wait_open(1, Duration::from_secs(5));
+}
+
+#[test]
+fn connection_shows_the_server_of_each_request_of_an_http_client() {
+    if skip_on_pen("quill numbers connections in accept order (docs/COMPATIBILITY.md)") {
+        return;
+    }
+    let (a, b) = (EchoServer::start(), EchoServer::start());
+    // `http` with its default pool: each request of a keep-alive client is sent to a server
+    // chosen for it, here by round robin.
+    let (q, ctl) = start_with_tcp_control(&["-H", "-r", "127.0.0.1:{port}", &a.spec(), &b.spec()]);
+    let mut client = q.connect();
+    let upstream = |ctl: &str| {
+        let reply = ctl_ok(ctl, "connection 1");
+        let words: Vec<&str> = reply.split_whitespace().collect();
+        let at = words.iter().position(|w| *w == "upstream").unwrap();
+        words[at + 1..words.len() - 2].join(" ")
+    };
+    wait_until(
+        Duration::from_secs(5),
+        "quill registers the connection",
+        || ask(&ctl, "connection 1").starts_with("connection 1 "),
+    );
+    assert_eq!(upstream(&ctl), "none", "before its first request");
+    for server in ["server 0", "server 1", "server 0"] {
+        client
+            .write_all(b"GET / HTTP/1.1\r\nHost: quill.test\r\n\r\n")
+            .unwrap();
+        let answer = read_response(&mut client).expect("an answer");
+        assert_eq!(answer.status, 200);
+        assert_eq!(
+            upstream(&ctl),
+            server,
+            "after a request the round robin sent there"
+        );
+    }
+    assert_eq!(a.requests() + b.requests(), 3);
 }
 
 #[test]

@@ -21,6 +21,7 @@ use std::net::SocketAddr;
 use std::pin::Pin;
 use std::rc::Rc;
 use std::sync::atomic::Ordering::Relaxed;
+use std::sync::Arc;
 use std::task::{Context, Poll};
 use std::time::{Duration, Instant};
 
@@ -40,6 +41,7 @@ use super::h2_client;
 use super::pool::{self, Conn, Limits, Target};
 use super::pool_h2::{self, Take};
 use super::quickack;
+use super::registry::ConnInfo;
 use super::signals::NEXT_REQUEST_AT_STOP;
 use super::tcp::{open_upstream, Preamble, Server};
 use crate::accesslog::{AccessLog, Record};
@@ -269,9 +271,12 @@ impl Drop for InFlight {
 }
 
 /// What is known of the client for all its requests.
-#[derive(Debug, Clone, Copy)]
+#[derive(Debug, Clone)]
 pub(super) struct Peer {
     pub addr: SocketAddr,
+    /// The connection's entry for `connection N` (kept only with a control socket):
+    /// each request shows the server it goes to there.
+    pub conn: Option<Arc<ConnInfo>>,
     /// Over TLS (`X-Forwarded-Proto: https`, HSTS).
     pub tls: bool,
     /// The client ACL lets it in; else its requests go to the abuse server.
@@ -279,6 +284,15 @@ pub(super) struct Peer {
     /// For a PROXY protocol header to servers (such connections are not pooled).
     pub preamble: Preamble,
     pub opts: SocketOptions,
+}
+
+impl Peer {
+    /// A request goes to `target` (each server tried, in turn): `connection N` says so.
+    pub fn going_to(&self, target: Target) {
+        if let Some(conn) = &self.conn {
+            conn.set_upstream(target.into());
+        }
+    }
 }
 
 /// Spawns hyper's per-stream tasks on the connection's event loop.
@@ -471,7 +485,7 @@ thread_local! {
 }
 
 /// `hsts` on a TLS client's answer (the server's or quill's own) that has none.
-fn add_hsts(settings: &Settings, peer: Peer, headers: &mut HeaderMap) {
+fn add_hsts(settings: &Settings, peer: &Peer, headers: &mut HeaderMap) {
     let Some(h) = settings.hsts.filter(|_| peer.tls) else {
         return;
     };
@@ -537,7 +551,7 @@ pub(super) fn service(
         let stream = InFlight::start(&activity);
         // Boxed: the request's state (≈ 5 KB) is written once, not moved along as hyper
         // wraps the future and spawns the stream's task.
-        let forwarding = Box::pin(forward(state, peer, req, stream));
+        let forwarding = Box::pin(forward(state, peer.clone(), req, stream));
         async move { Ok(forwarding.await) }
     })
 }
@@ -554,10 +568,10 @@ pub(super) async fn forward(
     let record = state
         .access_log
         .load_full()
-        .map(|log| Rc::new(record(log, peer, &req)));
+        .map(|log| Rc::new(record(log, &peer, &req)));
     stream.record = record.clone();
     let grpc = grpc::is_call(req.version(), req.headers());
-    let mut reply = route(state, peer, req, stream).await;
+    let mut reply = route(state, &peer, req, stream).await;
     // The line is written when the last holder lets go: here for quill's own answers and
     // tunnels, at the end of the body for a server's response. A gRPC call's own answer
     // is logged with the HTTP status it stands for.
@@ -566,13 +580,13 @@ pub(super) async fn forward(
     }
     if !grpc || reply.extensions().get::<Unprocessed>().is_some() {
         if reply.extensions().get::<Own>().is_some() {
-            add_hsts(&state.settings(), peer, reply.headers_mut());
+            add_hsts(&state.settings(), &peer, reply.headers_mut());
         }
         return reply;
     }
     if let Some(&Own(text)) = reply.extensions().get::<Own>() {
         let mut reply = grpc::answer(reply.status(), text);
-        add_hsts(&state.settings(), peer, reply.headers_mut());
+        add_hsts(&state.settings(), &peer, reply.headers_mut());
         return reply;
     }
     if let Either::Left(body) = reply.body_mut() {
@@ -582,7 +596,7 @@ pub(super) async fn forward(
 }
 
 /// The access log record of a request, as the client sent it.
-fn record(log: std::sync::Arc<AccessLog>, peer: Peer, req: &Request<Incoming>) -> Record {
+fn record(log: std::sync::Arc<AccessLog>, peer: &Peer, req: &Request<Incoming>) -> Record {
     let authority = req.uri().authority().map(|a| a.as_str()).or_else(|| {
         req.headers()
             .get(header::HOST)
@@ -612,7 +626,7 @@ fn record(log: std::sync::Arc<AccessLog>, peer: Peer, req: &Request<Incoming>) -
 /// [`forward`] without the access log's bookkeeping.
 async fn route(
     state: &'static State,
-    peer: Peer,
+    peer: &Peer,
     mut req: Request<Incoming>,
     stream: InFlight,
 ) -> Reply {
@@ -682,6 +696,7 @@ async fn route(
         });
     let mut candidates = Candidates::new(state, &settings, peer.addr, peer.permitted);
     while let Some((c, place)) = candidates.next().await {
+        peer.going_to(c.target);
         if let Some((log, line)) = &penlogd {
             log.tell(peer.addr.ip(), Some(c.addr.ip()), line.as_bytes());
         }
@@ -775,7 +790,7 @@ enum Sent {
 async fn send(
     state: &'static State,
     settings: &Settings,
-    peer: Peer,
+    peer: &Peer,
     to: &To<'_>,
     place: Lease,
     mut req: Request<RequestBody>,
@@ -947,7 +962,7 @@ fn answered(to: &To<'_>, record: Option<&Record>, reused: bool) {
 async fn send_own(
     state: &'static State,
     settings: &Settings,
-    peer: Peer,
+    peer: &Peer,
     to: &To<'_>,
     place: Lease,
     req: Request<RequestBody>,
@@ -1060,7 +1075,7 @@ impl Spare {
 async fn pick(
     state: &'static State,
     settings: &Settings,
-    peer: Peer,
+    peer: &Peer,
     to: &To<'_>,
     how: How,
     poolable: bool,
@@ -1116,7 +1131,7 @@ enum Fresh {
 async fn connect(
     state: &'static State,
     settings: &Settings,
-    peer: Peer,
+    peer: &Peer,
     to: &To<'_>,
     upgrades: bool,
     h2: bool,
@@ -1195,7 +1210,7 @@ where
 fn reply(
     state: &'static State,
     settings: &Settings,
-    peer: Peer,
+    peer: &Peer,
     target: Target,
     server: &'static ServerState,
     answered: Answered,
@@ -1445,7 +1460,7 @@ fn strip_hop_by_hop(headers: &mut HeaderMap) {
 /// rebuilt.
 fn upstream_request(
     req: Request<Incoming>,
-    peer: Peer,
+    peer: &Peer,
     stream: &InFlight,
 ) -> Option<Request<RequestBody>> {
     let (mut parts, body) = req.into_parts();

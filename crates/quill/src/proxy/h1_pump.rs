@@ -166,7 +166,7 @@ pub(super) async fn serve<C: Parkable>(
     // A reload or drain from now on makes the next answer say `Connection: close`.
     let ask = Since::now(state);
     loop {
-        if let Served::Over = one_request(state, &mut client, &mut http, peer, &ask).await {
+        if let Served::Over = one_request(state, &mut client, &mut http, &peer, &ask).await {
             return;
         }
         let answered = Instant::now();
@@ -311,7 +311,7 @@ async fn one_request<C: Parkable>(
     state: &'static State,
     client: &mut C,
     http: &mut Http,
-    peer: Peer,
+    peer: &Peer,
     ask: &Since<'_>,
 ) -> Served {
     // The logs are looked up only for a request whose head was kept for them. penlogd's
@@ -343,7 +343,7 @@ async fn choose_and_send<C: Parkable>(
     state: &'static State,
     client: &mut C,
     http: &mut Http,
-    peer: Peer,
+    peer: &Peer,
     ask: &Since<'_>,
     record: Option<&Record>,
     tell: impl Fn(&To<'_>),
@@ -351,6 +351,7 @@ async fn choose_and_send<C: Parkable>(
     let settings = state.settings();
     let mut candidates = Candidates::new(state, &settings, peer.addr, peer.permitted);
     while let Some((c, place)) = candidates.next().await {
+        peer.going_to(c.target);
         tell(&c);
         match send(state, &settings, client, http, peer, c, place, ask, record).await {
             Tried::Served(served) => {
@@ -381,7 +382,7 @@ async fn send<C: Parkable>(
     settings: &Settings,
     client: &mut C,
     http: &mut Http,
-    peer: Peer,
+    peer: &Peer,
     to: To<'_>,
     place: Lease,
     ask: &Since<'_>,
@@ -493,7 +494,7 @@ fn server_failed(state: &State, settings: &Settings, to: To<'_>, reused: bool, e
 pub(super) async fn connect(
     state: &State,
     settings: &Settings,
-    peer: Peer,
+    peer: &Peer,
     to: To<'_>,
 ) -> io::Result<Link> {
     let stream = Box::pin(open_upstream(

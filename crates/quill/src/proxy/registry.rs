@@ -17,10 +17,12 @@ use std::sync::{Arc, Mutex, MutexGuard, OnceLock};
 use tokio::task::AbortHandle;
 
 use super::park::Ticket;
+use super::pool::Target;
 
 const SHARDS: usize = 16;
 
-/// Which upstream a connection uses.
+/// Which upstream a connection uses: for one served request by request, the latest
+/// request's.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum Upstream {
     /// Not chosen yet (selecting or connecting).
@@ -28,6 +30,16 @@ pub enum Upstream {
     Server(usize),
     Emergency,
     Abuse,
+}
+
+impl From<Target> for Upstream {
+    fn from(target: Target) -> Self {
+        match target {
+            Target::Server(i) => Upstream::Server(i),
+            Target::Emergency => Upstream::Emergency,
+            Target::Abuse => Upstream::Abuse,
+        }
+    }
 }
 
 const NONE: usize = usize::MAX;

@@ -758,8 +758,10 @@ async fn open<C: ClientStream>(
     // by request; so is HTTP/1.x with `upstream_keepalive`, after the checks of its first
     // head below. Else HTTP/1.x goes on to the byte pump.
     let mut sniffed = Vec::new();
+    let conn = registered.as_ref().map(|r| Arc::clone(&r.info));
     let peer_info = |tls| Peer {
         addr: peer,
+        conn: conn.clone(),
         tls,
         permitted,
         preamble,
