@@ -62,6 +62,8 @@ const CLOSE_GRACE: Duration = Duration::from_secs(1);
 pub struct RequestBody {
     /// `None`: no body (a request rebuilt to be sent again, see [`Spare`]).
     inner: Option<Incoming>,
+    /// An HTTP/2 client's: given up before its end, the rest is drained ([`drain`]).
+    h2: bool,
     server: Option<&'static ServerState>,
     activity: Rc<Activity>,
     record: Option<Rc<Record>>,
@@ -104,6 +106,39 @@ impl Body for RequestBody {
             .as_ref()
             .map_or_else(|| SizeHint::with_exact(0), Body::size_hint)
     }
+}
+
+impl Drop for RequestBody {
+    fn drop(&mut self) {
+        if let Some(rest) = self.inner.take().filter(|b| self.h2 && !b.is_end_stream()) {
+            tokio::task::spawn_local(drain(rest));
+        }
+    }
+}
+
+/// How long, and how much of, an HTTP/2 client's request body is read and dropped after
+/// quill gave it up ([`drain`]).
+const DRAIN: Duration = super::pump::LINGER;
+const DRAIN_BYTES: usize = 16 << 20;
+
+/// Reads and drops the rest of an HTTP/2 client's request body that quill gave up (its
+/// server answered early, a 413, or failed) until the client ends it, `DRAIN` passes or
+/// `DRAIN_BYTES` were dropped. Dropped at once, h2 would reset the stream (RST_STREAM
+/// NO_ERROR, as RFC 9113 8.1 allows), and Debian's curl 7.88 then discards the answer it
+/// was sent (exit 92): the client stops sending when it has the whole answer instead
+/// (as with HAProxy). Hyper gives the client's window back as the data is read.
+async fn drain(mut rest: Incoming) {
+    use http_body_util::BodyExt;
+    let _ = tokio::time::timeout(DRAIN, async {
+        let mut dropped = 0;
+        while let Some(Ok(frame)) = rest.frame().await {
+            dropped += frame.data_ref().map_or(0, Bytes::len);
+            if dropped > DRAIN_BYTES {
+                break;
+            }
+        }
+    })
+    .await;
 }
 
 /// A server's response body on its way to the client: counted into the server's
@@ -1049,6 +1084,7 @@ impl Spare {
             headers: req.headers().clone(),
             body: RequestBody {
                 inner: None,
+                h2: false,
                 server: b.server,
                 activity: Rc::clone(&b.activity),
                 record: b.record.clone(),
@@ -1555,6 +1591,7 @@ fn upstream_request(
         parts,
         RequestBody {
             inner: Some(body),
+            h2: !h1,
             server: None,
             activity: Rc::clone(&stream.activity),
             record: stream.record.clone(),

@@ -37,7 +37,7 @@ use crate::accesslog::{AccessLog, Arrival, Record};
 
 /// After a refusal (400/431), how long the client's remaining bytes are read and dropped
 /// so that closing does not reset the connection before the client has read the answer.
-const LINGER: Duration = Duration::from_secs(2);
+pub(super) const LINGER: Duration = Duration::from_secs(2);
 /// ... and at most how many of them.
 const LINGER_BYTES: usize = 1 << 20;
 
