@@ -754,6 +754,51 @@ fn connection_shows_the_server_of_each_request_of_an_http_client() {
 }
 
 #[test]
+fn connection_shows_the_server_an_http2_clients_request_is_waiting_on() {
+    if skip_on_pen("HTTP/2 is quill's") {
+        return;
+    }
+    if std::process::Command::new("curl")
+        .arg("--version")
+        .output()
+        .is_err()
+    {
+        eprintln!("SKIPPED: curl is not installed (.ci/run installs it)");
+        return;
+    }
+    // A server that takes the request and answers only when told to.
+    let server = TcpListener::bind("127.0.0.1:0").unwrap();
+    server.set_nonblocking(true).unwrap();
+    let spec = server.local_addr().unwrap().to_string();
+    let (q, ctl) = start_with_tcp_control(&["-H", "-O", "h2c", "127.0.0.1:{port}", &spec]);
+    let url = format!("http://{}/", q.addr());
+    let curl = thread::spawn(move || {
+        std::process::Command::new("curl")
+            .args(["-sS", "--max-time", "20", "--http2-prior-knowledge", &url])
+            .output()
+    });
+    let mut accepted = None;
+    wait_until(
+        Duration::from_secs(10),
+        "quill sends the request on",
+        || {
+            accepted = server.accept().ok();
+            accepted.is_some()
+        },
+    );
+    let (mut held, _) = accepted.unwrap();
+    held.set_nonblocking(false).unwrap();
+    let mut head = [0u8; 1024];
+    let _ = held.read(&mut head).unwrap();
+    let reply = ctl_ok(&ctl, "connection 1");
+    assert!(reply.contains(" upstream server 0 "), "{reply:?}");
+    held.write_all(b"HTTP/1.1 200 OK\r\nContent-Length: 3\r\n\r\nok\n")
+        .unwrap();
+    let out = curl.join().unwrap().unwrap();
+    assert_eq!(String::from_utf8_lossy(&out.stdout), "ok\n");
+}
+
+#[test]
 fn listen_moves_the_listener_and_established_connections_stay() {
     if skip_on_pen("status json is quill's extension") {
         return;
