@@ -73,6 +73,9 @@ pub struct Counters {
     /// HTTP connections closed because a request head did not come whole within
     /// `http_request_timeout` (answered 408 after part of one, else closed silently).
     pub http_request_timeouts: AtomicU64,
+    /// UDP flows ended to make room for new clients' when `conn_max` flows were open
+    /// (each waiting for no answer, the oldest first).
+    pub udp_evicted: AtomicU64,
     /// HTTP/2 client connections served (`http` with ALPN `h2`, or `h2c`).
     pub h2_connections: AtomicU64,
     /// Requests of HTTP/2 clients, each sent to a server of its own choosing.

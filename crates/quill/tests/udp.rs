@@ -141,31 +141,19 @@ fn failover_blacklist_all_then_whitelist_over_the_control_socket() {
     }
     let a = DnsBackend::start(1);
     let b = DnsBackend::start(2);
-    let mut args = vec!["-d", "-r", "-b", "60", "-t", "1", "-C", "127.0.0.1:{cport}"];
-    let root = std::fs::read_to_string("/proc/self/status")
-        .map(|s| {
-            s.lines()
-                .any(|l| l.starts_with("Uid:") && l.split_whitespace().nth(1) == Some("0"))
-        })
-        .unwrap_or(false);
-    if root {
-        args.extend(["-u", "root"]);
-    }
-    let spec_a = a.spec();
-    let spec_b = b.spec();
-    args.extend(["{port}", &spec_a, &spec_b]);
-    let q = match UdpQuill::try_start(&args) {
-        Ok(q) => q,
-        Err(e) if e.contains("not supported") || e.contains("-C") => {
-            eprintln!("SKIPPED: this build refuses the control socket (-C):\n{e}");
-            return;
-        }
-        Err(e) => panic!("{e}"),
+    let Some((q, cport)) = with_control(&[
+        "-d",
+        "-r",
+        "-b",
+        "60",
+        "-t",
+        "1",
+        "{port}",
+        &a.spec(),
+        &b.spec(),
+    ]) else {
+        return;
     };
-    let cport: u16 = q
-        .arg_after("-C")
-        .and_then(|v| v.rsplit(':').next().and_then(|p| p.parse().ok()))
-        .expect("control port");
     let c = q.client("127.0.0.2");
     assert_eq!(
         c.ask(WAIT),
@@ -217,6 +205,35 @@ fn failover_blacklist_all_then_whitelist_over_the_control_socket() {
         .filter_map(|_| q.client("127.0.0.7").ask(WAIT))
         .collect();
     assert_eq!(picks.len(), 2, "both servers serve again: {picks:?}");
+}
+
+/// quill with `args` and a control socket (`-C 127.0.0.1:{cport}`, `-u root` when the
+/// tests run as root); its port. `None` (skipped) where the build refuses one.
+fn with_control(args: &[&str]) -> Option<(UdpQuill, u16)> {
+    let mut all = vec!["-C", "127.0.0.1:{cport}"];
+    let root = std::fs::read_to_string("/proc/self/status")
+        .map(|s| {
+            s.lines()
+                .any(|l| l.starts_with("Uid:") && l.split_whitespace().nth(1) == Some("0"))
+        })
+        .unwrap_or(false);
+    if root {
+        all.extend(["-u", "root"]);
+    }
+    all.extend_from_slice(args);
+    let q = match UdpQuill::try_start(&all) {
+        Ok(q) => q,
+        Err(e) if e.contains("not supported") || e.contains("-C") => {
+            eprintln!("SKIPPED: this build refuses the control socket (-C):\n{e}");
+            return None;
+        }
+        Err(e) => panic!("{e}"),
+    };
+    let cport: u16 = q
+        .arg_after("-C")
+        .and_then(|v| v.rsplit(':').next().and_then(|p| p.parse().ok()))
+        .expect("control port");
+    Some((q, cport))
 }
 
 /// A server with nothing listening answers the first datagram of a flow with ICMP port
@@ -367,27 +384,115 @@ fn client_acl_drops_or_sends_to_the_abuse_server() {
 }
 
 #[test]
-fn conn_max_bounds_the_flows() {
+fn conn_max_bounds_the_flows_waiting_for_answers() {
     if skip_on_pen("Pen 0.34 does not count UDP flows against -x") {
         return;
     }
     let a = DnsBackend::start(1);
-    let q = UdpQuill::start(&["-x", "2", "-O", "udp_idle_timeout 1", "{port}", &a.spec()]);
+    let q = UdpQuill::start(&["-x", "2", "-t", "60", "{port}", &a.spec()]);
+    // Two flows whose queries the server has not answered yet fill the table.
+    a.set_silent(true);
     let c1 = q.client("127.0.0.2");
     let c2 = q.client("127.0.0.3");
+    assert_eq!(c1.ask(SHORT), None);
+    assert_eq!(c2.ask(SHORT), None);
+    a.set_silent(false);
+    let c3 = q.client("127.0.0.4");
+    assert_eq!(c3.ask(SHORT), None, "a third flow is over conn_max");
+    assert_eq!(a.received(), 2, "its datagram never reached the server");
+    // Answered, the two flows wait for nothing: a new client's flow takes the place of
+    // the one silent longest.
     assert!(c1.ask(WAIT).is_some());
     assert!(c2.ask(WAIT).is_some());
-    let c3 = q.client("127.0.0.4");
-    assert_eq!(
-        c3.ask(Duration::from_millis(300)),
-        None,
-        "a third flow is over conn_max"
-    );
-    // Once the two flows have idled out, new flows are taken again.
     assert!(
-        c3.ask_retrying(Duration::from_millis(300), Duration::from_secs(5))
-            .is_some(),
-        "flows expire and free their places"
+        c3.ask(WAIT).is_some(),
+        "a flow waiting for nothing makes room"
+    );
+    wait_until(Duration::from_secs(5), "two flows are open", || {
+        q.flows_to(a.addr()) == 2
+    });
+}
+
+/// A DNS client takes a new source port for each query (glibc does, resolvers do): each
+/// query is a flow, answered at once, that would sit out `udp_idle_timeout` (30 s) and
+/// turn new clients away once `conn_max` of them are open.
+#[test]
+fn a_full_table_makes_room_for_clients_that_take_a_new_port_each_query() {
+    if skip_on_pen("Pen 0.34 does not count UDP flows against -x") {
+        return;
+    }
+    let a = DnsBackend::start(1);
+    let q = UdpQuill::start(&["-x", "20", "{port}", &a.spec()]);
+    let answered = (0..200)
+        .filter(|_| q.client("127.0.0.2").ask(WAIT).is_some())
+        .count();
+    assert_eq!(answered, 200);
+    assert!(q.flows_to(a.addr()) <= 20, "{} flows", q.flows_to(a.addr()));
+}
+
+/// A server that answers other clients but not one datagram (a query it chose to drop,
+/// unbound's `deny`) is not taken out of use by that client's flow timing out: else one
+/// client could blacklist every server.
+#[test]
+fn a_datagram_the_server_leaves_unanswered_while_it_answers_others_blacklists_nothing() {
+    if skip_on_pen("Pen 0.34 does not fail over UDP flows") {
+        return;
+    }
+    let a = DnsBackend::start(1);
+    let q = UdpQuill::start(&["-dd", "-t", "1", "-b", "60", "{port}", &a.spec()]);
+    a.set_silent(true);
+    let dropped = q.client("127.0.0.2");
+    assert_eq!(dropped.ask(SHORT), None);
+    a.set_silent(false);
+    assert_eq!(q.client("127.0.0.3").ask(WAIT), Some(a.ip()));
+    wait_until(
+        Duration::from_secs(5),
+        "the unanswered flow times out",
+        || q.stderr().contains("its server answers others"),
+    );
+    assert!(!q.stderr().contains("blacklisted"), "{}", q.stderr());
+    assert_eq!(q.client("127.0.0.4").ask(WAIT), Some(a.ip()));
+    assert_eq!(
+        dropped.ask(WAIT),
+        Some(a.ip()),
+        "its next query is answered"
+    );
+}
+
+/// A client that keeps its port keeps its flow for as long as it sends: draining or
+/// blacklisting its server moves the flow at its next datagram (when it waits for no
+/// answer), as it moves a new TCP connection.
+#[test]
+fn drain_and_blacklist_move_a_clients_flow_to_a_server_in_use() {
+    if skip_on_pen("Pen 0.34 has no drain") {
+        return;
+    }
+    let a = DnsBackend::start(1);
+    let b = DnsBackend::start(2);
+    let Some((q, cport)) = with_control(&["-r", "{port}", &a.spec(), &b.spec()]) else {
+        return;
+    };
+    let c = q.client("127.0.0.2");
+    let d = q.client("127.0.0.3");
+    assert_eq!(c.ask(WAIT), Some(a.ip()));
+    assert_eq!(d.ask(WAIT), Some(b.ip()));
+    let reply = control(cport, "server 0 drain").expect("control socket");
+    assert!(!reply.contains("error"), "control reply: {reply}");
+    assert_eq!(c.ask(WAIT), Some(b.ip()), "moved off the drained server");
+    assert_eq!(d.ask(WAIT), Some(b.ip()));
+    let reply = control(cport, "server 0 drain 0").expect("control socket");
+    assert!(!reply.contains("error"), "control reply: {reply}");
+    let reply = control(cport, "server 1 blacklist 60").expect("control socket");
+    assert!(!reply.contains("error"), "control reply: {reply}");
+    assert_eq!(
+        c.ask(WAIT),
+        Some(a.ip()),
+        "moved off the blacklisted server"
+    );
+    assert_eq!(
+        d.ask(WAIT),
+        Some(a.ip()),
+        "moved off the blacklisted server"
     );
 }
 

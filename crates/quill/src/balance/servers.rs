@@ -63,6 +63,10 @@ pub struct ServerState {
     /// ending place knows whether it frees room under `max`.
     pub max: AtomicU32,
     pub hard: AtomicU32,
+    /// UDP: `clock::now_ms()` when an answer of the server last reached a client (0 =
+    /// never): a datagram left unanswered while the server answers others is no sign that
+    /// the server failed (a query it chose to drop, a one-way message).
+    pub last_answer: AtomicU64,
 }
 
 /// A place on a server for one connection or request: counted in the server's `conns`

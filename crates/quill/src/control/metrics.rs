@@ -162,6 +162,14 @@ pub static FAMILIES: &[Family] = &[
         },
     },
     Family {
+        name: "udp_flows_evicted",
+        help: "UDP flows ended to make room for new clients when conn_max flows were open \
+               (flows waiting for no answer, the oldest first).",
+        unit: None,
+        kind: Kind::Counter,
+        source: Source::Global(|s| load(&s.counters.udp_evicted)),
+    },
+    Family {
         name: "tls_handshakes",
         help: "TLS handshakes with clients (when quill terminates TLS), by result: completed, \
                or failed (protocol or certificate refused, timeout, reset).",

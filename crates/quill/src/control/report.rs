@@ -226,6 +226,7 @@ pub fn json(ctx: &Context) -> String {
             "parked": state.parked.load(Relaxed),
             "accepted": state.counters.accepted.load(Relaxed),
             "refused_conn_max": state.counters.refused_conn_max.load(Relaxed),
+            "udp_evicted": state.counters.udp_evicted.load(Relaxed),
             "refused_acl": state.counters.refused_acl.load(Relaxed),
             "no_server": state.counters.no_server.load(Relaxed),
             "queued": state.counters.queued.load(Relaxed),

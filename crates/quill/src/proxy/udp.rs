@@ -32,7 +32,15 @@
 //!   seconds. The server is then blacklisted for `blacklist` seconds, and the flow's next
 //!   datagram starts a new flow, which selection sends to another server. A refused new
 //!   flow's first datagram (kept until the first answer, up to [`RETRY_MAX`] bytes) is
-//!   sent on at once that way, so a client that does not retry loses nothing;
+//!   sent on at once that way, so a client that does not retry loses nothing. A datagram
+//!   left unanswered while its server answers other flows ends the flow without
+//!   blacklisting (the server dropped that one: one client must not be able to take every
+//!   server out of use);
+//! * when its server is out of use (drained, blacklisted, down) and a datagram of the
+//!   client comes while the flow waits for no answer: the datagram starts a new flow on a
+//!   server in use;
+//! * when `conn_max` flows are open and a new client comes: the loop's oldest flows that
+//!   wait for no answer make room (a sixteenth of them at a time);
 //! * at shutdown: at once if it is waiting for no answer, otherwise when the answer comes or
 //!   the answer timeout passes.
 //!
@@ -45,7 +53,7 @@ use std::future::Future;
 use std::io::{self, ErrorKind};
 use std::net::{IpAddr, SocketAddr};
 use std::rc::Rc;
-use std::sync::atomic::Ordering::Relaxed;
+use std::sync::atomic::{AtomicU64, Ordering::Relaxed};
 use std::sync::Arc;
 use std::task::Poll;
 use std::time::{Duration, Instant};
@@ -126,6 +134,10 @@ impl Flow {
 
     /// The server answered at `now`.
     fn answered(&self, now: u64, bytes: u64) {
+        let server = self.server_state();
+        if server.last_answer.load(Relaxed) < now {
+            server.last_answer.store(now, Relaxed);
+        }
         self.last_active.set(now);
         self.awaiting_since.set(0);
         if self.first.borrow().is_some() {
@@ -138,6 +150,25 @@ impl Flow {
     fn answer_overdue(&self, now: u64) -> bool {
         let since = self.awaiting_since.get();
         since != 0 && now.saturating_sub(since) >= self.answer_ms
+    }
+
+    /// Its oldest datagram went unanswered for the timeout: the server failed, unless it
+    /// answered other clients meanwhile (then the silence is this datagram's: a query the
+    /// server chose to drop, which must not let one client take every server out of use).
+    fn timed_out(&self) {
+        let why = "no answer within the timeout";
+        if self.server_state().last_answer.load(Relaxed) >= self.awaiting_since.get() {
+            tracing::debug!(client = %self.client, "udp flow ended: {why}; its server answers others");
+        } else {
+            self.server_failed(&why);
+        }
+    }
+
+    /// Its server is out of use now (drained, blacklisted, down by its health check).
+    fn taken_out(&self, now: u64) -> bool {
+        let server = self.server_state();
+        matches!(self.upstream, Upstream::Server(_))
+            && (server.is_out() || server.is_blacklisted(now))
     }
 
     fn idle(&self, now: u64) -> bool {
@@ -207,6 +238,9 @@ struct Worker {
     /// Receive buffers for replies, shared by the flows of this loop (one runs at a time).
     replies: RefCell<RecvBatch<REPLY_BATCH>>,
     stopping: Cell<bool>,
+    /// New flows that may still come in over `conn_max`: flows ended by
+    /// [`Worker::make_room`] whose places are being given back.
+    room: Cell<usize>,
 }
 
 /// Whether a send or receive error on a connected upstream socket means the server (or
@@ -283,6 +317,7 @@ pub async fn serve(
         flows: RefCell::new(HashMap::new()),
         replies: RefCell::new(RecvBatch::new(false)),
         stopping: Cell::new(false),
+        room: Cell::new(0),
     });
     let mut batch: Box<RecvBatch<LISTEN_BATCH>> = Box::new(RecvBatch::new(pktinfo));
     let mut load = Load::new(super::polling::UDP_SHARE);
@@ -398,7 +433,13 @@ impl Worker {
         let mut rest = datagrams;
         if let Some(flow) = existing {
             if flow.answer_overdue(now) {
-                flow.server_failed(&"no answer within the timeout");
+                flow.timed_out();
+                self.end(&r.from);
+            } else if flow.awaiting_since.get() == 0 && flow.taken_out(now) {
+                // Waiting for nothing, it moves to a server in use (a flow lives as long
+                // as its client keeps sending: a drain or blacklist would never reach a
+                // client that keeps its port).
+                tracing::debug!(client = %r.from, "udp flow moved: its server is out of use");
                 self.end(&r.from);
             } else {
                 let (sent, err) = sock::send_many(flow.sock.get_ref(), rest, None);
@@ -461,10 +502,13 @@ impl Worker {
         // Counted like a TCP accept: every new flow, including those refused below.
         state.counters.accepted.fetch_add(1, Relaxed);
         let active = state.active.fetch_add(1, Relaxed) + 1;
-        if active > settings.conn_max {
+        if active <= settings.conn_max {
+            self.room.set(0);
+        } else if !self.make_room() {
             state.active.fetch_sub(1, Relaxed);
             state.counters.refused_conn_max.fetch_add(1, Relaxed);
             tracing::debug!(client = %r.from, "udp datagram dropped: conn_max {} reached", settings.conn_max);
+            warn_full(settings.conn_max, now);
             return None;
         }
         let ip = r.from.ip().to_canonical();
@@ -528,6 +572,40 @@ impl Worker {
             old.task.abort();
         }
         Some(flow)
+    }
+
+    /// `conn_max` flows are open: ends this loop's oldest flows that wait for no answer (a
+    /// sixteenth of its flows, at least one), so that new clients are not turned away by
+    /// flows that only sit out `udp_idle_timeout` (a DNS client that takes a new port for
+    /// each query leaves one behind per query). Whether the new flow may come in: the
+    /// ended flows give their places back as their tasks drop, just after.
+    fn make_room(&self) -> bool {
+        if let Some(left) = self.room.get().checked_sub(1) {
+            self.room.set(left);
+            return true;
+        }
+        let mut quiet: Vec<(u64, SocketAddr)> = {
+            let flows = self.flows.borrow();
+            flows
+                .iter()
+                .filter(|(_, e)| e.flow.awaiting_since.get() == 0)
+                .map(|(client, e)| (e.flow.last_active.get(), *client))
+                .collect()
+        };
+        if quiet.is_empty() {
+            return false;
+        }
+        let n = (self.flows.borrow().len() / 16).clamp(1, quiet.len());
+        if n < quiet.len() {
+            quiet.select_nth_unstable(n - 1);
+        }
+        for (_, client) in &quiet[..n] {
+            self.end(client);
+        }
+        tracing::debug!("conn_max reached: {n} udp flow(s) waiting for no answer ended");
+        self.state.counters.udp_evicted.fetch_add(n as u64, Relaxed);
+        self.room.set(n - 1);
+        true
     }
 
     /// Selection with failover (servers whose socket cannot even be connected), then the
@@ -665,11 +743,32 @@ impl Worker {
     }
 }
 
+/// When [`warn_full`] last warned (`clock::now_ms()`).
+static WARNED_FULL: AtomicU64 = AtomicU64::new(0);
+
+/// New clients' datagrams are being dropped at `conn_max` (every flow waits for an
+/// answer): a warning at most every ten seconds, so that a flood does not flood the log.
+fn warn_full(conn_max: usize, now: u64) {
+    let last = WARNED_FULL.load(Relaxed);
+    if (last == 0 || now.saturating_sub(last) >= 10_000)
+        && WARNED_FULL
+            .compare_exchange(last, now.max(1), Relaxed, Relaxed)
+            .is_ok()
+    {
+        tracing::warn!(
+            "udp datagrams of new clients dropped: {conn_max} flows open (conn_max), each \
+             waiting for an answer (counted in quill_connections_refused_total{{reason=\"conn_max\"}})"
+        );
+    }
+}
+
 /// Why a flow's task ended.
 enum End {
     Idle,
     Stopped,
     /// The server did not answer in time.
+    TimedOut,
+    /// The flow's socket failed.
     Failed(String),
     /// The server refused (ICMP port or host unreachable, read back as the socket's
     /// error): its first datagram, if still unanswered, goes to the next server.
@@ -714,7 +813,7 @@ async fn run_flow(worker: Rc<Worker>, flow: Rc<Flow>) {
                     if worker.stopping.get() {
                         break End::Stopped;
                     }
-                    break End::Failed("no answer within the timeout".into());
+                    break End::TimedOut;
                 }
                 if flow.idle(now) {
                     break End::Idle;
@@ -724,6 +823,7 @@ async fn run_flow(worker: Rc<Worker>, flow: Rc<Flow>) {
         }
     };
     match &end {
+        End::TimedOut => flow.timed_out(),
         End::Failed(why) => flow.server_failed(why),
         End::Refused(e) => flow.server_failed(e),
         End::Idle => tracing::debug!(client = %flow.client, "udp flow expired"),
