@@ -66,8 +66,9 @@ pub enum Command {
     /// `keepalive` / `no keepalive`: SO_KEEPALIVE on upstream sockets (client sockets
     /// always have it, inherited from the listener, as in Pen).
     Keepalive(bool),
-    /// `idle_timeout N`: close connections silent for N seconds (0 = never).
-    IdleTimeout(u64),
+    /// `idle_timeout [N]`: close connections silent for N seconds (0 = never); without N,
+    /// the reply is the value.
+    IdleTimeout(Option<u64>),
     /// `defer_accept auto|N` (extension): how long the kernel holds a new TCP connection
     /// until its client's first bytes arrive (TCP_DEFER_ACCEPT), so that quill is woken
     /// once for both; `0` = never.
@@ -1257,7 +1258,7 @@ fn parse_positive(command: &'static str, w: &mut Words<'_>) -> Result<Command, P
             }
         }),
         "keepalive" => Command::Keepalive(true),
-        "idle_timeout" => Command::IdleTimeout(w.number("number of seconds")?),
+        "idle_timeout" => Command::IdleTimeout(w.optional_number("number of seconds")?),
         "idle_park" => Command::IdlePark(w.number("number of seconds")?),
         "poll_before_sleep" => {
             let what = "number of microseconds";
@@ -1824,7 +1825,7 @@ impl fmt::Display for Command {
             Command::TcpNodelay(on) => on_off(f, *on, "tcp_nodelay"),
             Command::TcpFastclose(mode) => write!(f, "tcp_fastclose {}", mode.word()),
             Command::Keepalive(on) => on_off(f, *on, "keepalive"),
-            Command::IdleTimeout(n) => write!(f, "idle_timeout {n}"),
+            Command::IdleTimeout(v) => with_optional(f, "idle_timeout", v),
             Command::IdlePark(n) => write!(f, "idle_park {n}"),
             Command::PollBeforeSleep(n) => write!(f, "poll_before_sleep {n}"),
             Command::DeferAccept(DeferAccept::Auto) => write!(f, "defer_accept auto"),
@@ -2203,7 +2204,7 @@ mod roundtrip {
             ]
             .prop_map(Command::TcpFastclose),
             any::<bool>().prop_map(Command::Keepalive),
-            any::<u64>().prop_map(Command::IdleTimeout),
+            proptest::option::of(any::<u64>()).prop_map(Command::IdleTimeout),
             any::<u64>().prop_map(Command::IdlePark),
             (0..=crate::proxy::poll_before_sleep::MAX_MICROS).prop_map(Command::PollBeforeSleep),
             prop_oneof![

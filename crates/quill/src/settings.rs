@@ -577,7 +577,7 @@ impl Settings {
             Command::TcpNodelay(on) => set(&mut self.tcp_nodelay, *on),
             Command::TcpFastclose(mode) => set(&mut self.fastclose, *mode),
             Command::Keepalive(on) => set(&mut self.keepalive, *on),
-            Command::IdleTimeout(n) => set(&mut self.idle_timeout, *n),
+            Command::IdleTimeout(v) => query_or_set(&mut self.idle_timeout, *v),
             Command::IdlePark(n) => set(&mut self.idle_park, *n),
             Command::PollBeforeSleep(n) => set(&mut self.poll_before_sleep, *n),
             Command::DeferAccept(d) => set(&mut self.defer_accept, *d),
@@ -811,7 +811,7 @@ impl Settings {
         }
         out.push(Command::ClientsMax(Some(self.clients_max)));
         out.push(Command::PendingMax(self.pending_max));
-        out.push(Command::IdleTimeout(self.idle_timeout));
+        out.push(Command::IdleTimeout(Some(self.idle_timeout)));
         out.push(Command::IdlePark(self.idle_park));
         if self.poll_before_sleep != d.poll_before_sleep {
             out.push(Command::PollBeforeSleep(self.poll_before_sleep));

@@ -278,8 +278,10 @@ fn numeric_settings_are_set_and_read_back() {
     assert_eq!(ctl_ok(&ctl, "tracking"), "0\n");
     assert_eq!(ctl_ok(&ctl, "clients_max"), "2048\n");
     assert_eq!(ctl_ok(&ctl, "debug"), "0\n");
+    assert_eq!(ctl_ok(&ctl, "idle_timeout"), "0\n");
     for (cmd, value) in [
         ("timeout", "7"),
+        ("idle_timeout", "300"),
         ("blacklist", "42"),
         ("tracking", "99"),
         ("conn_max", "123"),
@@ -1151,7 +1153,7 @@ fn malformed_and_unknown_commands_get_one_line_errors_and_change_nothing() {
         ("mode please", "please"),
         ("roundrobin now", "now"),
         ("tcp_fastclose sometimes", "sometimes"),
-        ("idle_timeout", "idle_timeout"),
+        ("idle_timeout soon", "soon"),
     ];
     for (line, names) in bad {
         let words: Vec<&str> = line.split_whitespace().collect();
