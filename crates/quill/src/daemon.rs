@@ -593,7 +593,10 @@ pub fn run(inv: Invocation) -> Result<(), StartError> {
         };
         // A second TERM or INT ends the wait at once (the way out of an unlimited grace).
         tokio::select! {
-            () = drained => {}
+            () = drained => match state.active.load(Relaxed) {
+                0 => {}
+                left => tracing::warn!("shutdown_grace ({grace} s) ran out: closing {left} open connection(s) now"),
+            },
             _ = signals.term.recv() => tracing::warn!("second signal: closing {} open connection(s) now", state.active.load(Relaxed)),
             _ = signals.int.recv() => tracing::warn!("second signal: closing {} open connection(s) now", state.active.load(Relaxed)),
         }

@@ -263,7 +263,11 @@ impl State {
                 if let Some(s) = self.servers.get(index) {
                     s.blacklist(clock::now_ms(), seconds);
                     if seconds == 0 {
+                        tracing::warn!("server {index} no longer blacklisted");
                         self.servers.changed.notify_waiters();
+                    } else {
+                        let open = s.conns.load(Relaxed);
+                        tracing::warn!("server {index} blacklisted for {seconds} s: no new connections ({open} open)");
                     }
                 }
                 None
@@ -271,9 +275,11 @@ impl State {
             Action::Drain { index, on } => {
                 if let Some(s) = self.servers.get(index) {
                     if s.draining.swap(on, Relaxed) != on {
-                        let open = s.conns.load(Relaxed);
                         if on {
-                            tracing::warn!("server {index} draining: no new connections, {open} open ones finish");
+                            let open = s.conns.load(Relaxed);
+                            tracing::warn!(
+                                "server {index} draining: no new connections ({open} open)"
+                            );
                         } else {
                             tracing::warn!("server {index} no longer draining");
                             self.servers.changed.notify_waiters();

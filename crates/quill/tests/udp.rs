@@ -262,7 +262,7 @@ fn a_refusing_server_is_blacklisted_at_once_and_no_query_is_lost() {
     // Log lines are written by a thread of quill's: they come soon, not at once.
     wait_until(Duration::from_secs(5), "the failure logged", || {
         let e = q.stderr();
-        e.contains("server 0 failed") && e.contains("blacklisted")
+        e.contains(&format!("server 0 ({dead}) failed")) && e.contains("blacklisted")
     });
     if !have_dig() {
         eprintln!("SKIPPED: dig is not installed (.ci/run installs dnsutils)");
@@ -327,6 +327,10 @@ fn a_server_that_never_answers_is_blacklisted_after_the_timeout() {
         start.elapsed() >= Duration::from_millis(900),
         "not before the timeout"
     );
+    let named = format!("server 0 ({}) failed for udp client", a.addr());
+    wait_until(Duration::from_secs(5), "the failure logged", || {
+        q.stderr().contains(&named)
+    });
     // Now blacklisted: every new flow goes to server 1.
     for n in 3..7 {
         assert_eq!(q.client(&format!("127.0.0.{n}")).ask(WAIT), Some(b.ip()));
@@ -389,7 +393,17 @@ fn conn_max_bounds_the_flows_waiting_for_answers() {
         return;
     }
     let a = DnsBackend::start(1);
-    let q = UdpQuill::start(&["-x", "2", "-t", "60", "{port}", &a.spec()]);
+    // One event loop: each makes room among its own flows.
+    let q = UdpQuill::start(&[
+        "-x",
+        "2",
+        "-t",
+        "60",
+        "-O",
+        "workers 1",
+        "{port}",
+        &a.spec(),
+    ]);
     // Two flows whose queries the server has not answered yet fill the table.
     a.set_silent(true);
     let c1 = q.client("127.0.0.2");
@@ -422,7 +436,7 @@ fn a_full_table_makes_room_for_clients_that_take_a_new_port_each_query() {
         return;
     }
     let a = DnsBackend::start(1);
-    let q = UdpQuill::start(&["-x", "20", "{port}", &a.spec()]);
+    let q = UdpQuill::start(&["-x", "20", "-O", "workers 1", "{port}", &a.spec()]);
     let answered = (0..200)
         .filter(|_| q.client("127.0.0.2").ask(WAIT).is_some())
         .count();
@@ -494,6 +508,11 @@ fn drain_and_blacklist_move_a_clients_flow_to_a_server_in_use() {
         Some(a.ip()),
         "moved off the blacklisted server"
     );
+    // Both taken out by hand: the operator's log says so.
+    wait_until(Duration::from_secs(5), "both logged", || {
+        let log = q.stderr();
+        log.contains("server 0 draining") && log.contains("server 1 blacklisted for 60 s")
+    });
 }
 
 #[test]

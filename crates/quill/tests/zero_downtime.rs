@@ -239,3 +239,21 @@ fn shutdown_grace_zero_waits_for_connections_and_a_second_term_ends_the_wait() {
     assert!(rest.is_empty());
     assert!(q.stderr().contains("second signal"), "{}", q.stderr());
 }
+
+#[test]
+fn connections_cut_when_shutdown_grace_runs_out_are_in_the_log() {
+    if skip_on_pen("shutdown_grace is a quill extension") {
+        return;
+    }
+    let a = IdentityBackend::start("a");
+    let mut q = Quill::start(&["-O", "shutdown_grace 1", "127.0.0.1:{port}", &a.spec()]);
+    let (_, mut open) = q.name_from("127.0.0.1");
+    q.signal("TERM");
+    assert_eq!(q.wait_exit(DEADLINE), Some(Some(0)), "{}", q.stderr());
+    expect_closed(&mut open, Duration::from_secs(10));
+    let log = q.stderr();
+    assert!(
+        log.contains("shutdown_grace (1 s) ran out: closing 1 open connection(s)"),
+        "{log}"
+    );
+}

@@ -203,10 +203,16 @@ impl Flow {
     fn server_failed(&self, why: &dyn std::fmt::Display) {
         match self.upstream {
             Upstream::Server(i) => {
+                // The connected socket's peer: the server's address as the flow used it.
+                let addr = self.sock.get_ref().peer_addr().map(|a| format!(" ({a})"));
                 self.state.server_failed(
                     i,
                     self.blacklist_secs,
-                    format_args!("server {i} failed for udp client {}: {why}", self.client),
+                    format_args!(
+                        "server {i}{} failed for udp client {}: {why}",
+                        addr.as_deref().unwrap_or(""),
+                        self.client
+                    ),
                 );
             }
             other => tracing::info!(
