@@ -45,10 +45,12 @@ BENCH_DIR = Path(__file__).resolve().parent
 REPO_ROOT = BENCH_DIR.parent
 RESULTS_DIR = BENCH_DIR / "results"
 
-ALL = ("quill", "pen", "dnsdist", "backend", "quill-nopoll", "quill-pbs")
-# Measured only when named in --only: quill with busy polling off (QUILL_BUSY_POLL=off), and
-# quill polling 30 µs after each piece of work before it sleeps (`poll_before_sleep 30`).
-OPTIONAL = ("quill-nopoll", "quill-pbs")
+ALL = ("quill", "pen", "dnsdist", "backend", "quill-nopoll", "quill-pbs", "quill-base")
+# Measured only when named in --only: quill with busy polling off (QUILL_BUSY_POLL=off),
+# quill polling 30 µs after each piece of work before it sleeps (`poll_before_sleep 30`),
+# and another quill binary (`--base-bin`) for an A/B of two builds in one run.
+OPTIONAL = ("quill-nopoll", "quill-pbs", "quill-base")
+QUILLS = ("quill", "quill-nopoll", "quill-pbs", "quill-base")
 ANCHORS = ("pen", "dnsdist")
 BALANCER_CORE = "0"
 LOAD_CORE = "1"  # dnsperf and nsd
@@ -253,6 +255,9 @@ def main() -> int:
                     help="seconds of the same rate before each paced measurement, unmeasured "
                          "(default 3, --quick: 1; 0: none)")
     ap.add_argument("--quill-bin")
+    ap.add_argument("--base-bin",
+                    help="the binary of the quill-base variant (another build), for an A/B in one "
+                         "run; measured when --only names quill-base")
     ap.add_argument("--no-build", action="store_true")
     ap.add_argument("--held", action="store_true",
                     help="start each balancer once per scenario and keep it through all its rounds "
@@ -272,6 +277,8 @@ def main() -> int:
 
     ensure_tools({"dnsperf", "nsd", "taskset"} | ({"pen"} & set(only)) | ({"dnsdist"} & set(only)))
     quill_bin = Path(args.quill_bin) if args.quill_bin else REPO_ROOT / "target" / "release" / "quill"
+    if "quill-base" in only and not args.base_bin:
+        raise SystemExit("--only names quill-base: give its binary with --base-bin")
     if ({"quill", "quill-nopoll", "quill-pbs"} & set(only)) and not args.quill_bin and not args.no_build:
         log("== cargo build --release -p quill")
         rc, out = run_capture(["cargo", "build", "--release", "-p", "quill"], timeout=1800)
@@ -334,10 +341,11 @@ zone:
         def command(name: str, port: int, cores: str) -> list[str] | None:
             pin = [*NICE, "taskset", "-c", cores]
             be = f"127.0.0.1:{backend_port}"
-            if name in ("quill", "quill-nopoll", "quill-pbs"):
+            if name in QUILLS:
                 env = ["env", "QUILL_BUSY_POLL=off"] if name == "quill-nopoll" else []
                 window = ["-O", "poll_before_sleep 30"] if name == "quill-pbs" else []
-                return [*env, *pin, str(quill_bin), "-f", "-U", *window, "-r", f"127.0.0.1:{port}", be]
+                binary = args.base_bin if name == "quill-base" else str(quill_bin)
+                return [*env, *pin, binary, "-f", "-U", *window, "-r", f"127.0.0.1:{port}", be]
             if name == "pen":
                 return [*pin, "pen", "-f", "-U", "-r", f"127.0.0.1:{port}", be]
             if name == "dnsdist":

@@ -631,7 +631,7 @@ pub(super) async fn forward(
 }
 
 /// The access log record of a request, as the client sent it.
-fn record(log: std::sync::Arc<AccessLog>, peer: &Peer, req: &Request<Incoming>) -> Record {
+fn record(log: Arc<AccessLog>, peer: &Peer, req: &Request<Incoming>) -> Record {
     let authority = req.uri().authority().map(|a| a.as_str()).or_else(|| {
         req.headers()
             .get(header::HOST)
@@ -719,7 +719,7 @@ async fn route(
         .as_ref()
         .filter(|log| log.tells())
         .map(|log| {
-            let log = std::sync::Arc::clone(log);
+            let log = Arc::clone(log);
             let target = req.uri().path_and_query().map_or("/", |p| p.as_str());
             let version = if settings.upstream_h2 {
                 "HTTP/2.0"
