@@ -195,12 +195,10 @@ fn failover_blacklist_all_then_whitelist_over_the_control_socket() {
     assert_eq!(c.ask(SHORT), None);
 
     // Whitelisting server 1 brings answers back at once.
-    let reply = control(cport, "server 1 blacklist 0").expect("control socket");
-    assert!(!reply.contains("error"), "control reply: {reply}");
+    command(cport, "server 1 blacklist 0");
     assert_eq!(c.ask(WAIT), Some(b.ip()));
     assert_eq!(q.client("127.0.0.6").ask(WAIT), Some(b.ip()));
-    let reply = control(cport, "server 0 blacklist 0").expect("control socket");
-    assert!(!reply.contains("error"), "control reply: {reply}");
+    command(cport, "server 0 blacklist 0");
     let picks: HashSet<_> = (0..4)
         .filter_map(|_| q.client("127.0.0.7").ask(WAIT))
         .collect();
@@ -234,6 +232,12 @@ fn with_control(args: &[&str]) -> Option<(UdpQuill, u16)> {
         .and_then(|v| v.rsplit(':').next().and_then(|p| p.parse().ok()))
         .expect("control port");
     Some((q, cport))
+}
+
+/// Sends `line` to quill's control socket; it must not be refused.
+fn command(cport: u16, line: &str) {
+    let reply = control(cport, line).expect("control socket");
+    assert!(!reply.contains("error"), "{line}: {reply}");
 }
 
 /// A server with nothing listening answers the first datagram of a flow with ICMP port
@@ -490,14 +494,11 @@ fn drain_and_blacklist_move_a_clients_flow_to_a_server_in_use() {
     let d = q.client("127.0.0.3");
     assert_eq!(c.ask(WAIT), Some(a.ip()));
     assert_eq!(d.ask(WAIT), Some(b.ip()));
-    let reply = control(cport, "server 0 drain").expect("control socket");
-    assert!(!reply.contains("error"), "control reply: {reply}");
+    command(cport, "server 0 drain");
     assert_eq!(c.ask(WAIT), Some(b.ip()), "moved off the drained server");
     assert_eq!(d.ask(WAIT), Some(b.ip()));
-    let reply = control(cport, "server 0 drain 0").expect("control socket");
-    assert!(!reply.contains("error"), "control reply: {reply}");
-    let reply = control(cport, "server 1 blacklist 60").expect("control socket");
-    assert!(!reply.contains("error"), "control reply: {reply}");
+    command(cport, "server 0 drain 0");
+    command(cport, "server 1 blacklist 60");
     assert_eq!(
         c.ask(WAIT),
         Some(a.ip()),
