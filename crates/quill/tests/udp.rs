@@ -516,6 +516,29 @@ fn drain_and_blacklist_move_a_clients_flow_to_a_server_in_use() {
     });
 }
 
+/// With no server in use to move to, a flow stays where it is: draining the only server
+/// turns new clients away, not the ones it serves (as for TCP connections).
+#[test]
+fn a_flow_with_nowhere_to_move_stays_on_its_drained_server() {
+    if skip_on_pen("Pen 0.34 has no drain") {
+        return;
+    }
+    let a = DnsBackend::start(1);
+    let Some((q, cport)) = with_control(&["{port}", &a.spec()]) else {
+        return;
+    };
+    let c = q.client("127.0.0.2");
+    assert_eq!(c.ask(WAIT), Some(a.ip()));
+    command(cport, "server 0 drain");
+    assert_eq!(c.ask(WAIT), Some(a.ip()), "its flow stays");
+    assert_eq!(
+        q.client("127.0.0.3").ask(SHORT),
+        None,
+        "a new client has no server"
+    );
+    assert_eq!(c.ask(WAIT), Some(a.ip()), "its flow stays");
+}
+
 #[test]
 fn a_servers_max_bounds_its_flows_from_every_event_loop() {
     let a = DnsBackend::start(1);

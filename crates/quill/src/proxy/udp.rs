@@ -38,7 +38,7 @@
 //!   server out of use);
 //! * when its server is out of use (drained, blacklisted, down) and a datagram of the
 //!   client comes while the flow waits for no answer: the datagram starts a new flow on a
-//!   server in use;
+//!   server in use (with none, the flow stays);
 //! * when `conn_max` flows are open and a new client comes: the loop's oldest flows that
 //!   wait for no answer make room (a sixteenth of them at a time);
 //! * at shutdown: at once if it is waiting for no answer, otherwise when the answer comes or
@@ -441,13 +441,17 @@ impl Worker {
             if flow.answer_overdue(now) {
                 flow.timed_out();
                 self.end(&r.from);
-            } else if flow.awaiting_since.get() == 0 && flow.taken_out(now) {
-                // Waiting for nothing, it moves to a server in use (a flow lives as long
-                // as its client keeps sending: a drain or blacklist would never reach a
-                // client that keeps its port).
-                tracing::debug!(client = %r.from, "udp flow moved: its server is out of use");
-                self.end(&r.from);
             } else {
+                // Waiting for nothing on a server out of use, the flow moves to one in use
+                // (it lives as long as its client sends: a drain or a blacklist would never
+                // reach a client that keeps its port); with none in use, it stays.
+                if flow.awaiting_since.get() == 0
+                    && flow.taken_out(now)
+                    && self.open_flow(r, rest, now, Opening::Move)
+                {
+                    tracing::debug!(client = %r.from, "udp flow moved: its server is out of use");
+                    return;
+                }
                 let (sent, err) = sock::send_many(flow.sock.get_ref(), rest, None);
                 flow.sent(now, rest[..sent].iter().map(|d| d.len()).sum());
                 rest = &rest[sent..];
@@ -466,17 +470,30 @@ impl Worker {
                 }
             }
         }
-        let Some(flow) = self.new_flow(r, now) else {
-            return;
+        self.open_flow(r, rest, now, Opening::New);
+    }
+
+    /// Starts a flow for the client of `r` (in place of its flow, if it has one) and sends
+    /// `datagrams` on it; whether a server took it.
+    fn open_flow(
+        self: &Rc<Self>,
+        r: &Received,
+        datagrams: &[&[u8]],
+        now: u64,
+        opening: Opening,
+    ) -> bool {
+        let Some(flow) = self.new_flow(r, now, opening) else {
+            return false;
         };
-        if let Some(first) = rest.first().filter(|d| d.len() <= RETRY_MAX) {
+        if let Some(first) = datagrams.first().filter(|d| d.len() <= RETRY_MAX) {
             flow.first.replace(Some(Box::from(*first)));
         }
-        let (sent, err) = sock::send_many(flow.sock.get_ref(), rest, None);
-        flow.sent(now, rest[..sent].iter().map(|d| d.len()).sum());
+        let (sent, err) = sock::send_many(flow.sock.get_ref(), datagrams, None);
+        flow.sent(now, datagrams[..sent].iter().map(|d| d.len()).sum());
         if let Some(e) = err {
-            tracing::debug!(client = %r.from, "{} datagram(s) dropped: {e}", rest.len() - sent);
+            tracing::debug!(client = %r.from, "{} datagram(s) dropped: {e}", datagrams.len() - sent);
         }
+        true
     }
 
     /// Removes the flow of `client` and stops its task.
@@ -499,14 +516,17 @@ impl Worker {
     }
 
     /// A new flow for the client of `r`: admission, selection, upstream socket, task.
-    fn new_flow(self: &Rc<Self>, r: &Received, now: u64) -> Option<Rc<Flow>> {
+    fn new_flow(self: &Rc<Self>, r: &Received, now: u64, opening: Opening) -> Option<Rc<Flow>> {
         if self.stopping.get() {
             return None;
         }
         let state = self.state;
         let settings = state.settings();
-        // Counted like a TCP accept: every new flow, including those refused below.
-        state.counters.accepted.fetch_add(1, Relaxed);
+        // Counted like a TCP accept: every new flow, including those refused below (a
+        // flow that could not move is not one).
+        if opening == Opening::New {
+            state.counters.accepted.fetch_add(1, Relaxed);
+        }
         let active = state.active.fetch_add(1, Relaxed) + 1;
         if active <= settings.conn_max {
             self.room.set(0);
@@ -519,7 +539,7 @@ impl Worker {
         }
         let ip = r.from.ip().to_canonical();
         let opened = if settings.acls[settings.client_acl.index()].permits(ip) {
-            self.choose(&settings, r.from, now)
+            self.choose(&settings, r.from, now, opening)
         } else if let Some(abuse) = &settings.abuse {
             tracing::debug!(client = %r.from, "denied by client_acl {}: sent to the abuse server", settings.client_acl);
             match sock::upstream(abuse.addr, &settings, r.from) {
@@ -530,7 +550,9 @@ impl Worker {
                 }
             }
         } else {
-            state.counters.refused_acl.fetch_add(1, Relaxed);
+            if opening == Opening::New {
+                state.counters.refused_acl.fetch_add(1, Relaxed);
+            }
             tracing::debug!(client = %r.from, "denied by client_acl {}", settings.client_acl);
             None
         };
@@ -577,6 +599,9 @@ impl Worker {
         if let Some(old) = old {
             old.task.abort();
         }
+        if opening == Opening::Move {
+            state.counters.accepted.fetch_add(1, Relaxed);
+        }
         Some(flow)
     }
 
@@ -621,6 +646,7 @@ impl Worker {
         settings: &Settings,
         client: SocketAddr,
         now: u64,
+        opening: Opening,
     ) -> Option<(std::net::UdpSocket, Upstream, Place<'static>)> {
         let state = self.state;
         let mut selector = Selector::new(
@@ -675,8 +701,10 @@ impl Worker {
                 Err(e) => tracing::warn!("emergency server {} failed: {e}", em.name),
             }
         }
-        state.counters.no_server.fetch_add(1, Relaxed);
-        tracing::debug!(%client, "no server available: udp datagram dropped");
+        if opening == Opening::New {
+            state.counters.no_server.fetch_add(1, Relaxed);
+            tracing::debug!(%client, "no server available: udp datagram dropped");
+        }
         None
     }
 
@@ -747,6 +775,15 @@ impl Worker {
             keep
         });
     }
+}
+
+/// Why a flow is opened.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum Opening {
+    /// A client without one (or whose flow ended): no server for it drops its datagrams.
+    New,
+    /// A flow moving off a server out of use: with no server for it, it stays.
+    Move,
 }
 
 /// When [`warn_full`] last warned (`clock::now_ms()`).
