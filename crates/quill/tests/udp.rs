@@ -816,7 +816,7 @@ fn a_flow_survives_while_active_and_expires_when_silent() {
     // Silence ends it: its socket is closed.
     assert_eq!(q.flows_to(server), 1, "the flow lives on while active");
     wait_until(Duration::from_secs(5), "the silent flow expires", || {
-        q.flows_to(server) == 0
+        q.stderr().contains("udp flow expired") && q.flows_to(server) == 0
     });
     // The next datagram is a new flow, and round robin moves on.
     assert_ne!(c.ask(WAIT), Some(first));

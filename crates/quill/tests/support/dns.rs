@@ -557,8 +557,23 @@ impl UdpQuill {
     /// The daemon's UDP sockets connected to `server`: one per live flow to that server.
     /// Read from /proc/net/udp*, keeping only sockets among the daemon's descriptors: a
     /// test running beside this one may hold a socket still connected to a port it used,
-    /// which the kernel has since given to this test's backend.
+    /// which the kernel has since given to this test's backend. The kernel writes those
+    /// tables a page at a time and finds its place again by counting: while tests beside
+    /// this one open and close sockets, a read can skip a line. So the count is read until
+    /// two reads in a row agree.
     pub fn flows_to(&self, server: SocketAddr) -> usize {
+        let mut last = self.flows_to_once(server);
+        for _ in 0..10 {
+            let again = self.flows_to_once(server);
+            if again == last {
+                break;
+            }
+            last = again;
+        }
+        last
+    }
+
+    fn flows_to_once(&self, server: SocketAddr) -> usize {
         let own: HashSet<String> = fs::read_dir(format!("/proc/{}/fd", self.pid()))
             .map(|dir| {
                 dir.filter_map(|e| fs::read_link(e.ok()?.path()).ok())
