@@ -261,9 +261,11 @@ impl State {
         match action {
             Action::Blacklist { index, seconds } => {
                 if let Some(s) = self.servers.get(index) {
-                    s.blacklist(clock::now_ms(), seconds);
+                    let was_in_use = s.blacklist(clock::now_ms(), seconds);
                     if seconds == 0 {
-                        tracing::warn!("server {index} no longer blacklisted");
+                        if !was_in_use {
+                            tracing::warn!("server {index} no longer blacklisted");
+                        }
                         self.servers.changed.notify_waiters();
                     } else {
                         let open = s.conns.load(Relaxed);

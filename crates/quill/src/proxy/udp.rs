@@ -247,7 +247,14 @@ struct Worker {
     /// New flows that may still come in over `conn_max`: flows ended by
     /// [`Worker::make_room`] whose places are being given back.
     room: Cell<usize>,
+    /// `clock::now_ms()` when [`Worker::make_room`] last found no flow to end: it looks
+    /// again only [`ROOM_LOOK_MS`] later, so that a flood of new clients while every flow
+    /// waits for an answer does not walk the whole table at each datagram.
+    no_room_at: Cell<u64>,
 }
+
+/// How long after finding no flow to end [`Worker::make_room`] looks again.
+const ROOM_LOOK_MS: u64 = 10;
 
 /// Whether a send or receive error on a connected upstream socket means the server (or
 /// the way to it) is gone, as opposed to a local, passing condition.
@@ -324,6 +331,7 @@ pub async fn serve(
         replies: RefCell::new(RecvBatch::new(false)),
         stopping: Cell::new(false),
         room: Cell::new(0),
+        no_room_at: Cell::new(0),
     });
     let mut batch: Box<RecvBatch<LISTEN_BATCH>> = Box::new(RecvBatch::new(pktinfo));
     let mut load = Load::new(super::polling::UDP_SHARE);
@@ -530,7 +538,7 @@ impl Worker {
         let active = state.active.fetch_add(1, Relaxed) + 1;
         if active <= settings.conn_max {
             self.room.set(0);
-        } else if !self.make_room() {
+        } else if !self.make_room(now) {
             state.active.fetch_sub(1, Relaxed);
             state.counters.refused_conn_max.fetch_add(1, Relaxed);
             tracing::debug!(client = %r.from, "udp datagram dropped: conn_max {} reached", settings.conn_max);
@@ -610,10 +618,14 @@ impl Worker {
     /// flows that only sit out `udp_idle_timeout` (a DNS client that takes a new port for
     /// each query leaves one behind per query). Whether the new flow may come in: the
     /// ended flows give their places back as their tasks drop, just after.
-    fn make_room(&self) -> bool {
+    fn make_room(&self, now: u64) -> bool {
         if let Some(left) = self.room.get().checked_sub(1) {
             self.room.set(left);
             return true;
+        }
+        let looked = self.no_room_at.get();
+        if looked != 0 && now.saturating_sub(looked) < ROOM_LOOK_MS {
+            return false;
         }
         let mut quiet: Vec<(u64, SocketAddr)> = {
             let flows = self.flows.borrow();
@@ -624,6 +636,7 @@ impl Worker {
                 .collect()
         };
         if quiet.is_empty() {
+            self.no_room_at.set(now.max(1));
             return false;
         }
         let n = (self.flows.borrow().len() / 16).clamp(1, quiet.len());
