@@ -539,6 +539,69 @@ fn a_flow_with_nowhere_to_move_stays_on_its_drained_server() {
     assert_eq!(c.ask(WAIT), Some(a.ip()), "its flow stays");
 }
 
+/// A client that only sends (syslog) always waits for an answer that never comes; its
+/// flow moves off a drained server all the same, and the flow it left stops holding the
+/// server within seconds, not after the day-long `-t` such senders are given.
+#[test]
+fn a_client_that_only_sends_moves_off_a_drained_server() {
+    if skip_on_pen("Pen 0.34 has no drain") {
+        return;
+    }
+    let a = DnsBackend::start(1);
+    let b = DnsBackend::start(2);
+    a.set_silent(true);
+    b.set_silent(true);
+    let Some((q, cport)) = with_control(&["-r", "-t", "86400", "{port}", &a.spec(), &b.spec()])
+    else {
+        return;
+    };
+    let c = q.client("127.0.0.2");
+    for _ in 0..3 {
+        c.sock.send(b"<14>one-way message").unwrap();
+    }
+    wait_until(WAIT, "three messages on server 0", || a.received() == 3);
+    command(cport, "server 0 drain");
+    for _ in 0..3 {
+        c.sock.send(b"<14>one-way message").unwrap();
+    }
+    wait_until(WAIT, "three messages on server 1", || b.received() == 3);
+    assert_eq!(a.received(), 3, "nothing more went to the drained server");
+    wait_until(
+        Duration::from_secs(6),
+        "the drained server's flow ended",
+        || q.flows_to(a.addr()) == 0,
+    );
+    assert_eq!(q.flows_to(b.addr()), 1);
+}
+
+/// A flow that moves while its server still owes an answer keeps listening for that answer
+/// for a while: a slow server's last answer still reaches its client.
+#[test]
+fn an_answer_still_due_from_a_drained_server_reaches_its_client() {
+    if skip_on_pen("Pen 0.34 has no drain") {
+        return;
+    }
+    let a = DnsBackend::start(1);
+    let b = DnsBackend::start(2);
+    a.set_delay(Duration::from_millis(700));
+    let Some((q, cport)) = with_control(&["-r", "{port}", &a.spec(), &b.spec()]) else {
+        return;
+    };
+    let c = q.client("127.0.0.2");
+    c.sock.send(&query(40_001, "who.example")).unwrap();
+    wait_until(WAIT, "the query on server 0", || a.received() == 1);
+    command(cport, "server 0 drain");
+    assert_eq!(c.ask(WAIT), Some(b.ip()), "the next query moved");
+    let deadline = Instant::now() + WAIT;
+    let late = std::iter::from_fn(|| c.receive(deadline.saturating_duration_since(Instant::now())))
+        .find_map(|reply| answer(&reply, 40_001));
+    assert_eq!(
+        late,
+        Some(a.ip()),
+        "the drained server's answer came through"
+    );
+}
+
 #[test]
 fn a_servers_max_bounds_its_flows_from_every_event_loop() {
     let a = DnsBackend::start(1);

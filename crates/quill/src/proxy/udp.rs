@@ -450,13 +450,11 @@ impl Worker {
                 flow.timed_out();
                 self.end(&r.from);
             } else {
-                // Waiting for nothing on a server out of use, the flow moves to one in use
-                // (it lives as long as its client sends: a drain or a blacklist would never
-                // reach a client that keeps its port); with none in use, it stays.
-                if flow.awaiting_since.get() == 0
-                    && flow.taken_out(now)
-                    && self.open_flow(r, rest, now, Opening::Move)
-                {
+                // On a server out of use, the flow moves to one in use (it lives as long as
+                // its client sends: a drain or a blacklist would never reach a client that
+                // keeps its port, and a one-way sender always waits for an answer); with
+                // none in use, it stays.
+                if flow.taken_out(now) && self.open_flow(r, rest, now, Opening::Move) {
                     tracing::debug!(client = %r.from, "udp flow moved: its server is out of use");
                     return;
                 }
@@ -596,7 +594,8 @@ impl Worker {
         });
         drop(settings);
         tracing::debug!(client = %r.from, "udp flow to {upstream:?}");
-        let task = tokio::task::spawn_local(run_flow(Rc::clone(self), Rc::clone(&flow)));
+        let task =
+            tokio::task::spawn_local(run_flow(Rc::clone(self), Rc::clone(&flow), Role::Serving));
         let old = self.flows.borrow_mut().insert(
             r.from,
             Entry {
@@ -606,6 +605,10 @@ impl Worker {
         );
         if let Some(old) = old {
             old.task.abort();
+            if old.flow.awaiting_since.get() != 0 {
+                // It moved with datagrams unanswered: their answers may still come.
+                tokio::task::spawn_local(run_flow(Rc::clone(self), old.flow, Role::Leaving));
+            }
         }
         if opening == Opening::Move {
             state.counters.accepted.fetch_add(1, Relaxed);
@@ -831,11 +834,33 @@ enum End {
     Refused(io::Error),
 }
 
+/// What a flow's task does.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum Role {
+    /// The client's flow: its datagrams go out on it.
+    Serving,
+    /// A flow its client moved off (its server was taken out of use) while datagrams sent
+    /// on it were unanswered: it only passes their answers on, until they have all come,
+    /// the answer timeout passes, or [`LEAVE_MS`] — whichever is first. It keeps its place
+    /// on the server meanwhile.
+    Leaving,
+}
+
+/// How long a flow its client moved off waits at most for the answers still due on it:
+/// a one-way sender (syslog, with a `-t` of a day) would otherwise hold its drained
+/// server's place for the whole answer timeout.
+const LEAVE_MS: u64 = 2_000;
+
 /// The task of one flow: replies to the client, idle expiry, answer timeout.
-async fn run_flow(worker: Rc<Worker>, flow: Rc<Flow>) {
+async fn run_flow(worker: Rc<Worker>, flow: Rc<Flow>, role: Role) {
+    let left_at = clock::now_ms();
     let deadline = |flow: &Flow| {
         let now = clock::now_ms();
-        tokio::time::Instant::now() + Duration::from_millis(flow.next_check(now) - now)
+        let mut at = flow.next_check(now);
+        if role == Role::Leaving {
+            at = at.min(left_at.saturating_add(LEAVE_MS)).max(now + 1);
+        }
+        tokio::time::Instant::now() + Duration::from_millis(at - now)
     };
     let sleep = tokio::time::sleep_until(deadline(&flow));
     tokio::pin!(sleep);
@@ -852,19 +877,27 @@ async fn run_flow(worker: Rc<Worker>, flow: Rc<Flow>) {
                 };
                 match worker.relay_replies(&flow, &mut guard) {
                     Ok(()) => {}
-                    Err(e) if is_server_failure(&e) => break End::Refused(e),
+                    Err(e) if is_server_failure(&e) && role == Role::Serving => {
+                        break End::Refused(e)
+                    }
                     Err(e) => {
                         tracing::debug!(client = %flow.client, "udp flow ended: {e}");
                         break End::Stopped;
                     }
                 }
-                if worker.stopping.get() && flow.awaiting_since.get() == 0 {
+                if (role == Role::Leaving || worker.stopping.get())
+                    && flow.awaiting_since.get() == 0
+                {
                     break End::Stopped;
                 }
             }
             () = &mut sleep => {
                 let now = clock::now_ms();
                 flow.flush_bytes();
+                if role == Role::Leaving {
+                    // Its server is out of use: a silence now says nothing of it.
+                    break End::Stopped;
+                }
                 if flow.answer_overdue(now) {
                     if worker.stopping.get() {
                         break End::Stopped;

@@ -20,7 +20,7 @@ use std::net::{IpAddr, Ipv4Addr, SocketAddr, UdpSocket};
 use std::os::unix::net::UnixDatagram;
 use std::path::Path;
 use std::process::{Child, Command, Stdio};
-use std::sync::atomic::{AtomicBool, AtomicU16, AtomicUsize, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicU16, AtomicU64, AtomicUsize, Ordering};
 use std::sync::{Arc, Mutex};
 use std::thread::{self, JoinHandle};
 use std::time::{Duration, Instant};
@@ -106,6 +106,8 @@ struct BackendInner {
     ip: Ipv4Addr,
     addr: SocketAddr,
     silent: AtomicBool,
+    /// Milliseconds to wait before each answer.
+    delay_ms: AtomicU64,
     stop: AtomicBool,
     received: AtomicUsize,
     answered: AtomicUsize,
@@ -136,6 +138,7 @@ impl DnsBackend {
             ip: backend_ip(n),
             addr,
             silent: AtomicBool::new(false),
+            delay_ms: AtomicU64::new(0),
             stop: AtomicBool::new(false),
             received: AtomicUsize::new(0),
             answered: AtomicUsize::new(0),
@@ -174,6 +177,12 @@ impl DnsBackend {
     /// Keep reading but never answer (like a hung host), or answer again.
     pub fn set_silent(&self, silent: bool) {
         self.inner.silent.store(silent, Ordering::SeqCst);
+    }
+
+    /// Answers each datagram `delay` after reading it (one at a time: a slow server).
+    pub fn set_delay(&self, delay: Duration) {
+        let ms = u64::try_from(delay.as_millis()).unwrap_or(u64::MAX);
+        self.inner.delay_ms.store(ms, Ordering::SeqCst);
     }
 
     /// Closes the socket: datagrams to the port now get ICMP port unreachable.
@@ -224,6 +233,10 @@ fn run(inner: &Arc<BackendInner>, sock: UdpSocket) {
                 inner2.received.fetch_add(1, Ordering::SeqCst);
                 if inner2.silent.load(Ordering::SeqCst) {
                     continue;
+                }
+                let delay = inner2.delay_ms.load(Ordering::SeqCst);
+                if delay > 0 {
+                    thread::sleep(Duration::from_millis(delay));
                 }
                 let data = &buf[..n];
                 let sent = match reply_to(data, inner2.ip) {
