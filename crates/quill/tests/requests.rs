@@ -2187,7 +2187,8 @@ fn a_server_that_closes_ends_its_own_connection_not_the_clients() {
 }
 
 /// A server as NGINX behaves to the cases below: a `POST` is read to the end of its body
-/// and answered, and closed unanswered when the client's EOF comes first; `GET /cut` is
+/// and answered, and closed unanswered when the client's EOF comes first; `GET /444` is
+/// closed unanswered (NGINX's `return 444`, a common rule for bad bots); `GET /cut` is
 /// answered with a head announcing 1,000,000 bytes, 10,000 of them, and the close of a
 /// server that died; `GET /until-close` with a body the close ends (no length), `GET
 /// /not-http` with a line that is not HTTP, then the close. Counts the connections it
@@ -2217,6 +2218,9 @@ fn unfinished_server() -> (u16, Arc<AtomicUsize>) {
                 if head.starts_with("get /until-close") {
                     let _ = conn.write_all(b"HTTP/1.1 200 OK\r\n\r\nthe close ends this body");
                     return;
+                }
+                if head.starts_with("get /444") {
+                    return; // NGINX's `return 444`: closed, no answer
                 }
                 if head.starts_with("get /not-http") {
                     let _ = conn.write_all(b"SSH-2.0-quill-test\r\n");
@@ -2282,7 +2286,8 @@ fn a_client_that_gives_up_an_upload_does_not_blacklist_the_server() {
 }
 
 /// A server that dies in the middle of an answer ends the client's connection (the answer
-/// cut short, as the client can tell by its length) and is blacklisted; quill keeps
+/// cut short, as the client can tell by its length), and is not blacklisted for it (the
+/// next connect tells whether it is down; see the next test); quill keeps
 /// nothing of the connection (before, request by request, the client was not read while
 /// its answer came, and its leaving went unseen: the connection stayed open for good).
 #[test]
@@ -2310,7 +2315,54 @@ fn a_server_that_dies_mid_answer_ends_the_clients_connection() {
         support::ctl::status_json(&ctl)["connections"]["open"] == 0
     });
     let server = support::ctl::server_status(&ctl, 0);
-    assert_eq!(server["blacklisted"], true, "{server}");
+    assert_eq!(server["blacklisted"], false, "{server}");
+}
+
+/// A request the server closes unanswered (NGINX's `return 444` for a client it does not
+/// want) is that client's 502, not everyone's 503: the server stays in use, for HTTP/1.1
+/// and HTTP/2 clients alike (before, one such request blacklisted it for 30 s).
+#[test]
+fn a_request_the_server_closes_unanswered_takes_it_out_for_no_one() {
+    let (port, _) = unfinished_server();
+    let backend = format!("127.0.0.1:{port}");
+    let (q, ctl) = support::ctl::start_with_tcp_control(&["-H", "-O", "h2c", "{port}", &backend]);
+    let ask = |client: &mut std::net::TcpStream, path: &str| {
+        write!(client, "GET {path} HTTP/1.1\r\nHost: x\r\n\r\n").unwrap();
+        read_response(client).expect("an answer").status
+    };
+    let mut bot = q.connect();
+    bot.set_read_timeout(Some(IO_TIMEOUT)).unwrap();
+    assert_eq!(ask(&mut bot, "/444"), 502);
+    let mut other = q.connect();
+    other.set_read_timeout(Some(IO_TIMEOUT)).unwrap();
+    other
+        .write_all(b"POST /upload HTTP/1.1\r\nHost: x\r\nContent-Length: 3\r\n\r\nabc")
+        .unwrap();
+    assert_eq!(read_response(&mut other).expect("an answer").status, 200);
+    let server = support::ctl::server_status(&ctl, 0);
+    assert_eq!(server["blacklisted"], false, "{server}");
+    let url = |path: &str| format!("http://127.0.0.1:{}{path}", q.port);
+    let Some(out) = curl(&[
+        "--http2-prior-knowledge",
+        "-w",
+        "[%{http_code}]",
+        &url("/444"),
+    ]) else {
+        return;
+    };
+    assert!(out.ends_with("[502]"), "{out}");
+    let out = curl(&[
+        "--http2-prior-knowledge",
+        "-w",
+        "[%{http_code}]",
+        "-d",
+        "abc",
+        &url("/upload"),
+    ])
+    .expect("curl");
+    assert!(out.ends_with("[200]"), "{out}");
+    let server = support::ctl::server_status(&ctl, 0);
+    assert_eq!(server["blacklisted"], false, "{server}");
 }
 
 /// An answer that the server's close ends (a body without a length, or no HTTP at all)

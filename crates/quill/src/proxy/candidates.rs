@@ -378,17 +378,13 @@ impl Drop for Waiting<'_> {
     }
 }
 
-/// A server that failed after a request (or part of it) was sent to it: a table server is
-/// blacklisted as if it had refused the connection; the request is not sent elsewhere.
-pub(super) fn lost(state: &State, blacklist: u64, c: &Candidate<'_, '_>, e: &io::Error) {
-    match c.index {
-        Some(index) => {
-            state.server_failed(
-                index,
-                blacklist,
-                format_args!("{c} failed during a request: {e}"),
-            );
-        }
-        None => tracing::warn!("{c} failed during a request: {e}"),
-    }
+/// A server that failed after a request (or part of it) was sent to it: said in the log
+/// (`-d`), and nothing more. It is not blacklisted, as Pen and HAProxy do not blacklist a
+/// server for a connection that ends badly: a client can make a sound server fail its
+/// request (NGINX's `return 444` closes without an answer, an upload given up leaves the
+/// server unread bytes to reset over), and one such request took the server out of use for
+/// every client for the blacklist time. A server that is down is blacklisted at the next
+/// connect that fails; one that accepts and fails every request is for a health check.
+pub(super) fn lost(c: &Candidate<'_, '_>, e: &io::Error) {
+    tracing::info!("{c} failed during a request: {e}");
 }

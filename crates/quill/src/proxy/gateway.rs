@@ -763,7 +763,7 @@ async fn route(
                 return refused;
             }
             Sent::Lost(e) => {
-                candidates::lost(state, settings.blacklist, &c, &e);
+                candidates::lost(&c, &e);
                 return answer(StatusCode::BAD_GATEWAY, "Bad gateway\n");
             }
             Sent::Failed(e) => {

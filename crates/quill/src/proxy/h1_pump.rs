@@ -460,12 +460,12 @@ async fn send<C: Parkable>(
                     reuse = false;
                     continue;
                 }
-                server_failed(state, settings, to, reused, &e);
+                server_failed(to, reused, &e);
                 answer(client, http, BAD_GATEWAY, record).await
             }
             End::ServerError(e) => {
                 // Part of the answer went out: the client sees its connection end.
-                server_failed(state, settings, to, reused, &e);
+                server_failed(to, reused, &e);
                 Served::Over
             }
             end => {
@@ -479,13 +479,13 @@ async fn send<C: Parkable>(
     }
 }
 
-/// A server that failed during a request: blacklisted like one that refuses, unless the
-/// connection was a reused one (a kept-alive connection may end for reasons of its own).
-fn server_failed(state: &State, settings: &Settings, to: To<'_>, reused: bool, e: &io::Error) {
+/// A server that failed during a request: logged (see `candidates::lost`); over a reused
+/// connection only a debug line (a kept-alive connection may end for reasons of its own).
+fn server_failed(to: To<'_>, reused: bool, e: &io::Error) {
     if reused {
         tracing::debug!("{to}, over a reused connection, failed during a request: {e}");
     } else {
-        candidates::lost(state, settings.blacklist, &to, e);
+        candidates::lost(&to, e);
     }
 }
 

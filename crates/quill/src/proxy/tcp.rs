@@ -427,7 +427,7 @@ async fn wake<C: ClientStream>(asleep: Asleep<C>) {
         Ok(session) => session,
         Err((session, e)) => {
             tracing::debug!(peer = %session.books.peer, "closed: could not resume a parked connection: {e}");
-            session.finish(state, totals.ended(relay::End::Error(e)));
+            session.finish(totals.ended(relay::End::Error(e)));
             return;
         }
     };
@@ -556,12 +556,9 @@ impl<C: ClientStream> Parked for Asleep<C> {
 
     fn expire(self: Box<Self>) {
         let Asleep {
-            state,
-            session,
-            totals,
-            ..
+            session, totals, ..
         } = *self;
-        session.finish(state, totals.ended(relay::End::Idle));
+        session.finish(totals.ended(relay::End::Idle));
     }
 }
 
@@ -597,8 +594,8 @@ impl<'a, E> Session<'a, E> {
     }
 
     /// Accounts for the connection once it is over: byte counters, the log line, and a
-    /// server that failed mid-connection.
-    fn finish(&self, state: &State, outcome: Outcome) {
+    /// server that failed mid-connection said in the log.
+    fn finish(&self, outcome: Outcome) {
         let books = &self.books;
         let lease = &books.lease;
         lease.place.server().bytes_to.fetch_add(outcome.up, Relaxed);
@@ -624,15 +621,11 @@ impl<'a, E> Session<'a, E> {
             relay::End::Error(e) => {
                 tracing::debug!(%peer, server = ?lease.index, "connection ended: {e}");
             }
+            // Not blacklisted (see `candidates::lost`): a client can make a sound server
+            // reset its connection (bytes it will not read, then its close).
             relay::End::ServerError(e) => match lease.index {
-                // A server that resets a connection mid-transfer is treated like one that
-                // refuses: new clients go elsewhere for the blacklist time.
                 Some(index) => {
-                    state.server_failed(
-                        index,
-                        state.settings().blacklist,
-                        format_args!("server {index} failed mid-connection: {e}"),
-                    );
+                    tracing::info!(%peer, "server {index} failed mid-connection: {e}");
                 }
                 None => tracing::debug!(%peer, "emergency or abuse server failed: {e}"),
             },
@@ -999,7 +992,7 @@ impl<C: ClientStream> Session<'static, Live<C>> {
                 pump_streams(state, &mut **c, &mut **s, http, opts, from.first).await
             }
         };
-        self.finish(state, outcome);
+        self.finish(outcome);
         None
     }
 
@@ -1014,7 +1007,7 @@ impl<C: ClientStream> Session<'static, Live<C>> {
             })),
             Err((session, e)) => {
                 tracing::debug!(peer = %session.books.peer, "closed: could not park an idle connection: {e}");
-                session.finish(state, totals.ended(relay::End::Error(e)));
+                session.finish(totals.ended(relay::End::Error(e)));
             }
         }
     }
