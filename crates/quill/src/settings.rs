@@ -540,6 +540,8 @@ impl Settings {
             Command::Tracking(v) => query_or_set(&mut self.tracking, *v),
             Command::Blacklist(v) => query_or_set(&mut self.blacklist, *v),
             Command::Timeout(v) => query_or_set(&mut self.timeout, *v),
+            // 0 would refuse every client (Pen ignores it: its `conn_max` only raises).
+            Command::ConnMax(Some(0)) => return Err(ApplyError::TooSmall("conn_max")),
             Command::ConnMax(v) => query_or_set(&mut self.conn_max, *v),
             Command::ClientsMax(None) => Applied::value(self.clients_max),
             Command::ClientsMax(Some(n)) => {

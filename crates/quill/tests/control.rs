@@ -859,6 +859,51 @@ fn listen_to_an_address_in_use_is_an_error_and_changes_nothing() {
     assert_one_line_error(&ctl_err(&ctl, "listen not/an:address:"), "listen garbage");
 }
 
+/// Settings a running quill cannot take up are refused, and serving goes on as before:
+/// `conn_max 0` (every client refused), `dsr_if` (its packet socket is opened at start-up
+/// only; before, it was taken silently and written by `write` for the next start to fail
+/// on) and, without CAP_NET_ADMIN (quill runs as its `-u` user), `transparent` (before,
+/// every connect then failed and every server was blacklisted).
+#[test]
+fn settings_a_running_quill_cannot_take_up_are_errors_and_change_nothing() {
+    if skip_on_pen("quill's error replies") {
+        return;
+    }
+    let a = IdentityBackend::start("a");
+    let spec = a.spec();
+    // As root, quill drops to `nobody`, which has no CAP_NET_ADMIN.
+    let unprivileged = running_as_root();
+    let mut args = vec!["-C", "127.0.0.1:{ctl}"];
+    if unprivileged {
+        args.extend(["-u", "nobody"]);
+    }
+    args.extend(["127.0.0.1:{port}", spec.as_str()]);
+    let (q, ctl) = start_with_control(&args);
+    let conn_max = ctl_ok(&ctl, "conn_max");
+    assert_one_line_error(&ctl_err(&ctl, "conn_max 0"), "conn_max 0");
+    assert_eq!(ctl_ok(&ctl, "conn_max"), conn_max);
+    assert_one_line_error(&ctl_err(&ctl, "dsr_if lo"), "dsr_if lo");
+    // Written where `nobody` may create a file.
+    let tag = format!("refused-{}", q.port);
+    let written = written_config(&ctl, &std::env::temp_dir(), &tag);
+    let _ = fs::remove_file(std::env::temp_dir().join(format!("written-{tag}.cfg")));
+    assert!(
+        !written.contains("dsr_if"),
+        "a refused dsr_if is not written: {written}"
+    );
+    if unprivileged {
+        let reply = ctl_err(&ctl, "transparent");
+        assert!(reply.contains("CAP_NET_ADMIN"), "{reply}");
+        assert!(ctl_ok(&ctl, "mode")
+            .lines()
+            .all(|l| !l.contains("transparent")));
+    } else {
+        eprintln!("SKIPPED (transparent): not root, so no -u user to run as");
+    }
+    echo_through(&q, "127.0.0.2", b"still serving");
+    assert_eq!(server_status(&ctl, 0)["blacklisted"], false);
+}
+
 #[test]
 fn log_command_opens_and_closes_the_connection_log() {
     if skip_on_pen("status json is quill's extension") {

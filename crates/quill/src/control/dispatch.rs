@@ -156,21 +156,30 @@ pub fn execute(ctx: &Context, cmd: &Command) -> Result<String, String> {
             ctx.carry_out(rest);
             Ok(String::new())
         }
+        Command::Transparent(_) | Command::DsrIf(_) => {
+            let mut next = crate::settings::Settings::clone(&state.settings());
+            next.apply(cmd).map_err(|e| e.to_string())?;
+            super::taken_up_at_runtime(&state.settings(), &next)?;
+            publish(ctx, cmd)
+        }
         Command::Exit if ctx.exit_enabled => {
             ctx.exit.notify_one();
             Ok(String::new())
         }
         Command::Exit => Err("exit is disabled (start quill with -X to allow it)".to_string()),
-        cmd => {
-            let (reply, actions) = state.execute(cmd).map_err(|e| e.to_string())?;
-            if let Command::Debug(Some(level)) = cmd {
-                crate::daemon::set_log_level(*level);
-            }
-            ctx.carry_out(actions);
-            Ok(match reply {
-                Reply::Done => String::new(),
-                Reply::Value(v) => v,
-            })
-        }
+        cmd => publish(ctx, cmd),
     }
+}
+
+/// A command that changes the settings (or reads them): published, then its actions.
+fn publish(ctx: &Context, cmd: &Command) -> Result<String, String> {
+    let (reply, actions) = ctx.state.execute(cmd).map_err(|e| e.to_string())?;
+    if let Command::Debug(Some(level)) = cmd {
+        crate::daemon::set_log_level(*level);
+    }
+    ctx.carry_out(actions);
+    Ok(match reply {
+        Reply::Done => String::new(),
+        Reply::Value(v) => v,
+    })
 }

@@ -109,6 +109,11 @@ impl Context {
     /// error the running configuration stays and the error is returned.
     pub fn reload(&self) -> Result<(), ConfigError> {
         let (settings, mut actions) = self.build_settings()?;
+        taken_up_at_runtime(&self.state.settings(), &settings).map_err(|reason| ConfigError {
+            file: self.config_file.clone().unwrap_or_default(),
+            line: 0,
+            reason,
+        })?;
         // Rebuilding from scratch always "sets" the listening address; only a real change
         // means a new socket. It is bound before anything is published, so an address
         // that cannot be bound fails the reload as a whole.
@@ -219,6 +224,11 @@ impl Context {
         let mut settings = Settings::clone(&self.state.settings());
         let mut actions = Vec::new();
         config::load(file, &mut settings, &mut actions)?;
+        taken_up_at_runtime(&self.state.settings(), &settings).map_err(|reason| ConfigError {
+            file: file.to_path_buf(),
+            line: 0,
+            reason,
+        })?;
         let previous = self.state.settings().tls_built.clone();
         settings
             .build_tls(Some(&previous))
@@ -499,6 +509,28 @@ pub fn off_thread<T: Send + 'static>(
 ) -> tokio::task::JoinHandle<T> {
     let ctx = Arc::clone(ctx);
     tokio::task::spawn_blocking(move || work(&ctx))
+}
+
+/// Whether a running quill can take `new` up in place of `old` (a control command, a
+/// reload, an include): the settings checked or opened only at start-up are refused here
+/// before anything is published, as they would be at start-up.
+pub(crate) fn taken_up_at_runtime(old: &Settings, new: &Settings) -> Result<(), String> {
+    // Without CAP_NET_ADMIN (quill runs as its `-u` user by now) every connect would fail
+    // and blacklist every server.
+    if new.transparent && !old.transparent {
+        crate::net::connect::check_transparent().map_err(|e| {
+            format!("transparent: cannot use IP_TRANSPARENT ({e}): it needs CAP_NET_ADMIN")
+        })?;
+    }
+    // The packet socket is opened at start-up, before privileges are dropped: a change
+    // would do nothing now, and `write` would record it for the next start to meet.
+    if new.dsr_if != old.dsr_if {
+        return Err(
+            "dsr_if takes effect only at start-up (-o, -O or the -F file): restart quill"
+                .to_string(),
+        );
+    }
+    Ok(())
 }
 
 /// Sends an error and closes, with the client possibly still sending. Closing with unread
