@@ -578,8 +578,11 @@ pub fn run(inv: Invocation) -> Result<(), StartError> {
         },
         state.active.load(Relaxed)
     );
-    let _ = stop_tx.send(true);
+    // Connections are told first, the listeners closed after: a client that sees the
+    // listener gone and sends its next request on a kept-alive connection finds that
+    // connection knowing of the stop, and its answer says `Connection: close`.
     state.stop();
+    let _ = stop_tx.send(true);
     rt.block_on(async {
         let drained = async {
             while state.active.load(Relaxed) > 0
