@@ -46,7 +46,9 @@ impl Asked {
 pub struct Counters {
     /// Client connections accepted (UDP: new flows), including those then refused.
     pub accepted: AtomicU64,
-    /// Client connections closed at once because `conn_max` was reached.
+    /// Client connections closed at once because `conn_max` was reached: UDP flows only
+    /// (a TCP client beyond it waits in the listen queue, or for a place when two event
+    /// loops accepted it at once).
     pub refused_conn_max: AtomicU64,
     /// Client connections denied by the client ACL (and not sent to an abuse server).
     pub refused_acl: AtomicU64,
@@ -100,10 +102,11 @@ pub struct State {
     pub parked: AtomicUsize,
     /// Upstream connects in progress.
     pub pending: AtomicUsize,
-    /// Accept loops paused at `pending_max`, waiting on `pending_released`.
+    /// Accept loops paused at `pending_max` or `conn_max`, waiting on `accept_resumes`.
     pub accept_paused: AtomicUsize,
-    /// Signalled when a connect finishes while an accept loop is paused.
-    pub pending_released: tokio::sync::Notify,
+    /// Signalled when a connect finishes or a client connection ends while an accept loop
+    /// is paused.
+    pub accept_resumes: tokio::sync::Notify,
     pub counters: Counters,
     /// Open connections by number; kept only when a control socket can ask for them.
     pub registry: Option<Arc<Registry>>,
@@ -157,7 +160,7 @@ impl State {
             parked: AtomicUsize::new(0),
             pending: AtomicUsize::new(0),
             accept_paused: AtomicUsize::new(0),
-            pending_released: tokio::sync::Notify::new(),
+            accept_resumes: tokio::sync::Notify::new(),
             counters: Counters::default(),
             registry: registry.then(Arc::default),
             log: ArcSwapOption::empty(),
@@ -232,6 +235,8 @@ impl State {
     /// give them some; any other command, a query included, leaves them their turn).
     fn publish(&self, settings: Settings) {
         let servers_changed = self.settings.load().servers != settings.servers;
+        let more_room = settings.conn_max > self.settings.load().conn_max
+            || settings.pending_max > self.settings.load().pending_max;
         self.servers.mirror_limits(&settings);
         self.poll_before_sleep
             .store(settings.poll_before_sleep, Relaxed);
@@ -239,6 +244,10 @@ impl State {
         self.generation.send_modify(|g| *g = g.wrapping_add(1));
         if servers_changed {
             self.servers.changed.notify_waiters();
+        }
+        if more_room {
+            // Accepts paused at the old limit, and connections waiting for a place.
+            self.accept_resumes.notify_waiters();
         }
     }
 
@@ -261,7 +270,7 @@ impl State {
         match action {
             Action::Blacklist { index, seconds } => {
                 if let Some(s) = self.servers.get(index) {
-                    let was_in_use = s.blacklist(clock::now_ms(), seconds);
+                    let was_in_use = s.blacklist_by_hand(clock::now_ms(), seconds);
                     if seconds == 0 {
                         if !was_in_use {
                             tracing::warn!("server {index} no longer blacklisted");

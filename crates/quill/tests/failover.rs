@@ -268,6 +268,50 @@ fn without_emergency_server_a_client_is_closed_when_all_servers_are_down() {
     }
 }
 
+/// A lone server that refused while it restarted is tried again by the next client even
+/// though it is blacklisted (no other server is left to try): a server back after a few
+/// seconds serves at once instead of after its blacklist time, with every client turned
+/// away meanwhile (before: 30 s of refusals after a 3-s broker restart, where HAProxy and
+/// NGINX reconnected every client within a second). Being served, it is in use again.
+#[test]
+fn a_lone_server_back_from_a_restart_serves_at_once_despite_its_blacklist() {
+    if skip_on_pen("Pen 0.34 does not blacklist a server that refuses connections") {
+        return;
+    }
+    let a = IdentityBackend::start("a");
+    let q = Quill::start(&["-b", "60", "-t", "1", "-d", "127.0.0.1:{port}", &a.spec()]);
+    a.stop();
+    let mut s = q.connect_from("127.0.0.1");
+    expect_closed_without_data(&mut s, Duration::from_secs(3));
+    wait_until(Duration::from_secs(5), "the blacklisting logged", || {
+        q.stderr().contains("blacklisted for 60 s")
+    });
+    a.restart();
+    let (name, _s) = q.name_from("127.0.0.1");
+    assert_eq!(name, "a", "the blacklisted server is back");
+    wait_until(Duration::from_secs(5), "its return logged", || {
+        q.stderr().contains("answers again: no longer blacklisted")
+    });
+    for _ in 0..3 {
+        assert_eq!(q.name_from("127.0.0.1").0, "a");
+    }
+}
+
+/// What the operator blacklisted stays out even when nothing else is left: only a failed
+/// connect's blacklist is tried past.
+#[test]
+fn a_server_blacklisted_by_hand_is_not_tried_when_nothing_else_is_left() {
+    if skip_on_pen("status json is quill's") {
+        return;
+    }
+    let a = IdentityBackend::start("a");
+    let (q, ctl) = support::ctl::start_with_tcp_control(&["127.0.0.1:{port}", &a.spec()]);
+    support::ctl::ctl_ok(&ctl, "server 0 blacklist 60");
+    let mut s = q.connect_from("127.0.0.1");
+    expect_closed_without_data(&mut s, Duration::from_secs(3));
+    assert_eq!(a.accepted(), 0, "the operator's blacklist was passed");
+}
+
 #[test]
 fn denied_client_goes_to_the_abuse_server() {
     let a = IdentityBackend::start("a");

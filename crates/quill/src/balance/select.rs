@@ -160,6 +160,35 @@ impl<'a> Selector<'a> {
             .collect()
     }
 
+    /// With no server left for this client (and no last resort that took it): the server
+    /// that a failed connect blacklisted and whose blacklist ends first, to try anyway —
+    /// none is known to work, and a server back from a restart would else wait out its
+    /// blacklist with every client turned away (as NGINX never marks a lone server
+    /// unavailable, and HAProxy without checks always tries). Not one the operator
+    /// blacklisted. It counts as tried.
+    pub fn despite_blacklist(&mut self) -> Option<usize> {
+        let best = (0..self.settings.servers.len())
+            .filter_map(|i| {
+                let (_, state) = self.eligible_but_blacklist(i)?;
+                let until = state.blacklisted_until.load(Relaxed);
+                let limit = limit(state, false);
+                (until > self.now
+                    && !state.blacklisted_by_hand.load(Relaxed)
+                    && (limit == 0 || state.conns.load(Relaxed) < limit))
+                    .then_some((until, i))
+            })
+            .min()?
+            .1;
+        let n = self.settings.servers.len();
+        if self.tried.len() < n {
+            self.tried.resize(n, false);
+        }
+        if let Some(t) = self.tried.get_mut(best) {
+            *t = true;
+        }
+        Some(best)
+    }
+
     /// The time the next look is made at (blacklist deadlines are compared with it).
     pub fn set_now(&mut self, now: u64) {
         self.now = now;

@@ -22,6 +22,9 @@ pub struct ServerState {
     pub conns: AtomicU32,
     /// `clock::now_ms()` until which the server is blacklisted; 0 = not blacklisted.
     pub blacklisted_until: AtomicU64,
+    /// The blacklist was the operator's (`server N blacklist T`), not a failed connect's:
+    /// a client with no server left does not try this one anyway.
+    pub blacklisted_by_hand: AtomicBool,
     /// Connections ever made to this server.
     pub total: AtomicU64,
     /// Failed connection attempts.
@@ -255,6 +258,17 @@ impl ServerState {
     /// was in use until now (not blacklisted at `now`): of event loops that blacklist it
     /// at once, one sees that.
     pub fn blacklist(&self, now: u64, seconds: u64) -> bool {
+        self.blacklisted_by_hand.store(false, Relaxed);
+        self.put_on_blacklist(now, seconds)
+    }
+
+    /// [`ServerState::blacklist`], by the operator's command.
+    pub fn blacklist_by_hand(&self, now: u64, seconds: u64) -> bool {
+        self.blacklisted_by_hand.store(seconds > 0, Relaxed);
+        self.put_on_blacklist(now, seconds)
+    }
+
+    fn put_on_blacklist(&self, now: u64, seconds: u64) -> bool {
         let until = if seconds == 0 {
             0
         } else {

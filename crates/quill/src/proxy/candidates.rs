@@ -73,6 +73,8 @@ pub(super) struct Candidates<'a, 's> {
     looks: u32,
     /// A server (index) whose place a lease handed to this client while it waited.
     handed: Option<(usize, Place<'s>)>,
+    /// The blacklisted server offered last, tried anyway ([`Candidates::despite_blacklist`]).
+    despite: Option<usize>,
 }
 
 /// Looks again after a place came free between the selector's look and the claim (or the
@@ -109,6 +111,7 @@ impl<'a, 's: 'a> Candidates<'a, 's> {
             queue_until: None,
             looks: 0,
             handed: None,
+            despite: None,
         }
     }
 
@@ -123,19 +126,36 @@ impl<'a, 's: 'a> Candidates<'a, 's> {
                 break;
             }
         }
-        if std::mem::replace(&mut self.last_offered, true) {
-            return None;
+        if !std::mem::replace(&mut self.last_offered, true) {
+            let (target, server, extra) = self.last_resort();
+            if let Some(extra) = extra {
+                let c = Candidate {
+                    target,
+                    index: None,
+                    addr: extra.addr,
+                    host: Some(&extra.name.host),
+                    server,
+                };
+                return Some((c, Place::take(server)));
+            }
         }
-        let (target, server, extra) = self.last_resort();
-        let extra = extra?;
-        let c = Candidate {
-            target,
-            index: None,
-            addr: extra.addr,
-            host: Some(&extra.name.host),
-            server,
-        };
-        Some((c, Place::take(server)))
+        self.despite_blacklist()
+    }
+
+    /// Servers a failed connect blacklisted, tried anyway when nothing else is left (see
+    /// `Selector::despite_blacklist`), the one whose blacklist ends first first.
+    fn despite_blacklist(&mut self) -> Option<(Candidate<'a, 's>, Place<'s>)> {
+        loop {
+            let index = self.selector.as_mut()?.despite_blacklist()?;
+            let Some(c) = self.candidate(index) else {
+                continue;
+            };
+            let limit = self.selector.as_ref()?.limit_of(index);
+            if let Some(place) = Place::claim(c.server, limit) {
+                self.despite = Some(index);
+                return Some((c, place));
+            }
+        }
     }
 
     /// The table's server to try now, its place taken, if the selector has one.
@@ -271,8 +291,14 @@ impl<'a, 's: 'a> Candidates<'a, 's> {
         true
     }
 
-    /// `c` took the client: a tracked client goes back to it next time.
+    /// `c` took the client: a tracked client goes back to it next time, and a blacklisted
+    /// server tried anyway is back in use for every client.
     pub(super) fn served(&self, c: &Candidate<'_, '_>) {
+        // Of clients lifting it at once, the one that found it blacklisted says so.
+        if c.index.is_some() && c.index == self.despite && !c.server.blacklist(clock::now_ms(), 0) {
+            tracing::warn!("{c} answers again: no longer blacklisted");
+            self.state.servers.changed.notify_waiters();
+        }
         if let Some(index) = c.index {
             if self.selector.as_ref().is_some_and(|s| s.tracks()) {
                 self.state

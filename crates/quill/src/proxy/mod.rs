@@ -28,3 +28,15 @@ pub mod splice;
 pub mod stream;
 pub mod tcp;
 pub mod udp;
+
+/// Whether a warning whose last time is kept in `last` (`clock::now_ms()`, 0 = never) may
+/// be said again at `now`: at most once every `every_ms`, whichever event loop asks, so
+/// that a flood of the condition does not flood the log.
+pub(crate) fn warn_again(last: &std::sync::atomic::AtomicU64, now: u64, every_ms: u64) -> bool {
+    use std::sync::atomic::Ordering::Relaxed;
+    let was = last.load(Relaxed);
+    (was == 0 || now.saturating_sub(was) >= every_ms)
+        && last
+            .compare_exchange(was, now.max(1), Relaxed, Relaxed)
+            .is_ok()
+}

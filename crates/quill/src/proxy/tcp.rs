@@ -172,21 +172,30 @@ async fn accept_loop<L: Accept>(
     let mut settings_changed = state.generation.subscribe();
     let mut deferred = defer_accept(&listener, state, None);
     loop {
-        // Pen's pending_max: while that many connections are still connecting to their
-        // server, stop accepting and let the kernel's backlog hold the next clients, rather
-        // than accept them only to close them.
-        if state.pending.load(Relaxed) >= state.settings().pending_max {
-            let notified = state.pending_released.notified();
-            // SeqCst here and in `Connecting::drop`: either this check sees the connect
-            // finished, or that connect sees the pause and notifies; never neither.
+        // Pen's pending_max (that many connections still connecting to their server) and
+        // conn_max (that many open): stop accepting and let the kernel's backlog hold the
+        // next clients until a place frees, rather than accept them only to close them (as
+        // Pen, HAProxy's maxconn and NGINX's worker_connections do).
+        if accept_full(state) {
+            if state.active.load(Relaxed) >= state.settings().conn_max {
+                warn_full(state);
+            }
+            let resumed = state.accept_resumes.notified();
+            // SeqCst here and where the places are given back (`Connecting`, `Admitted`):
+            // either this check sees a place freed, or that release sees the pause and
+            // notifies; never neither.
             state.accept_paused.fetch_add(1, SeqCst);
             let _paused = Held(&state.accept_paused);
-            if state.pending.load(SeqCst) >= state.settings().pending_max {
+            if accept_full(state) {
                 tokio::select! {
                     biased;
                     _ = shutdown.changed() => return None,
                     Some(next) = relisten.recv() => return Some(next),
-                    _ = notified => {}
+                    // A limit raised at run time.
+                    Ok(()) = settings_changed.changed() => {
+                        deferred = defer_accept(&listener, state, Some(deferred));
+                    }
+                    _ = resumed => {}
                 }
             }
             continue;
@@ -218,7 +227,11 @@ async fn accept_loop<L: Accept>(
                         Stream::forget_readable(&sock);
                     }
                     super::polling::stir();
-                    spawn_connection(state, sock, peer, local_port);
+                    // Counted now, not when its task first runs: the next turn of this
+                    // loop (with `multi_accept`, before any of those tasks ran) must see
+                    // the place taken.
+                    let admitted = Admitted::enter(state);
+                    spawn_connection(state, sock, peer, local_port, admitted);
                     budget = yield_when_spent(budget, state).await;
                 }
                 Err(e) => accept_failed(e).await,
@@ -227,18 +240,41 @@ async fn accept_loop<L: Accept>(
     }
 }
 
+/// When [`warn_full`] last warned (`clock::now_ms()`).
+static WARNED_FULL: std::sync::atomic::AtomicU64 = std::sync::atomic::AtomicU64::new(0);
+
+/// New clients wait at `conn_max`: a warning at most every ten seconds.
+fn warn_full(state: &State) {
+    if super::warn_again(&WARNED_FULL, clock::now_ms(), 10_000) {
+        tracing::warn!(
+            "conn_max ({}) connections open: new clients wait in the listen queue (-q) until one ends",
+            state.settings().conn_max
+        );
+    }
+}
+
+/// Whether accepting must wait: `pending_max` connects in progress, or `conn_max` client
+/// connections open.
+fn accept_full(state: &State) -> bool {
+    let settings = state.settings();
+    state.pending.load(SeqCst) >= settings.pending_max
+        || state.active.load(SeqCst) >= settings.conn_max
+}
+
 fn spawn_connection<C: ClientStream>(
     state: &'static State,
     sock: C,
     peer: SocketAddr,
     local_port: u16,
+    admitted: (Admitted<'static>, usize),
 ) {
     let registered = state
         .registry
         .as_ref()
         .map(|r| r.register(peer, clock::now_ms()));
     let info = registered.as_ref().map(|r| Arc::clone(&r.info));
-    let task = tokio::task::spawn_local(handle(state, sock, peer, local_port, registered));
+    let task =
+        tokio::task::spawn_local(handle(state, sock, peer, local_port, registered, admitted));
     if let Some(info) = info {
         info.served_by(task.abort_handle());
     }
@@ -375,7 +411,46 @@ impl Drop for Connecting<'_> {
     fn drop(&mut self) {
         self.0.pending.fetch_sub(1, SeqCst);
         if self.0.accept_paused.load(SeqCst) > 0 {
-            self.0.pending_released.notify_waiters();
+            self.0.accept_resumes.notify_waiters();
+        }
+    }
+}
+
+/// A client connection's place under `conn_max`, counted in `State::active` until
+/// dropped; accept loops paused at `conn_max` are woken when it ends.
+pub(super) struct Admitted<'a>(&'a State);
+
+impl<'a> Admitted<'a> {
+    /// Counts one more connection; the count with it.
+    fn enter(state: &'a State) -> (Admitted<'a>, usize) {
+        let active = state.active.fetch_add(1, SeqCst) + 1;
+        (Admitted(state), active)
+    }
+
+    /// Waits until a place under `conn_max` frees, and takes it.
+    async fn wait(state: &'a State) -> Admitted<'a> {
+        loop {
+            let resumed = state.accept_resumes.notified();
+            state.accept_paused.fetch_add(1, SeqCst);
+            let _paused = Held(&state.accept_paused);
+            let max = state.settings().conn_max;
+            if state
+                .active
+                .fetch_update(SeqCst, SeqCst, |n| (n < max).then_some(n + 1))
+                .is_ok()
+            {
+                return Admitted(state);
+            }
+            resumed.await;
+        }
+    }
+}
+
+impl Drop for Admitted<'_> {
+    fn drop(&mut self) {
+        self.0.active.fetch_sub(1, SeqCst);
+        if self.0.accept_paused.load(SeqCst) > 0 {
+            self.0.accept_resumes.notify_waiters();
         }
     }
 }
@@ -393,12 +468,14 @@ async fn handle<C: ClientStream>(
     peer: SocketAddr,
     local_port: u16,
     registered: Option<Registered>,
+    admitted: (Admitted<'static>, usize),
 ) {
     // Everything up to the relay runs in a boxed future that is freed when the relay
     // starts: the task, allocated for the whole life of the connection, holds only the
     // `Session`. (`let ... else` keeps the boxed future's result a temporary: a local
     // moved into the next `.await` would keep its storage in the task.)
-    let Some(mut session) = Box::pin(open(state, client, peer, local_port, registered)).await
+    let Some(mut session) =
+        Box::pin(open(state, client, peer, local_port, registered, admitted)).await
     else {
         return;
     };
@@ -454,7 +531,7 @@ struct Books<'a> {
     /// The connection slot on the chosen upstream, released when the session ends.
     lease: Lease<'a>,
     /// This connection's place in `State::active`.
-    _active: Held<'a>,
+    _active: Admitted<'a>,
     /// With `http`: the exchange and the first request head, read before connecting.
     http: Option<Box<Http>>,
     opts: RelayOptions,
@@ -643,17 +720,19 @@ async fn open<C: ClientStream>(
     mut peer: SocketAddr,
     local_port: u16,
     registered: Option<Registered>,
+    (mut held, active): (Admitted<'static>, usize),
 ) -> Option<Session<'static, Live<C>>> {
     let settings = state.settings();
     let log = state.log.load_full();
     let started_unix = if log.is_some() { unix_now() } else { 0 };
     state.counters.accepted.fetch_add(1, Relaxed);
-    let active = state.active.fetch_add(1, Relaxed) + 1;
-    let held = Held(&state.active);
     if active > settings.conn_max {
-        state.counters.refused_conn_max.fetch_add(1, Relaxed);
-        tracing::debug!(%peer, "refused: conn_max {} reached", settings.conn_max);
-        return None;
+        // Accept loops wait below `conn_max`, but one whose accept was under way while
+        // another loop took the last place gets a connection beyond it: that one waits
+        // here for a place, as it would have in the listen queue.
+        drop(held);
+        tracing::debug!(%peer, "conn_max {} reached: waiting for a place", settings.conn_max);
+        held = Admitted::wait(state).await;
     }
     // The destination the client reached, when a PROXY header (in or out) needs it: the
     // listener, or what the client's own PROXY header says.

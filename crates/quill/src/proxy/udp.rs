@@ -808,12 +808,7 @@ static WARNED_FULL: AtomicU64 = AtomicU64::new(0);
 /// New clients' datagrams are being dropped at `conn_max` (every flow waits for an
 /// answer): a warning at most every ten seconds, so that a flood does not flood the log.
 fn warn_full(conn_max: usize, now: u64) {
-    let last = WARNED_FULL.load(Relaxed);
-    if (last == 0 || now.saturating_sub(last) >= 10_000)
-        && WARNED_FULL
-            .compare_exchange(last, now.max(1), Relaxed, Relaxed)
-            .is_ok()
-    {
+    if super::warn_again(&WARNED_FULL, now, 10_000) {
         tracing::warn!(
             "udp datagrams of new clients dropped: {conn_max} flows open (conn_max), each \
              waiting for an answer (counted in quill_connections_refused_total{{reason=\"conn_max\"}})"
