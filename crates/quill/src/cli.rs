@@ -125,7 +125,7 @@ TLS (rustls; TLS 1.3 and 1.2 only):
   -R            require a client certificate        -L ssl23|tls1.2|tls1.3  versions offered
   -Z            accepted (OpenSSL workarounds; rustls needs none)
 Server fields: host (name, IPv4, or [IPv6]), port (default: the listening port),
-  maxc soft limit, hard limit for returning clients (0 = unlimited), weight, prio.
+  maxc soft limit (0 = none), hard limit for returning clients (0 = maxc), weight, prio.
 
 Example: quill -f -r 8080 127.0.0.1:9001 127.0.0.1:9002
 ";
