@@ -57,8 +57,8 @@ pub enum Command {
     },
     /// `no acl N`: empty list N (it then permits everything).
     NoAcl(AclId),
-    /// `client_acl N`: check connecting clients against list N.
-    ClientAcl(AclId),
+    /// `client_acl [N]`: check connecting clients against list N (without N: print it).
+    ClientAcl(Option<AclId>),
     /// `tcp_nodelay` / `no tcp_nodelay`.
     TcpNodelay(bool),
     /// `tcp_fastclose up|down|both|off`.
@@ -113,8 +113,9 @@ pub enum Command {
     UdpIdleTimeout(Option<u64>),
     /// `listen [ADDR]`: ask for, or move, the listening socket.
     Listen(Option<Word>),
-    /// `control_acl N`: check control-socket clients against list N.
-    ControlAcl(AclId),
+    /// `control_acl [N]`: check control-socket clients against list N (without N: print
+    /// it).
+    ControlAcl(Option<AclId>),
     /// `metrics_listen [[ADDR:]PORT]` (extension): serve Prometheus metrics, the JSON status
     /// and the web dashboard over HTTP there (a bare port means 127.0.0.1); no argument asks.
     MetricsListen(Option<Word>),
@@ -980,6 +981,15 @@ impl<'a> Words<'a> {
         AclId::from_str(w).map_err(|_| ParseError::AclIndex(w.to_string()))
     }
 
+    fn optional_acl_id(&mut self) -> Result<Option<AclId>, ParseError> {
+        match self.iter.next() {
+            None => Ok(None),
+            Some(w) => AclId::from_str(w)
+                .map(Some)
+                .map_err(|_| ParseError::AclIndex(w.to_string())),
+        }
+    }
+
     fn end(mut self) -> Result<(), ParseError> {
         match self.iter.next() {
             None => Ok(()),
@@ -1242,7 +1252,7 @@ fn parse_positive(command: &'static str, w: &mut Words<'_>) -> Result<Command, P
         "conn_max" => Command::ConnMax(w.optional_number("number of connections")?),
         "clients_max" => Command::ClientsMax(w.optional_number("number of clients")?),
         "acl" => parse_acl(w)?,
-        "client_acl" => Command::ClientAcl(w.acl_id()?),
+        "client_acl" => Command::ClientAcl(w.optional_acl_id()?),
         "tcp_nodelay" => Command::TcpNodelay(true),
         "tcp_fastclose" => Command::TcpFastclose(match w.next("up, down, both or off")? {
             "up" => FastClose::Up,
@@ -1328,7 +1338,7 @@ fn parse_positive(command: &'static str, w: &mut Words<'_>) -> Result<Command, P
             Command::UdpIdleTimeout(t)
         }
         "listen" => Command::Listen(w.optional_word("an address")?),
-        "control_acl" => Command::ControlAcl(w.acl_id()?),
+        "control_acl" => Command::ControlAcl(w.optional_acl_id()?),
         "metrics_listen" => Command::MetricsListen(w.optional_word("[address:]port")?),
         "log" => Command::Log(w.optional_word("a file name")?),
         "web_stats" => Command::WebStats(w.optional_word("a file name")?),
@@ -1821,7 +1831,7 @@ impl fmt::Display for Command {
             Command::ClientsMax(v) => with_optional(f, "clients_max", v),
             Command::Acl { list, rule } => write!(f, "acl {list} {rule}"),
             Command::NoAcl(list) => write!(f, "no acl {list}"),
-            Command::ClientAcl(list) => write!(f, "client_acl {list}"),
+            Command::ClientAcl(list) => with_optional(f, "client_acl", list),
             Command::TcpNodelay(on) => on_off(f, *on, "tcp_nodelay"),
             Command::TcpFastclose(mode) => write!(f, "tcp_fastclose {}", mode.word()),
             Command::Keepalive(on) => on_off(f, *on, "keepalive"),
@@ -1846,7 +1856,7 @@ impl fmt::Display for Command {
             Command::Workers(n) => write!(f, "workers {n}"),
             Command::UdpIdleTimeout(v) => with_optional(f, "udp_idle_timeout", v),
             Command::Listen(a) => with_optional(f, "listen", a),
-            Command::ControlAcl(list) => write!(f, "control_acl {list}"),
+            Command::ControlAcl(list) => with_optional(f, "control_acl", list),
             Command::MetricsListen(a) => with_optional(f, "metrics_listen", a),
             Command::NoMetricsListen => f.write_str("no metrics_listen"),
             Command::Log(file) => with_optional(f, "log", file),
@@ -2194,7 +2204,7 @@ mod roundtrip {
             any::<Option<usize>>().prop_map(Command::ClientsMax),
             (acl_id(), acl_rule()).prop_map(|(list, rule)| Command::Acl { list, rule }),
             acl_id().prop_map(Command::NoAcl),
-            acl_id().prop_map(Command::ClientAcl),
+            proptest::option::of(acl_id()).prop_map(Command::ClientAcl),
             any::<bool>().prop_map(Command::TcpNodelay),
             prop_oneof![
                 Just(FastClose::Off),
@@ -2241,7 +2251,7 @@ mod roundtrip {
             any::<usize>().prop_map(Command::Workers),
             proptest::option::of(1u64..).prop_map(Command::UdpIdleTimeout),
             proptest::option::of(word()).prop_map(Command::Listen),
-            acl_id().prop_map(Command::ControlAcl),
+            proptest::option::of(acl_id()).prop_map(Command::ControlAcl),
             proptest::option::of(word()).prop_map(Command::MetricsListen),
             Just(Command::NoMetricsListen),
             proptest::option::of(word()).prop_map(Command::Log),

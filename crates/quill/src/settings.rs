@@ -575,7 +575,8 @@ impl Settings {
                 self.acls[list.index()].clear();
                 Applied::done()
             }
-            Command::ClientAcl(list) => set(&mut self.client_acl, *list),
+            // Pen prints the list in force after either form.
+            Command::ClientAcl(list) => query_or_set(&mut self.client_acl, *list),
             Command::TcpNodelay(on) => set(&mut self.tcp_nodelay, *on),
             Command::TcpFastclose(mode) => set(&mut self.fastclose, *mode),
             Command::Keepalive(on) => set(&mut self.keepalive, *on),
@@ -619,10 +620,7 @@ impl Settings {
                 self.listen = Some(addr.clone());
                 Applied::action(Action::Relisten(addr))
             }
-            Command::ControlAcl(list) => {
-                self.control_acl = *list;
-                Applied::value(list)
-            }
+            Command::ControlAcl(list) => query_or_set(&mut self.control_acl, *list),
             Command::MetricsListen(None) => Applied::value(
                 self.metrics_listen
                     .map(|a| a.to_string())
@@ -843,7 +841,7 @@ impl Settings {
             }
         }
         if self.client_acl != d.client_acl {
-            out.push(Command::ClientAcl(self.client_acl));
+            out.push(Command::ClientAcl(Some(self.client_acl)));
         }
         if let Some(u) = &self.emergency {
             out.push(Command::Emergency(Some(u.name.clone())));
@@ -864,7 +862,7 @@ impl Settings {
             out.push(Command::Workers(self.workers));
         }
         if self.control_acl != d.control_acl {
-            out.push(Command::ControlAcl(self.control_acl));
+            out.push(Command::ControlAcl(Some(self.control_acl)));
         }
         if let Some(addr) = self.metrics_listen {
             out.extend(Word::new(&addr.to_string()).map(|w| Command::MetricsListen(Some(w))));

@@ -279,6 +279,8 @@ fn numeric_settings_are_set_and_read_back() {
     assert_eq!(ctl_ok(&ctl, "clients_max"), "2048\n");
     assert_eq!(ctl_ok(&ctl, "debug"), "0\n");
     assert_eq!(ctl_ok(&ctl, "idle_timeout"), "0\n");
+    assert_eq!(ctl_ok(&ctl, "client_acl"), "0\n");
+    assert_eq!(ctl_ok(&ctl, "control_acl"), "0\n");
     for (cmd, value) in [
         ("timeout", "7"),
         ("idle_timeout", "300"),
@@ -287,6 +289,7 @@ fn numeric_settings_are_set_and_read_back() {
         ("conn_max", "123"),
         ("clients_max", "77"),
         ("debug", "2"),
+        ("client_acl", "4"),
     ] {
         // The reply to a setting is checked in setting_commands_answer_with_the_new_value.
         ctl_ok(&ctl, &format!("{cmd} {value}"));
@@ -332,6 +335,7 @@ fn setting_commands_answer_with_the_new_value_as_pen_does() {
         ("conn_max", "100"),
         ("debug", "1"),
         ("control_acl", "1"),
+        ("client_acl", "3"),
     ] {
         let reply = ctl_ok(&ctl, &format!("{cmd} {value}"));
         if reply != format!("{value}\n") {
