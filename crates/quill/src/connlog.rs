@@ -60,7 +60,7 @@ impl ConnLog {
         let ConnLog::File(file) = self else {
             return;
         };
-        let first = String::from_utf8_lossy(first_line(request));
+        let first = printable(first_line(request));
         let server = server.map_or_else(|| "-".to_string(), |ip| ip.to_string());
         let line = format!("{client} {started} {server} {first}\n");
         file.append(line.as_bytes());
@@ -88,7 +88,7 @@ impl ConnLog {
         // As much of the request as the file's line keeps: a long target must not make
         // a datagram of the size of a head.
         let request = &request[..request.len().min(REQUEST_BYTES)];
-        let first = String::from_utf8_lossy(first_line(request));
+        let first = printable(first_line(request));
         let server = server.map_or_else(|| "-".to_string(), |ip| ip.to_string());
         let entry = format!("+ {} {server} {first}\n", client.to_canonical());
         if let Err(e) = socket.send(entry.as_bytes()) {
@@ -121,6 +121,22 @@ fn penlogd_address(target: &str) -> Option<io::Result<SocketAddr>> {
             )
         })
     }))
+}
+
+/// `bytes` with each byte that is not printable ASCII (control bytes, bytes of UTF-8 or
+/// other encodings, binary protocols' bytes) written as `.`, as Pen writes them: the line
+/// stays one line of ASCII for the tools that read Pen's log byte by byte.
+fn printable(bytes: &[u8]) -> String {
+    bytes
+        .iter()
+        .map(|&b| {
+            if (0x20..0x7f).contains(&b) {
+                char::from(b)
+            } else {
+                '.'
+            }
+        })
+        .collect()
 }
 
 /// The request's first line (up to the first CR or LF).
@@ -227,6 +243,12 @@ mod tests {
         let entry = std::str::from_utf8(&buf[..n]).unwrap();
         let kept = &long[..REQUEST_BYTES];
         assert_eq!(entry, format!("+ 10.0.0.1 10.0.0.9 {kept}\n"));
+    }
+
+    #[test]
+    fn bytes_that_are_not_printable_ascii_are_dots_as_in_pen() {
+        assert_eq!(printable(b"GET /caf\xc3\xa9\x00\x7f\tx"), "GET /caf.....x");
+        assert_eq!(printable(b"\x16\x03\x01"), "...");
     }
 
     #[test]
