@@ -628,6 +628,12 @@ impl Host {
         if s.parse::<IpAddr>().is_ok() {
             return Ok(Host(s.to_string()));
         }
+        // `[::1]`, as a server spec writes an IPv6 address: the address.
+        if let Some(v6) = s.strip_prefix('[').and_then(|r| r.strip_suffix(']')) {
+            if let Ok(ip) = v6.parse::<std::net::Ipv6Addr>() {
+                return Ok(Host(ip.to_string()));
+            }
+        }
         // Something that looks like dotted decimal but is no IPv4 address (300.1.1.1) is a
         // typo, not a host name: refuse it rather than send it to the resolver.
         if s.bytes().all(|b| b.is_ascii_digit() || b == b'.') || s.contains(':') {
@@ -1988,6 +1994,15 @@ mod tests {
         assert_eq!(what, format!("a field ({})", SERVER_FIELDS.join(", ")));
     }
 
+    /// As a server spec writes it (`[::1]:80`): the control socket takes `[::1]` too.
+    #[test]
+    fn an_ipv6_address_in_brackets_is_the_address() {
+        assert_eq!(
+            parse("server 1 address [::1]").unwrap().to_string(),
+            "server 1 address ::1"
+        );
+    }
+
     #[test]
     fn server_fields_parse_in_order() {
         let c = parse(
@@ -2053,6 +2068,8 @@ mod tests {
         assert!(parse("tracking -1").unwrap_err().to_string().contains("-1"));
         assert_eq!(parse("   "), Err(ParseError::Empty));
         assert!(parse("server 0 address 300.1.1.1").is_err());
+        assert!(parse("server 0 address [::1").is_err());
+        assert!(parse("server 0 address [10.0.0.1]").is_err());
         assert!(parse("no timeout").is_err());
         assert!(parse("defer_accept 601")
             .unwrap_err()
