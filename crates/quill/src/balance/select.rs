@@ -21,7 +21,7 @@ use std::hash::{Hash, Hasher};
 use std::net::{IpAddr, SocketAddr};
 use std::sync::atomic::{AtomicUsize, Ordering::Relaxed};
 
-use super::servers::{ServerState, ServerTable};
+use super::servers::{ServerState, ServerTable, PROBE_EVERY_MS};
 use super::tracking::ClientTable;
 use crate::settings::{ServerConf, Settings};
 
@@ -165,28 +165,41 @@ impl<'a> Selector<'a> {
     /// none is known to work, and a server back from a restart would else wait out its
     /// blacklist with every client turned away (as NGINX never marks a lone server
     /// unavailable, and HAProxy without checks always tries). Not one the operator
-    /// blacklisted. It counts as tried.
+    /// blacklisted, and each server at most once a [`PROBE_EVERY_MS`] whichever client or
+    /// event loop asks. It counts as tried.
     pub fn despite_blacklist(&mut self) -> Option<usize> {
-        let best = (0..self.settings.servers.len())
-            .filter_map(|i| {
-                let (_, state) = self.eligible_but_blacklist(i)?;
-                let until = state.blacklisted_until.load(Relaxed);
-                let limit = limit(state, false);
-                (until > self.now
-                    && !state.blacklisted_by_hand.load(Relaxed)
-                    && (limit == 0 || state.conns.load(Relaxed) < limit))
-                    .then_some((until, i))
-            })
-            .min()?
-            .1;
         let n = self.settings.servers.len();
         if self.tried.len() < n {
             self.tried.resize(n, false);
         }
-        if let Some(t) = self.tried.get_mut(best) {
-            *t = true;
+        loop {
+            let (_, best) = (0..n)
+                .filter_map(|i| {
+                    let (_, state) = self.eligible_but_blacklist(i)?;
+                    let until = state.blacklisted_until.load(Relaxed);
+                    let limit = limit(state, false);
+                    (until > self.now
+                        && !state.blacklisted_by_hand.load(Relaxed)
+                        && self.now.saturating_sub(state.probed_at.load(Relaxed)) >= PROBE_EVERY_MS
+                        && (limit == 0 || state.conns.load(Relaxed) < limit))
+                        .then_some((until, i))
+                })
+                .min()?;
+            if let Some(t) = self.tried.get_mut(best) {
+                *t = true;
+            }
+            let state = self.servers.get(best)?;
+            let probed = state.probed_at.load(Relaxed);
+            // Of clients choosing at once, one probes.
+            if self.now.saturating_sub(probed) >= PROBE_EVERY_MS
+                && state
+                    .probed_at
+                    .compare_exchange(probed, self.now.max(1), Relaxed, Relaxed)
+                    .is_ok()
+            {
+                return Some(best);
+            }
         }
-        Some(best)
     }
 
     /// The time the next look is made at (blacklist deadlines are compared with it).

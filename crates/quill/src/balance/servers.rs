@@ -70,7 +70,14 @@ pub struct ServerState {
     /// never): a datagram left unanswered while the server answers others is no sign that
     /// the server failed (a query it chose to drop, a one-way message).
     pub last_answer: AtomicU64,
+    /// `clock::now_ms()` when a client last tried this server despite its blacklist (0 =
+    /// never): at most one such try a [`PROBE_EVERY_MS`], so that while every server is
+    /// down a flood of clients does not become a flood of connects to them.
+    pub probed_at: AtomicU64,
 }
+
+/// How often a blacklisted server is tried anyway by a client with no other server left.
+pub const PROBE_EVERY_MS: u64 = 1_000;
 
 /// A place on a server for one connection or request: counted in the server's `conns`
 /// while it lives, given back (or handed to a waiting client) when it drops, so that every

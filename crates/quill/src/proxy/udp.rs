@@ -138,6 +138,18 @@ impl Flow {
         if server.last_answer.load(Relaxed) < now {
             server.last_answer.store(now, Relaxed);
         }
+        // A server a failure blacklisted that answers (a flow tried it with nothing else
+        // left, see `Worker::choose`) is back: in use for every client at once. Of loops
+        // lifting it together, the one that found it blacklisted says so.
+        if let Upstream::Server(i) = self.upstream {
+            if server.is_blacklisted(now)
+                && !server.blacklisted_by_hand.load(Relaxed)
+                && !server.blacklist(now, 0)
+            {
+                tracing::warn!("server {i} answers again: no longer blacklisted");
+                self.state.servers.changed.notify_waiters();
+            }
+        }
         self.last_active.set(now);
         self.awaiting_since.set(0);
         if self.first.borrow().is_some() {
@@ -715,6 +727,26 @@ impl Worker {
                     return Some((s, Upstream::Emergency, Place::take(&state.emergency)));
                 }
                 Err(e) => tracing::warn!("emergency server {} failed: {e}", em.name),
+            }
+        }
+        // Nothing else left: a server a failure blacklisted is tried anyway (as for TCP,
+        // `proxy::candidates`); its first answer puts it back in use (`Flow::answered`).
+        // Not to move a flow: it would only move onto such a server.
+        if opening == Opening::New {
+            while let Some(index) = selector.despite_blacklist() {
+                let spec = settings.servers.get(index);
+                let (Some(addr), Some(server)) =
+                    (spec.and_then(|s| s.addr()), state.servers.get(index))
+                else {
+                    continue;
+                };
+                let Some(place) = Place::claim(server, selector.limit_of(index)) else {
+                    continue;
+                };
+                if let Ok(s) = sock::upstream(addr, settings, client) {
+                    tracing::debug!(%client, "server {index} tried despite its blacklist");
+                    return Some((s, Upstream::Server(index), place));
+                }
             }
         }
         if opening == Opening::New {
