@@ -713,6 +713,79 @@ fn log_rotation_by_mv_and_sighup_writes_to_the_new_file() {
     assert!(!has(&rotated, "GET /held"));
 }
 
+/// Log rotation does not depend on the configuration file being good: a HUP whose reload
+/// fails (a bad line here; in production also a `-F` file or a `-K` key the `-u` user
+/// cannot read) still reopens the log, as Pen's does, and keeps the running configuration.
+#[test]
+fn a_failed_reload_still_reopens_the_rotated_log() {
+    if skip_on_pen("quill's reload failure message") {
+        return;
+    }
+    let a = IdentityBackend::start("a");
+    let dir = TempDir::new("hupfail");
+    let cfg = dir.path().join("quill.cfg");
+    let log = dir.path().join("conn.log");
+    let rotated = dir.path().join("conn.log.1");
+    write_file(&cfg, "roundrobin\n");
+    let q = Quill::start(&[
+        "-F",
+        cfg.to_str().unwrap(),
+        "-l",
+        log.to_str().unwrap(),
+        "127.0.0.1:{port}",
+        &a.spec(),
+    ]);
+    let request = |src: &str, path: &str| {
+        let (_, mut s) = q.name_from(src);
+        s.write_all(format!("GET {path} HTTP/1.0\r\n\r\n").as_bytes())
+            .unwrap();
+        s.shutdown(Shutdown::Write).unwrap();
+        expect_closed(&mut s, Duration::from_secs(5));
+    };
+    let has = |file: &Path, needle: &str| {
+        fs::read_to_string(file).is_ok_and(|t| t.lines().any(|l| l.contains(needle)))
+    };
+    wait_until(Duration::from_secs(5), "quill creates its log file", || {
+        log.exists()
+    });
+    request("127.0.0.2", "/before");
+    wait_until(
+        Duration::from_secs(5),
+        "the first connection is logged",
+        || has(&log, "GET /before"),
+    );
+
+    // Rotate, and break the file so that the reload fails.
+    write_file(&cfg, "roundrobin\nfrobnicate\n");
+    fs::rename(&log, &rotated).unwrap();
+    signal_when_handled(&q, "HUP");
+    let want = format!("{}:2:", cfg.display());
+    wait_until(
+        Duration::from_secs(5),
+        format_args!("stderr reports the failed reload with {want:?}"),
+        || {
+            let e = q.stderr();
+            e.contains("reload failed") && e.contains(&want)
+        },
+    );
+    wait_until(
+        Duration::from_secs(5),
+        "the failed reload reopens the log: a new conn.log",
+        || log.exists(),
+    );
+    request("127.0.0.3", "/after");
+    wait_until(
+        Duration::from_secs(5),
+        "the next connection is logged in the new file",
+        || has(&log, "GET /after"),
+    );
+    assert!(
+        has(&rotated, "GET /before"),
+        "the rotated file keeps its line"
+    );
+    assert!(!has(&rotated, "GET /after"), "written to the rotated file");
+}
+
 /// quill's log writer threads (`quill-log`) now.
 fn log_writers(q: &Quill) -> usize {
     fs::read_dir(format!("/proc/{}/task", q.pid()))

@@ -106,8 +106,23 @@ impl Context {
     }
 
     /// Reload (SIGHUP): rebuild everything from the command line and the file; on any
-    /// error the running configuration stays and the error is returned.
+    /// error the running configuration stays and the error is returned. The log files are
+    /// reopened either way.
     pub fn reload(&self) -> Result<(), ConfigError> {
+        let reloaded = self.rebuild();
+        if reloaded.is_err() {
+            // Log rotation (`mv log log.1; kill -HUP`) must not hang on the configuration
+            // being good: a bad line, or a file the `-u` user cannot read, would leave
+            // quill writing to the rotated file for good. Pen reopens its log before it
+            // even reads its file. The running settings name the files to reopen; a good
+            // reload reopens them as one of its actions (`Action::ReopenLog`).
+            self.reopen_log();
+        }
+        reloaded
+    }
+
+    /// The reload proper: everything built, then published, or nothing changed.
+    fn rebuild(&self) -> Result<(), ConfigError> {
         let (settings, mut actions) = self.build_settings()?;
         // Rebuilding from scratch always "sets" the listening address; only a real change
         // means a new socket. It is bound before anything is published, so an address
