@@ -634,6 +634,94 @@ fn sigusr1_writes_the_w_status_file() {
     }
 }
 
+/// A directory only root may write to, holding files owned by `nobody` (quill's `-F` file
+/// and `-w` page), as a `-u nobody` quill finds them in /etc/quill or /var/www.
+fn root_directory_with_files_of_nobody(tag: &str, files: &[&str]) -> TempDir {
+    let dir = TempDir::new(tag);
+    fs::set_permissions(dir.path(), fs::Permissions::from_mode(0o755)).unwrap();
+    for name in files {
+        let path = dir.path().join(name);
+        write_file(&path, "");
+        std::os::unix::fs::chown(&path, Some(NOBODY_UID), Some(NOBODY_GID)).unwrap();
+    }
+    dir
+}
+
+/// `nobody` in Debian's (and most) passwd and group files.
+const NOBODY_UID: u32 = 65_534;
+const NOBODY_GID: u32 = 65_534;
+
+/// Whether the account `nobody` is there with the ids the tests assume.
+fn nobody_exists() -> bool {
+    fs::read_to_string("/etc/passwd").is_ok_and(|t| {
+        t.lines()
+            .any(|l| l.starts_with(&format!("nobody:x:{NOBODY_UID}:")))
+    })
+}
+
+/// `write FILE` and the `-w` page, after the drop to `-u nobody`, where nobody owns the
+/// files but not their directory: no temporary file can be made there, so quill writes in
+/// place, as Pen does.
+#[test]
+fn write_and_the_status_file_are_written_in_place_where_the_u_user_owns_only_the_file() {
+    if !running_as_root() || !nobody_exists() {
+        eprintln!("SKIPPED: needs root and the account nobody (uid {NOBODY_UID}) for -u nobody");
+        return;
+    }
+    let a = IdentityBackend::start("a");
+    let dir = root_directory_with_files_of_nobody("inplace", &["quill.cfg", "status.html"]);
+    let cfg = dir.path().join("quill.cfg");
+    let status = dir.path().join("status.html");
+    let (q, ctl) = start_with_control(&[
+        "-C",
+        "127.0.0.1:{ctl}",
+        "-u",
+        "nobody",
+        "-F",
+        cfg.to_str().unwrap(),
+        "-w",
+        status.to_str().unwrap(),
+        "127.0.0.1:{port}",
+        &a.spec(),
+    ]);
+    assert_eq!(proc_ids(q.pid() as i32, "Uid:"), vec![NOBODY_UID; 4]);
+
+    // `write` (to the -F file) saves the running configuration over the file's contents.
+    ctl_ok(&ctl, "timeout 7");
+    assert_eq!(ctl_ok(&ctl, "write"), "");
+    let written = fs::read_to_string(&cfg).unwrap();
+    assert!(
+        written.lines().any(|l| l == "timeout 7"),
+        "`write` saved {written:?}"
+    );
+    if !is_pen() {
+        // A file nobody does not have yet cannot be made in that directory (nor can Pen).
+        let new = dir.path().join("new.cfg");
+        let reply = ctl_err(&ctl, &format!("write {}", new.display()));
+        assert!(reply.contains("Permission denied"), "{reply:?}");
+    }
+
+    // SIGUSR1 writes the status page into the file nobody owns.
+    signal_when_handled(&q, "USR1");
+    wait_until(Duration::from_secs(5), "SIGUSR1 writes the -w file", || {
+        fs::read_to_string(&status).is_ok_and(|t| t.contains("</html>"))
+    });
+    assert!(
+        !q.stderr().contains("cannot write status file"),
+        "{}",
+        q.stderr()
+    );
+    // Written in place: the same files, still nobody's, and no temporary file left.
+    for file in [&cfg, &status] {
+        assert_eq!(fs::metadata(file).unwrap().uid(), NOBODY_UID, "{file:?}");
+    }
+    let left: Vec<_> = fs::read_dir(dir.path())
+        .unwrap()
+        .map(|e| e.unwrap().file_name())
+        .collect();
+    assert_eq!(left.len(), 2, "files in the directory: {left:?}");
+}
+
 #[test]
 fn log_rotation_by_mv_and_sighup_writes_to_the_new_file() {
     if skip_on_pen("quill's log format details") {

@@ -342,13 +342,47 @@ fn reopen<L>(
 }
 
 /// Writes `bytes` to `path` through a temporary file and a rename, so readers never see
-/// a half-written file.
+/// a half-written file; where the directory refuses that, rewrites the file in place.
 pub fn write_atomically(path: &Path, bytes: &[u8]) -> io::Result<()> {
     let mut tmp = path.as_os_str().to_owned();
     tmp.push(".tmp");
     let tmp = PathBuf::from(tmp);
-    std::fs::write(&tmp, bytes)?;
-    std::fs::rename(&tmp, path)
+    // The temporary file and the rename need write permission on the directory, which
+    // quill after `-u` often lacks where it owns the file itself (`write` to its `-F` file,
+    // the `-w` status page, in a root-owned directory). Pen always writes in place (open,
+    // truncate, write): so does quill then, rather than fail where Pen works. A reader may
+    // then see the file half-written, as with Pen.
+    match std::fs::write(&tmp, bytes) {
+        Ok(()) => {}
+        Err(e) if e.kind() == io::ErrorKind::PermissionDenied => {
+            return write_in_place(path, bytes)
+        }
+        Err(e) => return Err(e),
+    }
+    match std::fs::rename(&tmp, path) {
+        Ok(()) => Ok(()),
+        Err(e) => {
+            let _ = std::fs::remove_file(&tmp);
+            // A sticky directory (such as /tmp) refuses to replace another user's file.
+            if e.kind() == io::ErrorKind::PermissionDenied {
+                write_in_place(path, bytes)
+            } else {
+                Err(e)
+            }
+        }
+    }
+}
+
+/// Pen's way: the file opened (created if need be), truncated and written.
+fn write_in_place(path: &Path, bytes: &[u8]) -> io::Result<()> {
+    use std::io::Write;
+    let mut file = std::fs::OpenOptions::new()
+        .write(true)
+        .create(true)
+        .truncate(true)
+        .open(path)?;
+    file.write_all(bytes)?;
+    file.flush()
 }
 
 /// Where the control socket listens.
