@@ -722,6 +722,56 @@ fn write_and_the_status_file_are_written_in_place_where_the_u_user_owns_only_the
     assert_eq!(left.len(), 2, "files in the directory: {left:?}");
 }
 
+/// The pid file is written as root before the drop to `-u` and stays root's. Where the
+/// user may write to its directory it is removed at exit; where not, it is left, and the
+/// log says so.
+#[test]
+fn pid_file_of_a_u_user_stays_roots_and_is_removed_only_where_the_user_may() {
+    if !running_as_root() || !nobody_exists() {
+        eprintln!("SKIPPED: needs root and the account nobody (uid {NOBODY_UID}) for -u nobody");
+        return;
+    }
+    if skip_on_pen("Pen writes its pid file after the drop to -u") {
+        return;
+    }
+    let a = IdentityBackend::start("a");
+    for nobody_may_write in [false, true] {
+        let dir = root_directory_with_files_of_nobody("pidfile", &[]);
+        if nobody_may_write {
+            std::os::unix::fs::chown(dir.path(), Some(NOBODY_UID), Some(NOBODY_GID)).unwrap();
+        }
+        let pidfile = dir.path().join("quill.pid");
+        let mut q = Quill::start(&[
+            "-u",
+            "nobody",
+            "-p",
+            pidfile.to_str().unwrap(),
+            "127.0.0.1:{port}",
+            &a.spec(),
+        ]);
+        wait_until(Duration::from_secs(5), "quill writes its pid file", || {
+            fs::read_to_string(&pidfile).is_ok_and(|t| t.trim() == q.pid().to_string())
+        });
+        assert_eq!(fs::metadata(&pidfile).unwrap().uid(), 0, "pid file owner");
+        signal_when_handled(&q, "TERM");
+        assert_eq!(q.wait_exit(Duration::from_secs(15)), Some(Some(0)));
+        let warned = q.stderr().contains(&format!(
+            "cannot remove {} at exit: Permission denied",
+            pidfile.display()
+        ));
+        if nobody_may_write {
+            assert!(
+                !pidfile.exists(),
+                "pid file left in a directory nobody owns"
+            );
+            assert!(!warned, "{}", q.stderr());
+        } else {
+            assert!(pidfile.exists(), "how did nobody remove it?");
+            assert!(warned, "no warning for the pid file left: {}", q.stderr());
+        }
+    }
+}
+
 #[test]
 fn log_rotation_by_mv_and_sighup_writes_to_the_new_file() {
     if skip_on_pen("quill's log format details") {
