@@ -202,7 +202,14 @@ struct Cleanup(Vec<PathBuf>);
 impl Drop for Cleanup {
     fn drop(&mut self) {
         for p in &self.0 {
-            let _ = std::fs::remove_file(p);
+            match std::fs::remove_file(p) {
+                Ok(()) => {}
+                Err(e) if e.kind() == io::ErrorKind::NotFound => {}
+                // After `-u` the user may not write to the file's directory (a root-owned
+                // /run): nothing quill can do then, but the file it leaves is said, so that
+                // a stale pid file or socket is no surprise.
+                Err(e) => tracing::warn!("cannot remove {} at exit: {e}", p.display()),
+            }
         }
     }
 }
@@ -376,8 +383,11 @@ pub fn run(inv: Invocation) -> Result<(), StartError> {
         .map_err(StartError::Runtime)?;
     let mut cleanup = Cleanup(Vec::new());
     if let Some(path) = &inv.pidfile {
-        // Removing it at exit needs write access to its directory for the user quill
-        // runs as (as with Pen); a leftover pid file names a dead process and is harmless.
+        // With `-u`, written as root before the drop (so that it may be in a directory
+        // only root writes to, such as /run) and left root's: a process that gave up root
+        // must not be able to change the pid that root's scripts signal. Removing it at
+        // exit needs write access to its directory for the user quill runs as (as with
+        // Pen); else it is left, with a warning, naming a dead process.
         std::fs::write(path, format!("{}\n", std::process::id())).map_err(|source| {
             StartError::PidFile {
                 path: path.clone(),

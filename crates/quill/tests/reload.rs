@@ -634,6 +634,144 @@ fn sigusr1_writes_the_w_status_file() {
     }
 }
 
+/// A directory only root may write to, holding files owned by `nobody` (quill's `-F` file
+/// and `-w` page), as a `-u nobody` quill finds them in /etc/quill or /var/www.
+fn root_directory_with_files_of_nobody(tag: &str, files: &[&str]) -> TempDir {
+    let dir = TempDir::new(tag);
+    fs::set_permissions(dir.path(), fs::Permissions::from_mode(0o755)).unwrap();
+    for name in files {
+        let path = dir.path().join(name);
+        write_file(&path, "");
+        std::os::unix::fs::chown(&path, Some(NOBODY_UID), Some(NOBODY_GID)).unwrap();
+    }
+    dir
+}
+
+/// `nobody` in Debian's (and most) passwd and group files.
+const NOBODY_UID: u32 = 65_534;
+const NOBODY_GID: u32 = 65_534;
+
+/// Whether the account `nobody` is there with the ids the tests assume.
+fn nobody_exists() -> bool {
+    fs::read_to_string("/etc/passwd").is_ok_and(|t| {
+        t.lines()
+            .any(|l| l.starts_with(&format!("nobody:x:{NOBODY_UID}:")))
+    })
+}
+
+/// `write FILE` and the `-w` page, after the drop to `-u nobody`, where nobody owns the
+/// files but not their directory: no temporary file can be made there, so quill writes in
+/// place, as Pen does.
+#[test]
+fn write_and_the_status_file_are_written_in_place_where_the_u_user_owns_only_the_file() {
+    if !running_as_root() || !nobody_exists() {
+        eprintln!("SKIPPED: needs root and the account nobody (uid {NOBODY_UID}) for -u nobody");
+        return;
+    }
+    let a = IdentityBackend::start("a");
+    let dir = root_directory_with_files_of_nobody("inplace", &["quill.cfg", "status.html"]);
+    let cfg = dir.path().join("quill.cfg");
+    let status = dir.path().join("status.html");
+    let (q, ctl) = start_with_control(&[
+        "-C",
+        "127.0.0.1:{ctl}",
+        "-u",
+        "nobody",
+        "-F",
+        cfg.to_str().unwrap(),
+        "-w",
+        status.to_str().unwrap(),
+        "127.0.0.1:{port}",
+        &a.spec(),
+    ]);
+    assert_eq!(proc_ids(q.pid() as i32, "Uid:"), vec![NOBODY_UID; 4]);
+
+    // `write` (to the -F file) saves the running configuration over the file's contents.
+    ctl_ok(&ctl, "timeout 7");
+    assert_eq!(ctl_ok(&ctl, "write"), "");
+    let written = fs::read_to_string(&cfg).unwrap();
+    assert!(
+        written.lines().any(|l| l == "timeout 7"),
+        "`write` saved {written:?}"
+    );
+    if !is_pen() {
+        // A file nobody does not have yet cannot be made in that directory (nor can Pen).
+        let new = dir.path().join("new.cfg");
+        let reply = ctl_err(&ctl, &format!("write {}", new.display()));
+        assert!(reply.contains("Permission denied"), "{reply:?}");
+    }
+
+    // SIGUSR1 writes the status page into the file nobody owns.
+    signal_when_handled(&q, "USR1");
+    wait_until(Duration::from_secs(5), "SIGUSR1 writes the -w file", || {
+        fs::read_to_string(&status).is_ok_and(|t| t.contains("</html>"))
+    });
+    assert!(
+        !q.stderr().contains("cannot write status file"),
+        "{}",
+        q.stderr()
+    );
+    // Written in place: the same files, still nobody's, and no temporary file left.
+    for file in [&cfg, &status] {
+        assert_eq!(fs::metadata(file).unwrap().uid(), NOBODY_UID, "{file:?}");
+    }
+    let left: Vec<_> = fs::read_dir(dir.path())
+        .unwrap()
+        .map(|e| e.unwrap().file_name())
+        .collect();
+    assert_eq!(left.len(), 2, "files in the directory: {left:?}");
+}
+
+/// The pid file is written as root before the drop to `-u` and stays root's. Where the
+/// user may write to its directory it is removed at exit; where not, it is left, and the
+/// log says so.
+#[test]
+fn pid_file_of_a_u_user_stays_roots_and_is_removed_only_where_the_user_may() {
+    if !running_as_root() || !nobody_exists() {
+        eprintln!("SKIPPED: needs root and the account nobody (uid {NOBODY_UID}) for -u nobody");
+        return;
+    }
+    if skip_on_pen("Pen writes its pid file after the drop to -u") {
+        return;
+    }
+    let a = IdentityBackend::start("a");
+    for nobody_may_write in [false, true] {
+        let dir = root_directory_with_files_of_nobody("pidfile", &[]);
+        if nobody_may_write {
+            std::os::unix::fs::chown(dir.path(), Some(NOBODY_UID), Some(NOBODY_GID)).unwrap();
+        }
+        let pidfile = dir.path().join("quill.pid");
+        let mut q = Quill::start(&[
+            "-u",
+            "nobody",
+            "-p",
+            pidfile.to_str().unwrap(),
+            "127.0.0.1:{port}",
+            &a.spec(),
+        ]);
+        wait_until(Duration::from_secs(5), "quill writes its pid file", || {
+            fs::read_to_string(&pidfile).is_ok_and(|t| t.trim() == q.pid().to_string())
+        });
+        assert_eq!(fs::metadata(&pidfile).unwrap().uid(), 0, "pid file owner");
+        signal_when_handled(&q, "TERM");
+        assert_eq!(q.wait_exit(Duration::from_secs(15)), Some(Some(0)));
+        let warned = q.stderr().contains(&format!(
+            "cannot remove {} at exit: Permission denied",
+            pidfile.display()
+        ));
+        if nobody_may_write {
+            assert!(
+                !pidfile.exists(),
+                "pid file left in a directory nobody owns"
+            );
+            assert!(!warned, "{}", q.stderr());
+        } else {
+            assert!(pidfile.exists(), "how did nobody remove it?");
+            assert!(warned, "no warning for the pid file left: {}", q.stderr());
+        }
+    }
+}
+
 #[test]
 fn log_rotation_by_mv_and_sighup_writes_to_the_new_file() {
     if skip_on_pen("quill's log format details") {
@@ -711,6 +849,79 @@ fn log_rotation_by_mv_and_sighup_writes_to_the_new_file() {
         || has(&log, "GET /held"),
     );
     assert!(!has(&rotated, "GET /held"));
+}
+
+/// Log rotation does not depend on the configuration file being good: a HUP whose reload
+/// fails (a bad line here; in production also a `-F` file or a `-K` key the `-u` user
+/// cannot read) still reopens the log, as Pen's does, and keeps the running configuration.
+#[test]
+fn a_failed_reload_still_reopens_the_rotated_log() {
+    if skip_on_pen("quill's reload failure message") {
+        return;
+    }
+    let a = IdentityBackend::start("a");
+    let dir = TempDir::new("hupfail");
+    let cfg = dir.path().join("quill.cfg");
+    let log = dir.path().join("conn.log");
+    let rotated = dir.path().join("conn.log.1");
+    write_file(&cfg, "roundrobin\n");
+    let q = Quill::start(&[
+        "-F",
+        cfg.to_str().unwrap(),
+        "-l",
+        log.to_str().unwrap(),
+        "127.0.0.1:{port}",
+        &a.spec(),
+    ]);
+    let request = |src: &str, path: &str| {
+        let (_, mut s) = q.name_from(src);
+        s.write_all(format!("GET {path} HTTP/1.0\r\n\r\n").as_bytes())
+            .unwrap();
+        s.shutdown(Shutdown::Write).unwrap();
+        expect_closed(&mut s, Duration::from_secs(5));
+    };
+    let has = |file: &Path, needle: &str| {
+        fs::read_to_string(file).is_ok_and(|t| t.lines().any(|l| l.contains(needle)))
+    };
+    wait_until(Duration::from_secs(5), "quill creates its log file", || {
+        log.exists()
+    });
+    request("127.0.0.2", "/before");
+    wait_until(
+        Duration::from_secs(5),
+        "the first connection is logged",
+        || has(&log, "GET /before"),
+    );
+
+    // Rotate, and break the file so that the reload fails.
+    write_file(&cfg, "roundrobin\nfrobnicate\n");
+    fs::rename(&log, &rotated).unwrap();
+    signal_when_handled(&q, "HUP");
+    let want = format!("{}:2:", cfg.display());
+    wait_until(
+        Duration::from_secs(5),
+        format_args!("stderr reports the failed reload with {want:?}"),
+        || {
+            let e = q.stderr();
+            e.contains("reload failed") && e.contains(&want)
+        },
+    );
+    wait_until(
+        Duration::from_secs(5),
+        "the failed reload reopens the log: a new conn.log",
+        || log.exists(),
+    );
+    request("127.0.0.3", "/after");
+    wait_until(
+        Duration::from_secs(5),
+        "the next connection is logged in the new file",
+        || has(&log, "GET /after"),
+    );
+    assert!(
+        has(&rotated, "GET /before"),
+        "the rotated file keeps its line"
+    );
+    assert!(!has(&rotated, "GET /after"), "written to the rotated file");
 }
 
 /// quill's log writer threads (`quill-log`) now.

@@ -106,8 +106,23 @@ impl Context {
     }
 
     /// Reload (SIGHUP): rebuild everything from the command line and the file; on any
-    /// error the running configuration stays and the error is returned.
+    /// error the running configuration stays and the error is returned. The log files are
+    /// reopened either way.
     pub fn reload(&self) -> Result<(), ConfigError> {
+        let reloaded = self.rebuild();
+        if reloaded.is_err() {
+            // Log rotation (`mv log log.1; kill -HUP`) must not hang on the configuration
+            // being good: a bad line, or a file the `-u` user cannot read, would leave
+            // quill writing to the rotated file for good. Pen reopens its log before it
+            // even reads its file. The running settings name the files to reopen; a good
+            // reload reopens them as one of its actions (`Action::ReopenLog`).
+            self.reopen_log();
+        }
+        reloaded
+    }
+
+    /// The reload proper: everything built, then published, or nothing changed.
+    fn rebuild(&self) -> Result<(), ConfigError> {
         let (settings, mut actions) = self.build_settings()?;
         taken_up_at_runtime(&self.state.settings(), &settings).map_err(|reason| ConfigError {
             file: self.config_file.clone().unwrap_or_default(),
@@ -337,13 +352,47 @@ fn reopen<L>(
 }
 
 /// Writes `bytes` to `path` through a temporary file and a rename, so readers never see
-/// a half-written file.
+/// a half-written file; where the directory refuses that, rewrites the file in place.
 pub fn write_atomically(path: &Path, bytes: &[u8]) -> io::Result<()> {
     let mut tmp = path.as_os_str().to_owned();
     tmp.push(".tmp");
     let tmp = PathBuf::from(tmp);
-    std::fs::write(&tmp, bytes)?;
-    std::fs::rename(&tmp, path)
+    // The temporary file and the rename need write permission on the directory, which
+    // quill after `-u` often lacks where it owns the file itself (`write` to its `-F` file,
+    // the `-w` status page, in a root-owned directory). Pen always writes in place (open,
+    // truncate, write): so does quill then, rather than fail where Pen works. A reader may
+    // then see the file half-written, as with Pen.
+    match std::fs::write(&tmp, bytes) {
+        Ok(()) => {}
+        Err(e) if e.kind() == io::ErrorKind::PermissionDenied => {
+            return write_in_place(path, bytes)
+        }
+        Err(e) => return Err(e),
+    }
+    match std::fs::rename(&tmp, path) {
+        Ok(()) => Ok(()),
+        Err(e) => {
+            let _ = std::fs::remove_file(&tmp);
+            // A sticky directory (such as /tmp) refuses to replace another user's file.
+            if e.kind() == io::ErrorKind::PermissionDenied {
+                write_in_place(path, bytes)
+            } else {
+                Err(e)
+            }
+        }
+    }
+}
+
+/// Pen's way: the file opened (created if need be), truncated and written.
+fn write_in_place(path: &Path, bytes: &[u8]) -> io::Result<()> {
+    use std::io::Write;
+    let mut file = std::fs::OpenOptions::new()
+        .write(true)
+        .create(true)
+        .truncate(true)
+        .open(path)?;
+    file.write_all(bytes)?;
+    file.flush()
 }
 
 /// Where the control socket listens.
