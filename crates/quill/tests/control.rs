@@ -1235,6 +1235,13 @@ fn malformed_and_unknown_commands_get_one_line_errors_and_change_nothing() {
         "5\n",
         "a CRLF line works as a LF line"
     );
+    // `printf timeout | nc` keeps its side open and never sends a newline: Pen takes what
+    // came as the command, and so does quill once nothing more comes.
+    assert_eq!(
+        String::from_utf8_lossy(&exchange(&ctl, b"timeout").unwrap()),
+        "5\n",
+        "a command without a newline is answered"
+    );
     assert_eq!(written_config(&ctl, dir.path(), "after"), before);
     assert_eq!(without_counters(&ctl_ok(&ctl, "servers")), servers);
     assert_eq!(ctl_ok(&ctl, "mode"), mode);

@@ -38,6 +38,10 @@ pub const MAX_LINE: usize = 64 * 1024;
 /// How long a control client may take to send its line.
 const READ_TIMEOUT: Duration = Duration::from_secs(10);
 
+/// How long after its last bytes a command without a newline (`printf servers | nc`,
+/// which keeps its side open) is taken as it came: Pen takes what one read brings.
+const UNTERMINATED: Duration = Duration::from_millis(200);
+
 /// After a refused line, how much more input is read and dropped before closing (so the
 /// client can read the error instead of meeting a reset), for how long at most, and how
 /// long a pause in the client's sending ends it sooner.
@@ -608,7 +612,15 @@ async fn read_line<S: tokio::io::AsyncRead + Unpin>(sock: &mut S) -> Result<Stri
     let mut buf = Vec::new();
     let mut chunk = [0u8; 4096];
     loop {
-        let n = sock.read(&mut chunk).await.map_err(|e| e.to_string())?;
+        let n = if buf.is_empty() {
+            sock.read(&mut chunk).await
+        } else {
+            match tokio::time::timeout(UNTERMINATED, sock.read(&mut chunk)).await {
+                Ok(read) => read,
+                Err(_) => break,
+            }
+        };
+        let n = n.map_err(|e| e.to_string())?;
         if n == 0 {
             break;
         }
