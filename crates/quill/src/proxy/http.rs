@@ -277,6 +277,9 @@ struct Towards {
     /// The client's `Connection` has options beyond `close` and `keep-alive` (fields it
     /// names, to leave behind): most requests have none, and skip looking for them.
     names: bool,
+    /// The request still asks to switch to a protocol quill may tunnel to; when not, its
+    /// `upgrade` option and `Upgrade` field are left out (it goes on as a plain request).
+    upgrade: bool,
 }
 
 /// The result of looking for the end of a message head.
@@ -690,10 +693,18 @@ impl Exchange {
         let mut length: Option<u64> = None;
         let mut chunked: Option<bool> = None;
         let mut upgrade = false;
+        let mut host: Option<&[u8]> = None;
         let mut options = ConnectionOptions::default();
         for h in req.headers.iter() {
             let name = h.name.as_bytes();
-            if name.eq_ignore_ascii_case(b"connection") {
+            if name.eq_ignore_ascii_case(b"host") {
+                // Two `Host` fields name two sites: servers and quill's own log would not
+                // agree on which one was asked (RFC 9112 3.2: 400, as HAProxy and NGINX).
+                if host.is_some() {
+                    return Err(Refusal::BadRequest);
+                }
+                host = Some(h.value);
+            } else if name.eq_ignore_ascii_case(b"connection") {
                 options.read(h.value);
             } else if name.eq_ignore_ascii_case(b"content-length") {
                 let n = content_length(h.value).ok_or(Refusal::BadRequest)?;
@@ -712,7 +723,19 @@ impl Exchange {
                 let coding = last.split(|&b| b == b';').next().unwrap_or_default();
                 chunked = Some(coding.trim_ascii().eq_ignore_ascii_case(b"chunked"));
             } else if name.eq_ignore_ascii_case(b"upgrade") {
-                upgrade = true;
+                // Only a protocol quill may tunnel to makes an upgrade (not HTTP/2: see
+                // `is_http2_token`); an `Upgrade` that offers nothing else is left out.
+                upgrade |= list(h.value).any(|p| !is_http2_token(p));
+            }
+        }
+        // An absolute-form target names the site itself (RFC 9112 3.2.2): a `Host` that
+        // names another one is ambiguous, servers and quill's access log (`Host`) may each
+        // take a different one. Refused as HAProxy does, rather than `Host` rewritten to
+        // the target's: a client that says two things is broken or probing, and a server
+        // behind quill must never route by a name the client did not put in `Host`.
+        if let (Some(target), Some(host)) = (absolute_authority(path), host) {
+            if !same_authority(target, host) {
+                return Err(Refusal::BadRequest);
             }
         }
         let body = match (chunked, length) {
@@ -735,6 +758,7 @@ impl Exchange {
             drop_close: self.one_at_a_time && options.close,
             add_keep_alive: self.one_at_a_time && version == 0 && !options.keep_alive,
             names: options.names,
+            upgrade,
         };
         // One allocation: growing from empty field by field reallocated four times.
         out.reserve(n + self.client_text.len() + REWRITE_EXTRA);
@@ -824,6 +848,29 @@ impl Exchange {
             if is_hop_field(name) || (names(&named, name) && !frames_or_routes(name)) {
                 continue;
             }
+            if name.eq_ignore_ascii_case(b"upgrade") {
+                // `h2c` (and `h2`) left out: a server that switched would be spoken to in
+                // HTTP/2 through a raw tunnel, each request of it unseen by quill (no
+                // `X-Forwarded-For` of its own): h2c smuggling. NGINX never forwards
+                // `Upgrade` unless told to; HAProxy forwards it as it came.
+                if !towards.upgrade {
+                    continue;
+                }
+                if list(h.value).any(is_http2_token) {
+                    let mut kept = list(h.value).filter(|p| !is_http2_token(p));
+                    if let Some(first) = kept.next() {
+                        out.extend_from_slice(name);
+                        out.extend_from_slice(b": ");
+                        out.extend_from_slice(first);
+                        for p in kept {
+                            out.extend_from_slice(b", ");
+                            out.extend_from_slice(p);
+                        }
+                        out.extend_from_slice(b"\r\n");
+                    }
+                    continue;
+                }
+            }
             if name.eq_ignore_ascii_case(b"x-forwarded-for") {
                 let v = h.value.trim_ascii();
                 if !v.is_empty() {
@@ -838,6 +885,7 @@ impl Exchange {
                 let mut rest = list(h.value).filter(|t| {
                     is_message_option(t)
                         && !(towards.drop_close && t.eq_ignore_ascii_case(b"close"))
+                        && (towards.upgrade || !t.eq_ignore_ascii_case(b"upgrade"))
                 });
                 if let Some(first) = rest.next() {
                     out.extend_from_slice(name);
@@ -1256,10 +1304,67 @@ impl ConnectionOptions {
     }
 }
 
-/// `Keep-Alive` and `Proxy-Connection`: fields about one connection whether or not
-/// `Connection` names them.
+/// `Keep-Alive`, `Proxy-Connection` and `HTTP2-Settings`: fields about one connection
+/// whether or not `Connection` names them (RFC 7540 3.2.1 says `HTTP2-Settings` is, and a
+/// client that leaves it out of `Connection` must not get it to the server: with
+/// `Upgrade: h2c` it switches an h2c server's connection to HTTP/2).
 fn is_hop_field(name: &[u8]) -> bool {
-    name.eq_ignore_ascii_case(b"keep-alive") || name.eq_ignore_ascii_case(b"proxy-connection")
+    name.eq_ignore_ascii_case(b"keep-alive")
+        || name.eq_ignore_ascii_case(b"proxy-connection")
+        || name.eq_ignore_ascii_case(b"http2-settings")
+}
+
+/// An `Upgrade` protocol naming HTTP/2 (`h2c`, or `h2`, which RFC 7540 3.2 says is never
+/// upgraded to over cleartext): never forwarded, so that no server switches a connection
+/// quill relays to HTTP/2, whose requests would pass through it as tunnel bytes.
+pub(super) fn is_http2_token(protocol: &[u8]) -> bool {
+    let name = protocol.split(|&b| b == b'/').next().unwrap_or_default();
+    let name = name.trim_ascii();
+    name.eq_ignore_ascii_case(b"h2c") || name.eq_ignore_ascii_case(b"h2")
+}
+
+/// The authority of an absolute-form `http` or `https` target (its user information left
+/// out) and the port its scheme implies; `None` for any other form.
+fn absolute_authority(target: &str) -> Option<(&[u8], &'static [u8])> {
+    let t = target.as_bytes();
+    let (rest, port): (&[u8], &'static [u8]) =
+        if t.len() >= 7 && t[..7].eq_ignore_ascii_case(b"http://") {
+            (&t[7..], b"80")
+        } else if t.len() >= 8 && t[..8].eq_ignore_ascii_case(b"https://") {
+            (&t[8..], b"443")
+        } else {
+            return None;
+        };
+    let end = rest
+        .iter()
+        .position(|&b| matches!(b, b'/' | b'?' | b'#'))
+        .unwrap_or(rest.len());
+    let authority = &rest[..end];
+    let host = match authority.iter().rposition(|&b| b == b'@') {
+        Some(at) => &authority[at + 1..],
+        None => authority,
+    };
+    Some((host, port))
+}
+
+/// Whether a `Host` value names the authority of an absolute-form target: the same host
+/// (case aside) and port, a missing port being the scheme's.
+fn same_authority((target, default_port): (&[u8], &[u8]), host: &[u8]) -> bool {
+    let (th, tp) = host_and_port(target);
+    let (hh, hp) = host_and_port(host.trim_ascii());
+    th.eq_ignore_ascii_case(hh) && tp.unwrap_or(default_port) == hp.unwrap_or(default_port)
+}
+
+/// An authority's host (an IPv6 literal with its brackets) and port, if it has one.
+fn host_and_port(a: &[u8]) -> (&[u8], Option<&[u8]>) {
+    let host_end = if a.first() == Some(&b'[') {
+        a.iter().position(|&b| b == b']').map_or(a.len(), |p| p + 1)
+    } else {
+        a.iter().position(|&b| b == b':').unwrap_or(a.len())
+    };
+    let (host, rest) = a.split_at(host_end);
+    let port = rest.strip_prefix(b":").filter(|p| !p.is_empty());
+    (host, port)
 }
 
 /// The options of a head's `Connection` fields that `passes` does not let through: the
@@ -2555,6 +2660,54 @@ mod tests {
         // And a refusal is due at once: answers cannot be followed.
         client(&mut ex, b"\x00\x01\r\n\r\n", 1000);
         assert!(ex.take_refusal().is_some());
+    }
+
+    #[test]
+    fn an_absolute_target_must_name_its_host() {
+        for (target, host, passes) in [
+            ("http://a.example/x", "a.example", true),
+            ("http://a.example/x", "A.EXAMPLE:80", true),
+            ("https://a.example?q", "a.example:443", true),
+            ("http://u@a.example:8080#f", "a.example:8080", true),
+            ("http://[::1]:8080/", "[::1]:8080", true),
+            ("http://[::1]/", "[::1]:8080", false),
+            ("http://a.example:8080/", "a.example", false),
+            ("http://admin.internal/", "a.example", false),
+            // Not absolute-form: `Host` alone names the site.
+            ("/x", "a.example", true),
+        ] {
+            let mut ex = exchange();
+            let req = format!("GET {target} HTTP/1.1\r\nHost: {host}\r\n\r\n");
+            client(&mut ex, req.as_bytes(), 1000);
+            let refused = ex.refusal() == Some(Refusal::BadRequest);
+            assert_eq!(!refused, passes, "{target} with Host {host}");
+        }
+    }
+
+    #[test]
+    fn an_h2c_upgrade_goes_on_as_a_plain_request() {
+        let mut ex = exchange();
+        let out = client(
+            &mut ex,
+            b"GET / HTTP/1.1\r\nConnection: Upgrade, keep-alive\r\nUpgrade: h2c\r\nHTTP2-Settings: AAA\r\n\r\n",
+            1000,
+        );
+        assert_eq!(
+            String::from_utf8_lossy(&out),
+            format!("GET / HTTP/1.1\r\nConnection: keep-alive\r\n{XFF}")
+        );
+        assert!(!ex.pending[0].switch, "no upgrade waits for its answer");
+        let mut ex = exchange();
+        let out = client(
+            &mut ex,
+            b"GET / HTTP/1.1\r\nConnection: Upgrade\r\nUpgrade: h2c, websocket\r\n\r\n",
+            1000,
+        );
+        assert_eq!(
+            String::from_utf8_lossy(&out),
+            format!("GET / HTTP/1.1\r\nConnection: Upgrade\r\nUpgrade: websocket\r\n{XFF}")
+        );
+        assert!(ex.pending[0].switch);
     }
 
     #[test]
