@@ -362,6 +362,176 @@ fn an_extended_connect_to_h2c_is_refused() {
     );
 }
 
+/// An answer with both `Content-Length` and `Transfer-Encoding: chunked` reaches the
+/// client without the length (RFC 9112 6.3), so that the client reads the chunks and the
+/// next answer where they end.
+#[test]
+fn a_length_beside_chunked_framing_is_removed() {
+    for pump in PUMPS {
+        let server = Scripted::start();
+        let q = start(pump, &server);
+        let mut s = client(&q);
+        s.write_all(b"GET /clte HTTP/1.1\r\nHost: x\r\n\r\n")
+            .unwrap();
+        let got = read_answer(&mut s);
+        assert!(
+            !got.to_ascii_lowercase().contains("content-length"),
+            "{pump:?}: {got}"
+        );
+        assert!(got.ends_with("5\r\nhello\r\n0\r\n\r\n"), "{pump:?}: {got}");
+        s.write_all(b"GET /next HTTP/1.1\r\nHost: x\r\n\r\n")
+            .unwrap();
+        let got = read_answer(&mut s);
+        assert!(got.ends_with("normal answer to /next"), "{pump:?}: {got}");
+    }
+}
+
+/// An answer with two different lengths is a 502 from quill (as HAProxy), the client's
+/// connection closes after it, and the server connection is not used again.
+#[test]
+fn an_answer_with_two_lengths_is_a_502() {
+    for pump in PUMPS {
+        let server = Scripted::start();
+        let q = start(pump, &server);
+        let mut s = client(&q);
+        s.write_all(b"GET /dupcl HTTP/1.1\r\nHost: x\r\n\r\n")
+            .unwrap();
+        let got = read_answer(&mut s);
+        assert!(got.starts_with("HTTP/1.1 502 "), "{pump:?}: {got}");
+        assert!(
+            got.to_ascii_lowercase()
+                .contains("\r\nconnection: close\r\n"),
+            "{pump:?}: {got}"
+        );
+        let (rest, _) = expect_closed(&mut s, LIMIT);
+        assert!(
+            rest.is_empty(),
+            "{pump:?}: {:?}",
+            String::from_utf8_lossy(&rest)
+        );
+        let mut s = client(&q);
+        s.write_all(b"GET /next HTTP/1.1\r\nHost: x\r\n\r\n")
+            .unwrap();
+        let got = read_answer(&mut s);
+        assert!(got.ends_with("normal answer to /next"), "{pump:?}: {got}");
+        let (first, next) = (server.wait_for("/dupcl"), server.wait_for("/next"));
+        assert_ne!(first.conn, next.conn, "{pump:?}: reused");
+    }
+}
+
+/// Bytes a server sends beyond the answer due (a body to a `HEAD`, after a 204, an answer
+/// nobody asked for) never reach the client: its next request gets its own answer.
+/// Request by request the client's connection goes on, the server's is not used again;
+/// when the server's connection is the client's own, the client's ends after the answer.
+#[test]
+fn bytes_after_an_answer_are_dropped() {
+    for pump in PUMPS {
+        let server = Scripted::start();
+        let q = start(pump, &server);
+        for (method, path) in [("HEAD", "/head"), ("GET", "/204"), ("GET", "/extra")] {
+            let mut s = client(&q);
+            s.write_all(format!("{method} {path} HTTP/1.1\r\nHost: x\r\n\r\n").as_bytes())
+                .unwrap();
+            let got = if method == "HEAD" {
+                // Read the head alone: a HEAD's answer has no body.
+                let mut got = Vec::new();
+                let mut byte = [0u8; 1];
+                while !got.ends_with(b"\r\n\r\n") {
+                    assert_eq!(s.read(&mut byte).unwrap(), 1);
+                    got.push(byte[0]);
+                }
+                String::from_utf8_lossy(&got).into_owned()
+            } else {
+                read_answer(&mut s)
+            };
+            assert!(!got.contains("SURPLUS"), "{pump:?} {path}: {got}");
+            let first = server.wait_for(path);
+            match s.write_all(b"GET /next HTTP/1.1\r\nHost: x\r\n\r\n") {
+                Ok(()) => {}
+                Err(_) if matches!(pump, Pump::Connection) => continue,
+                Err(e) => panic!("{pump:?} {path}: {e}"),
+            }
+            match pump {
+                Pump::Request => {
+                    let rest = read_answer(&mut s);
+                    assert!(rest.ends_with("normal answer to /next"), "{path}: {rest}");
+                    let next = server.wait_for("/next");
+                    assert_ne!(
+                        first.conn, next.conn,
+                        "{path}: the server connection was reused"
+                    );
+                }
+                // The server's connection, out of step, ended the client's.
+                Pump::Connection => {
+                    let (rest, _) = expect_closed(&mut s, LIMIT);
+                    let rest = String::from_utf8_lossy(&rest);
+                    assert!(rest.is_empty(), "{path}: {rest}");
+                }
+            }
+            server.seen.lock().unwrap().clear();
+        }
+    }
+}
+
+/// An HTTP/2 client's answer from an HTTP/1.1 server that has a transfer coding other
+/// than chunked (the body runs to the close) and a `Content-Length`: the length is left
+/// out, and the client gets the whole body (with it, the HTTP/2 answer said less than it
+/// carried and clients reset it).
+#[test]
+fn an_http2_answer_framed_by_the_close_says_no_length() {
+    let listener = TcpListener::bind("127.0.0.1:0").unwrap();
+    let port = listener.local_addr().unwrap().port();
+    std::thread::spawn(move || {
+        for conn in listener.incoming() {
+            let Ok(mut conn) = conn else { continue };
+            let mut head = Vec::new();
+            let mut byte = [0u8; 1];
+            while !head.ends_with(b"\r\n\r\n") {
+                if conn.read(&mut byte).unwrap_or(0) == 0 {
+                    break;
+                }
+                head.push(byte[0]);
+            }
+            let _ = conn.write_all(
+                b"HTTP/1.1 200 OK\r\nTransfer-Encoding: identity\r\nContent-Length: 2\r\n\r\n\
+                  ok-and-then-more-bytes-until-close",
+            );
+        }
+    });
+    let spec = format!("127.0.0.1:{port}");
+    let q = Quill::start(&["-H", "-O", "h2c", "{port}", &spec]);
+    let qport = q.port;
+    let rt = tokio::runtime::Builder::new_current_thread()
+        .enable_all()
+        .build()
+        .unwrap();
+    let (length, body) = rt.block_on(async move {
+        let tcp = tokio::net::TcpStream::connect(("127.0.0.1", qport))
+            .await
+            .unwrap();
+        let (client, conn) = h2::client::handshake(tcp).await.unwrap();
+        tokio::spawn(conn);
+        let mut client = client.ready().await.unwrap();
+        let req = hyper::http::Request::builder()
+            .uri(format!("http://127.0.0.1:{qport}/x"))
+            .body(())
+            .unwrap();
+        let (resp, _) = client.send_request(req, true).unwrap();
+        let resp = tokio::time::timeout(LIMIT, resp).await.unwrap().unwrap();
+        let length = resp.headers().get("content-length").cloned();
+        let mut body = resp.into_body();
+        let mut got = Vec::new();
+        while let Some(data) = tokio::time::timeout(LIMIT, body.data()).await.unwrap() {
+            let data = data.expect("the answer's body failed");
+            body.flow_control().release_capacity(data.len()).unwrap();
+            got.extend_from_slice(&data);
+        }
+        (length, got)
+    });
+    assert_eq!(length, None);
+    assert_eq!(body, b"ok-and-then-more-bytes-until-close");
+}
+
 /// Two `Host` fields, or an absolute-form target whose authority is not the `Host`, are
 /// refused with 400 (as HAProxy) and reach no server; an absolute-form target that agrees
 /// with its `Host` (a missing port being the scheme's) and a request without `Host` pass.

@@ -166,6 +166,10 @@ enum Resp {
     /// The server does not speak HTTP/1.x as quill understands it: everything it sends
     /// passes through untouched from here on.
     Raw,
+    /// The server's answer could not be framed without guessing (two lengths), or came
+    /// for no request: quill answered in its place, or the answer in hand is whole, and
+    /// nothing more the server sends reaches the client. The connections end.
+    Discard,
 }
 
 /// Outcome of feeding the client's bytes.
@@ -204,6 +208,8 @@ pub struct Exchange {
     head_alone: bool,
     /// The refusal has been handed out for sending.
     refusal_sent: bool,
+    /// Final answers (or switches) the server has sent whole; saturating.
+    answers: u32,
     /// The connection is to end after an answer that leaves no request pending (a reload,
     /// a drain, quill stopping): that answer says `Connection: close`.
     closing: bool,
@@ -308,6 +314,7 @@ impl Exchange {
             resp_started: false,
             head_alone: false,
             refusal_sent: false,
+            answers: 0,
             closing: false,
             last: false,
             one_at_a_time: false,
@@ -501,7 +508,7 @@ impl Exchange {
         match self.resp {
             Resp::Body(_) | Resp::Chunked(_) => true,
             Resp::Head => !self.resp_head.is_empty() || !self.pending.is_empty(),
-            Resp::UntilClose | Resp::Tunnel | Resp::Raw => false,
+            Resp::UntilClose | Resp::Tunnel | Resp::Raw | Resp::Discard => false,
         }
     }
 
@@ -526,7 +533,7 @@ impl Exchange {
     /// forwarded whole (or [`Exchange::close_now`] ended it between requests), so the
     /// client's side can be shut once it is written.
     pub fn finished(&self) -> bool {
-        self.last && self.between()
+        self.last && (self.between() || self.resp == Resp::Discard)
     }
 
     /// The request head being waited for took longer than `http_request_timeout`: the
@@ -932,6 +939,15 @@ impl Exchange {
         let mut head_came = false;
         while pos < input.len() {
             let rest = &input[pos..];
+            if self.unsolicited() {
+                // Bytes after the end of every answer due: a body sent to a `HEAD` or with
+                // a 204/304, or an answer no request asked for. Relayed, they would be the
+                // answer to the client's next request (its answers shifted by one, or
+                // whatever a server chose to put there); dropped instead, and the server's
+                // connection, out of step, is not used again.
+                self.discard_surplus();
+                return Fed::Consumed(input.len());
+            }
             head_came |= self.resp == Resp::Head;
             pos += match self.resp {
                 Resp::Head => self.response_head(rest, out),
@@ -973,6 +989,7 @@ impl Exchange {
                     }
                     rest.len()
                 }
+                Resp::Discard => rest.len(),
             };
         }
         self.head_alone = head_came
@@ -1065,6 +1082,8 @@ impl Exchange {
         };
         let code = resp.code.unwrap_or_default();
         let mut length: Option<Option<u64>> = None;
+        // Two `Content-Length` values that differ (in one field or two).
+        let mut lengths_differ = false;
         let mut chunked: Option<bool> = None;
         let mut has_hsts = false;
         let mut options = ConnectionOptions::default();
@@ -1075,7 +1094,10 @@ impl Exchange {
             if name.eq_ignore_ascii_case(b"connection") {
                 options.read(h.value);
             } else if name.eq_ignore_ascii_case(b"content-length") {
-                length = Some(content_length(h.value));
+                let this = content_length(h.value);
+                lengths_differ |= lengths_disagree(h.value)
+                    || matches!((length, this), (Some(Some(a)), Some(b)) if a != b);
+                length = Some(this);
             } else if name.eq_ignore_ascii_case(b"transfer-encoding") {
                 if let Some(last) = list(h.value).last() {
                     let coding = last.split(|&b| b == b';').next().unwrap_or_default();
@@ -1107,6 +1129,12 @@ impl Exchange {
                 // The final response follows.
                 self.resp_started = true;
             }
+            return Some(HeadEnd::Complete(n));
+        }
+        if lengths_differ {
+            // Which length the client would take cannot be known: a 502 in its place
+            // (as HAProxy), and neither connection goes on (RFC 9112 6.3: unrecoverable).
+            self.bad_gateway(out);
             return Some(HeadEnd::Complete(n));
         }
         let hsts = match self.params.hsts {
@@ -1163,10 +1191,23 @@ impl Exchange {
         } else {
             !hop_fields && !options.names && says_keep == client_keeps
         };
-        if verbatim {
+        // A length beside a transfer coding means nothing (the coding frames the body),
+        // and RFC 9112 6.3 has an intermediary remove it: a client that believed it
+        // would read the rest of the body as the next answer.
+        let drop_length = chunked.is_some() && length.is_some();
+        if verbatim && !drop_length {
             write_with_hsts(head, hsts, out);
         } else {
-            write_own_connection(head, &resp.headers[..], client_keeps, hsts, out);
+            write_own_connection(
+                head,
+                &resp.headers[..],
+                Own {
+                    keeps: client_keeps,
+                    drop_length,
+                },
+                hsts,
+                out,
+            );
         }
         self.resp_started = true;
         self.resp = framing;
@@ -1194,9 +1235,63 @@ impl Exchange {
         self.resp_head = Vec::new();
     }
 
+    /// quill's 502 in place of an answer that cannot be framed; the server's bytes are
+    /// dropped from here on, and the client's connection ends after it
+    /// ([`Exchange::finished`]): the requests pipelined after this one go unanswered, as
+    /// its `Connection: close` tells the client.
+    fn bad_gateway(&mut self, out: &mut Vec<u8>) {
+        if let Some(l) = self.logged_out() {
+            l.status = 502;
+        }
+        out.extend_from_slice(&self.own_answer(BAD_GATEWAY));
+        self.response_done();
+        self.pending.clear();
+        self.discard();
+    }
+
+    /// Drops whatever the server sends from here on; neither connection is used again.
+    fn discard(&mut self) {
+        self.resp = Resp::Discard;
+        self.resp_head = Vec::new();
+        self.resp_started = false;
+        self.server_keep = false;
+        self.client_keep = false;
+        self.last = true;
+    }
+
+    /// Whether server bytes now would answer no request: every request forwarded has
+    /// its whole answer, at least one came (a server that speaks first, not HTTP, still
+    /// passes raw), and no head has begun.
+    fn unsolicited(&self) -> bool {
+        self.answers > 0
+            && self.pending.is_empty()
+            && self.resp == Resp::Head
+            && self.resp_head.is_empty()
+    }
+
+    /// Drops the server's surplus bytes. Request by request, the client's connection goes
+    /// on (its answer was whole) and only the server's ends ([`Exchange::server_keeps`]);
+    /// when the server's connection is the client's own, both end after the answers
+    /// already forwarded.
+    fn discard_surplus(&mut self) {
+        if self.one_at_a_time {
+            self.server_keep = false;
+        } else {
+            self.resp = Resp::Discard;
+            self.server_keep = false;
+            self.last = true;
+        }
+    }
+
+    /// Whether the server's bytes are dropped ([`Resp::Discard`]).
+    pub fn discarding(&self) -> bool {
+        self.resp == Resp::Discard
+    }
+
     /// The end of a final response: its request is answered.
     fn response_done(&mut self) {
         self.resp_started = false;
+        self.answers = self.answers.saturating_add(1);
         if let Some(book) = &mut self.log {
             if let Some(l) = book.open.pop_front() {
                 book.answered.push_back(l);
@@ -1429,6 +1524,30 @@ fn write_hsts(h: Hsts, eol: &[u8], out: &mut Vec<u8>) {
     out.extend_from_slice(eol);
 }
 
+/// How [`write_own_connection`] changes a response head.
+#[derive(Debug, Clone, Copy)]
+struct Own {
+    /// The client's connection goes on (`Connection: keep-alive`, else `close`).
+    keeps: bool,
+    /// `Content-Length` is left out (a transfer coding frames the body).
+    drop_length: bool,
+}
+
+/// quill's answer in place of a server's that cannot be framed.
+const BAD_GATEWAY: &[u8] =
+    b"HTTP/1.1 502 Bad Gateway\r\nContent-Type: text/plain\r\nContent-Length: 12\r\nConnection: close\r\n\r\nBad Gateway\n";
+
+/// Whether one `Content-Length` field lists numbers that differ (`2, 40`).
+fn lengths_disagree(v: &[u8]) -> bool {
+    // Compared as digits without their leading zeros: `02` and `2` agree, at any length.
+    let value = |p: &[u8]| -> Vec<u8> { p.iter().copied().skip_while(|&b| b == b'0').collect() };
+    let mut numbers = list(v).filter(|p| p.iter().all(u8::is_ascii_digit));
+    let Some(first) = numbers.next().map(value) else {
+        return false;
+    };
+    numbers.any(|p| value(p) != first)
+}
+
 /// Writes a response head with quill's own `Connection` field: the server's status line
 /// and fields, without those about the server's connection only (`Connection`,
 /// `Keep-Alive`, `Proxy-Connection`, the fields `Connection` names, and the lines that
@@ -1439,17 +1558,19 @@ fn write_hsts(h: Hsts, eol: &[u8], out: &mut Vec<u8>) {
 fn write_own_connection(
     head: &[u8],
     headers: &[httparse::Header<'_>],
-    keeps: bool,
+    own: Own,
     hsts: Option<Hsts>,
     out: &mut Vec<u8>,
 ) {
+    let keeps = own.keeps;
     let named = connection_names(headers, |t| {
         t.eq_ignore_ascii_case(b"close") || t.eq_ignore_ascii_case(b"keep-alive")
     });
     let hop = |name: &[u8]| {
-        if name.eq_ignore_ascii_case(b"content-length")
-            || name.eq_ignore_ascii_case(b"transfer-encoding")
-        {
+        if name.eq_ignore_ascii_case(b"content-length") {
+            return own.drop_length;
+        }
+        if name.eq_ignore_ascii_case(b"transfer-encoding") {
             return false;
         }
         name.eq_ignore_ascii_case(b"connection") || is_hop_field(name) || names(&named, name)
