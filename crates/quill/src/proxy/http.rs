@@ -1283,11 +1283,6 @@ impl Exchange {
         }
     }
 
-    /// Whether the server's bytes are dropped ([`Resp::Discard`]).
-    pub fn discarding(&self) -> bool {
-        self.resp == Resp::Discard
-    }
-
     /// The end of a final response: its request is answered.
     fn response_done(&mut self) {
         self.resp_started = false;
