@@ -671,7 +671,17 @@ async fn route(
         state.counters.h2_requests.fetch_add(1, Relaxed);
         if req.method() != Method::CONNECT {
             None
-        } else if req.extensions().get::<Protocol>().is_some() {
+        } else if let Some(protocol) = req.extensions().get::<Protocol>() {
+            if !protocol.as_str().eq_ignore_ascii_case("websocket") {
+                // RFC 8441 defines the extended CONNECT for WebSocket only; any other
+                // protocol would become an HTTP/1.1 `Upgrade` to it, `h2c` a raw HTTP/2
+                // tunnel to the server whose requests quill never sees. 501, as for a
+                // plain CONNECT: a method quill does not proxy, not a malformed request.
+                return answer(
+                    StatusCode::NOT_IMPLEMENTED,
+                    "Only WebSocket is proxied by an extended CONNECT\n",
+                );
+            }
             // RFC 8441's extended CONNECT (a WebSocket over a stream): the server gets it
             // as an HTTP/1.1 `Upgrade` (see `upstream_request`).
             Some(hyper::upgrade::on(&mut req))
@@ -681,7 +691,10 @@ async fn route(
                 "CONNECT is not proxied over HTTP/2\n",
             );
         }
-    } else if req.method() == Method::CONNECT || req.headers().contains_key(header::UPGRADE) {
+    } else if let Some(why) = ambiguous_host(&req) {
+        state.counters.http_refused.fetch_add(1, Relaxed);
+        return answer(StatusCode::BAD_REQUEST, why);
+    } else if req.method() == Method::CONNECT || upgrade_to(req.headers()).is_some() {
         Some(hyper::upgrade::on(&mut req))
     } else {
         None
@@ -1441,10 +1454,12 @@ fn answer(status: StatusCode, text: &'static str) -> Reply {
     resp
 }
 
-const HOPS: usize = 6;
+const HOPS: usize = 7;
 
 /// Fields that describe one hop (RFC 9110 7.6.1), never forwarded; HTTP/2 forbids them.
-/// `Connection` first: [`strip_hop_by_hop`] reads the fields it names.
+/// `Connection` first: [`strip_hop_by_hop`] reads the fields it names. `HTTP2-Settings`
+/// is one whether or not `Connection` names it (RFC 7540 3.2.1): with `Upgrade: h2c` it
+/// would switch an h2c server's connection to HTTP/2.
 const HOP_BY_HOP: [HeaderName; HOPS] = [
     header::CONNECTION,
     HeaderName::from_static("keep-alive"),
@@ -1452,7 +1467,57 @@ const HOP_BY_HOP: [HeaderName; HOPS] = [
     header::TRANSFER_ENCODING,
     header::UPGRADE,
     header::TE,
+    HeaderName::from_static("http2-settings"),
 ];
+
+/// The `Upgrade` an HTTP/1.x request goes on with: the client's protocols without HTTP/2
+/// (`h2c`, `h2`: a server that switched to it would carry requests quill never sees, see
+/// `http::is_http2_token`). `None` when nothing is left: the request goes on as a plain
+/// one, as NGINX forwards requests unless told to pass `Upgrade`.
+fn upgrade_to(headers: &HeaderMap) -> Option<HeaderValue> {
+    let mut kept: Vec<&[u8]> = Vec::new();
+    for v in headers.get_all(header::UPGRADE) {
+        kept.extend(
+            v.as_bytes()
+                .split(|&b| b == b',')
+                .map(<[u8]>::trim_ascii)
+                .filter(|p| !p.is_empty() && !super::http::is_http2_token(p)),
+        );
+    }
+    if kept.is_empty() {
+        return None;
+    }
+    HeaderValue::from_bytes(&kept.join(&b", "[..])).ok()
+}
+
+/// Why an HTTP/1.x request's site is ambiguous, as the byte pump refuses it
+/// (`http::Exchange`): two `Host` fields, or an absolute-form target whose authority is
+/// not its `Host`. `None` for an HTTP/2 request (`:authority` is its one name) and for a
+/// request without `Host`.
+fn ambiguous_host<B>(req: &Request<B>) -> Option<&'static str> {
+    let mut hosts = req.headers().get_all(header::HOST).iter();
+    let host = hosts.next()?;
+    if hosts.next().is_some() {
+        return Some("Two Host fields\n");
+    }
+    if req.method() == Method::CONNECT {
+        return None;
+    }
+    let target = req.uri().authority()?;
+    let default_port = if req.uri().scheme() == Some(&hyper::http::uri::Scheme::HTTPS) {
+        443
+    } else {
+        80
+    };
+    let host = host.to_str().ok()?.trim();
+    let host: hyper::http::uri::Authority = match host.parse() {
+        Ok(a) => a,
+        Err(_) => return Some("Host is not the target's authority\n"),
+    };
+    let same = host.host().eq_ignore_ascii_case(target.host())
+        && host.port_u16().unwrap_or(default_port) == target.port_u16().unwrap_or(default_port);
+    (!same).then_some("Host is not the target's authority\n")
+}
 
 // Named once: a `&str` name is parsed and validated on every use.
 const X_FORWARDED_FOR: HeaderName = HeaderName::from_static("x-forwarded-for");
@@ -1528,7 +1593,7 @@ fn upstream_request(
                 .any(|t| t.trim().eq_ignore_ascii_case("trailers"))
         });
     let upgrade = if h1 {
-        parts.headers.get(header::UPGRADE).cloned()
+        upgrade_to(&parts.headers)
     } else {
         match &extended {
             Some(p) => Some(HeaderValue::from_str(p.as_str()).ok()?),

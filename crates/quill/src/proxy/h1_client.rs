@@ -456,7 +456,13 @@ fn parse_head(buf: &mut BytesMut, head_only: bool) -> Result<Parsed, Failure> {
                     headers.remove(header::CONTENT_LENGTH);
                     Framing::Chunked(Chunk::Size)
                 }
-                (Some(false), _) => Framing::Close,
+                (Some(false), _) => {
+                    // Nor beside any other coding: the body runs to the close, and an
+                    // HTTP/2 answer that kept the length would say less than it carries
+                    // (a malformed answer its client resets).
+                    headers.remove(header::CONTENT_LENGTH);
+                    Framing::Close
+                }
                 (None, Some(n)) => Framing::Length(n),
                 (None, None) => Framing::Close,
             }

@@ -166,6 +166,10 @@ enum Resp {
     /// The server does not speak HTTP/1.x as quill understands it: everything it sends
     /// passes through untouched from here on.
     Raw,
+    /// The server's answer could not be framed without guessing (two lengths), or came
+    /// for no request: quill answered in its place, or the answer in hand is whole, and
+    /// nothing more the server sends reaches the client. The connections end.
+    Discard,
 }
 
 /// Outcome of feeding the client's bytes.
@@ -204,6 +208,8 @@ pub struct Exchange {
     head_alone: bool,
     /// The refusal has been handed out for sending.
     refusal_sent: bool,
+    /// Final answers (or switches) the server has sent whole; saturating.
+    answers: u32,
     /// The connection is to end after an answer that leaves no request pending (a reload,
     /// a drain, quill stopping): that answer says `Connection: close`.
     closing: bool,
@@ -277,6 +283,9 @@ struct Towards {
     /// The client's `Connection` has options beyond `close` and `keep-alive` (fields it
     /// names, to leave behind): most requests have none, and skip looking for them.
     names: bool,
+    /// The request still asks to switch to a protocol quill may tunnel to; when not, its
+    /// `upgrade` option and `Upgrade` field are left out (it goes on as a plain request).
+    upgrade: bool,
 }
 
 /// The result of looking for the end of a message head.
@@ -305,6 +314,7 @@ impl Exchange {
             resp_started: false,
             head_alone: false,
             refusal_sent: false,
+            answers: 0,
             closing: false,
             last: false,
             one_at_a_time: false,
@@ -498,7 +508,7 @@ impl Exchange {
         match self.resp {
             Resp::Body(_) | Resp::Chunked(_) => true,
             Resp::Head => !self.resp_head.is_empty() || !self.pending.is_empty(),
-            Resp::UntilClose | Resp::Tunnel | Resp::Raw => false,
+            Resp::UntilClose | Resp::Tunnel | Resp::Raw | Resp::Discard => false,
         }
     }
 
@@ -523,7 +533,7 @@ impl Exchange {
     /// forwarded whole (or [`Exchange::close_now`] ended it between requests), so the
     /// client's side can be shut once it is written.
     pub fn finished(&self) -> bool {
-        self.last && self.between()
+        self.last && (self.between() || self.resp == Resp::Discard)
     }
 
     /// The request head being waited for took longer than `http_request_timeout`: the
@@ -690,10 +700,18 @@ impl Exchange {
         let mut length: Option<u64> = None;
         let mut chunked: Option<bool> = None;
         let mut upgrade = false;
+        let mut host: Option<&[u8]> = None;
         let mut options = ConnectionOptions::default();
         for h in req.headers.iter() {
             let name = h.name.as_bytes();
-            if name.eq_ignore_ascii_case(b"connection") {
+            if name.eq_ignore_ascii_case(b"host") {
+                // Two `Host` fields name two sites: servers and quill's own log would not
+                // agree on which one was asked (RFC 9112 3.2: 400, as HAProxy and NGINX).
+                if host.is_some() {
+                    return Err(Refusal::BadRequest);
+                }
+                host = Some(h.value);
+            } else if name.eq_ignore_ascii_case(b"connection") {
                 options.read(h.value);
             } else if name.eq_ignore_ascii_case(b"content-length") {
                 let n = content_length(h.value).ok_or(Refusal::BadRequest)?;
@@ -712,7 +730,19 @@ impl Exchange {
                 let coding = last.split(|&b| b == b';').next().unwrap_or_default();
                 chunked = Some(coding.trim_ascii().eq_ignore_ascii_case(b"chunked"));
             } else if name.eq_ignore_ascii_case(b"upgrade") {
-                upgrade = true;
+                // Only a protocol quill may tunnel to makes an upgrade (not HTTP/2: see
+                // `is_http2_token`); an `Upgrade` that offers nothing else is left out.
+                upgrade |= list(h.value).any(|p| !is_http2_token(p));
+            }
+        }
+        // An absolute-form target names the site itself (RFC 9112 3.2.2): a `Host` that
+        // names another one is ambiguous, servers and quill's access log (`Host`) may each
+        // take a different one. Refused as HAProxy does, rather than `Host` rewritten to
+        // the target's: a client that says two things is broken or probing, and a server
+        // behind quill must never route by a name the client did not put in `Host`.
+        if let (Some(target), Some(host)) = (absolute_authority(path), host) {
+            if !same_authority(target, host) {
+                return Err(Refusal::BadRequest);
             }
         }
         let body = match (chunked, length) {
@@ -735,6 +765,7 @@ impl Exchange {
             drop_close: self.one_at_a_time && options.close,
             add_keep_alive: self.one_at_a_time && version == 0 && !options.keep_alive,
             names: options.names,
+            upgrade,
         };
         // One allocation: growing from empty field by field reallocated four times.
         out.reserve(n + self.client_text.len() + REWRITE_EXTRA);
@@ -824,6 +855,29 @@ impl Exchange {
             if is_hop_field(name) || (names(&named, name) && !frames_or_routes(name)) {
                 continue;
             }
+            if name.eq_ignore_ascii_case(b"upgrade") {
+                // `h2c` (and `h2`) left out: a server that switched would be spoken to in
+                // HTTP/2 through a raw tunnel, each request of it unseen by quill (no
+                // `X-Forwarded-For` of its own): h2c smuggling. NGINX never forwards
+                // `Upgrade` unless told to; HAProxy forwards it as it came.
+                if !towards.upgrade {
+                    continue;
+                }
+                if list(h.value).any(is_http2_token) {
+                    let mut kept = list(h.value).filter(|p| !is_http2_token(p));
+                    if let Some(first) = kept.next() {
+                        out.extend_from_slice(name);
+                        out.extend_from_slice(b": ");
+                        out.extend_from_slice(first);
+                        for p in kept {
+                            out.extend_from_slice(b", ");
+                            out.extend_from_slice(p);
+                        }
+                        out.extend_from_slice(b"\r\n");
+                    }
+                    continue;
+                }
+            }
             if name.eq_ignore_ascii_case(b"x-forwarded-for") {
                 let v = h.value.trim_ascii();
                 if !v.is_empty() {
@@ -838,6 +892,7 @@ impl Exchange {
                 let mut rest = list(h.value).filter(|t| {
                     is_message_option(t)
                         && !(towards.drop_close && t.eq_ignore_ascii_case(b"close"))
+                        && (towards.upgrade || !t.eq_ignore_ascii_case(b"upgrade"))
                 });
                 if let Some(first) = rest.next() {
                     out.extend_from_slice(name);
@@ -884,6 +939,15 @@ impl Exchange {
         let mut head_came = false;
         while pos < input.len() {
             let rest = &input[pos..];
+            if self.unsolicited() {
+                // Bytes after the end of every answer due: a body sent to a `HEAD` or with
+                // a 204/304, or an answer no request asked for. Relayed, they would be the
+                // answer to the client's next request (its answers shifted by one, or
+                // whatever a server chose to put there); dropped instead, and the server's
+                // connection, out of step, is not used again.
+                self.discard_surplus();
+                return Fed::Consumed(input.len());
+            }
             head_came |= self.resp == Resp::Head;
             pos += match self.resp {
                 Resp::Head => self.response_head(rest, out),
@@ -925,6 +989,7 @@ impl Exchange {
                     }
                     rest.len()
                 }
+                Resp::Discard => rest.len(),
             };
         }
         self.head_alone = head_came
@@ -1017,6 +1082,8 @@ impl Exchange {
         };
         let code = resp.code.unwrap_or_default();
         let mut length: Option<Option<u64>> = None;
+        // Two `Content-Length` values that differ (in one field or two).
+        let mut lengths_differ = false;
         let mut chunked: Option<bool> = None;
         let mut has_hsts = false;
         let mut options = ConnectionOptions::default();
@@ -1027,7 +1094,10 @@ impl Exchange {
             if name.eq_ignore_ascii_case(b"connection") {
                 options.read(h.value);
             } else if name.eq_ignore_ascii_case(b"content-length") {
-                length = Some(content_length(h.value));
+                let this = content_length(h.value);
+                lengths_differ |= lengths_disagree(h.value)
+                    || matches!((length, this), (Some(Some(a)), Some(b)) if a != b);
+                length = Some(this);
             } else if name.eq_ignore_ascii_case(b"transfer-encoding") {
                 if let Some(last) = list(h.value).last() {
                     let coding = last.split(|&b| b == b';').next().unwrap_or_default();
@@ -1059,6 +1129,12 @@ impl Exchange {
                 // The final response follows.
                 self.resp_started = true;
             }
+            return Some(HeadEnd::Complete(n));
+        }
+        if lengths_differ {
+            // Which length the client would take cannot be known: a 502 in its place
+            // (as HAProxy), and neither connection goes on (RFC 9112 6.3: unrecoverable).
+            self.bad_gateway(out);
             return Some(HeadEnd::Complete(n));
         }
         let hsts = match self.params.hsts {
@@ -1115,10 +1191,23 @@ impl Exchange {
         } else {
             !hop_fields && !options.names && says_keep == client_keeps
         };
-        if verbatim {
+        // A length beside a transfer coding means nothing (the coding frames the body),
+        // and RFC 9112 6.3 has an intermediary remove it: a client that believed it
+        // would read the rest of the body as the next answer.
+        let drop_length = chunked.is_some() && length.is_some();
+        if verbatim && !drop_length {
             write_with_hsts(head, hsts, out);
         } else {
-            write_own_connection(head, &resp.headers[..], client_keeps, hsts, out);
+            write_own_connection(
+                head,
+                &resp.headers[..],
+                Own {
+                    keeps: client_keeps,
+                    drop_length,
+                },
+                hsts,
+                out,
+            );
         }
         self.resp_started = true;
         self.resp = framing;
@@ -1146,9 +1235,58 @@ impl Exchange {
         self.resp_head = Vec::new();
     }
 
+    /// quill's 502 in place of an answer that cannot be framed; the server's bytes are
+    /// dropped from here on, and the client's connection ends after it
+    /// ([`Exchange::finished`]): the requests pipelined after this one go unanswered, as
+    /// its `Connection: close` tells the client.
+    fn bad_gateway(&mut self, out: &mut Vec<u8>) {
+        if let Some(l) = self.logged_out() {
+            l.status = 502;
+        }
+        out.extend_from_slice(&self.own_answer(BAD_GATEWAY));
+        self.response_done();
+        self.pending.clear();
+        self.discard();
+    }
+
+    /// Drops whatever the server sends from here on; neither connection is used again.
+    fn discard(&mut self) {
+        self.resp = Resp::Discard;
+        self.resp_head = Vec::new();
+        self.resp_started = false;
+        self.server_keep = false;
+        self.client_keep = false;
+        self.last = true;
+    }
+
+    /// Whether server bytes now would answer no request: every request forwarded has
+    /// its whole answer, at least one came (a server that speaks first, not HTTP, still
+    /// passes raw), and no head has begun.
+    fn unsolicited(&self) -> bool {
+        self.answers > 0
+            && self.pending.is_empty()
+            && self.resp == Resp::Head
+            && self.resp_head.is_empty()
+    }
+
+    /// Drops the server's surplus bytes. Request by request, the client's connection goes
+    /// on (its answer was whole) and only the server's ends ([`Exchange::server_keeps`]);
+    /// when the server's connection is the client's own, both end after the answers
+    /// already forwarded.
+    fn discard_surplus(&mut self) {
+        if self.one_at_a_time {
+            self.server_keep = false;
+        } else {
+            self.resp = Resp::Discard;
+            self.server_keep = false;
+            self.last = true;
+        }
+    }
+
     /// The end of a final response: its request is answered.
     fn response_done(&mut self) {
         self.resp_started = false;
+        self.answers = self.answers.saturating_add(1);
         if let Some(book) = &mut self.log {
             if let Some(l) = book.open.pop_front() {
                 book.answered.push_back(l);
@@ -1256,10 +1394,67 @@ impl ConnectionOptions {
     }
 }
 
-/// `Keep-Alive` and `Proxy-Connection`: fields about one connection whether or not
-/// `Connection` names them.
+/// `Keep-Alive`, `Proxy-Connection` and `HTTP2-Settings`: fields about one connection
+/// whether or not `Connection` names them (RFC 7540 3.2.1 says `HTTP2-Settings` is, and a
+/// client that leaves it out of `Connection` must not get it to the server: with
+/// `Upgrade: h2c` it switches an h2c server's connection to HTTP/2).
 fn is_hop_field(name: &[u8]) -> bool {
-    name.eq_ignore_ascii_case(b"keep-alive") || name.eq_ignore_ascii_case(b"proxy-connection")
+    name.eq_ignore_ascii_case(b"keep-alive")
+        || name.eq_ignore_ascii_case(b"proxy-connection")
+        || name.eq_ignore_ascii_case(b"http2-settings")
+}
+
+/// An `Upgrade` protocol naming HTTP/2 (`h2c`, or `h2`, which RFC 7540 3.2 says is never
+/// upgraded to over cleartext): never forwarded, so that no server switches a connection
+/// quill relays to HTTP/2, whose requests would pass through it as tunnel bytes.
+pub(super) fn is_http2_token(protocol: &[u8]) -> bool {
+    let name = protocol.split(|&b| b == b'/').next().unwrap_or_default();
+    let name = name.trim_ascii();
+    name.eq_ignore_ascii_case(b"h2c") || name.eq_ignore_ascii_case(b"h2")
+}
+
+/// The authority of an absolute-form `http` or `https` target (its user information left
+/// out) and the port its scheme implies; `None` for any other form.
+fn absolute_authority(target: &str) -> Option<(&[u8], &'static [u8])> {
+    let t = target.as_bytes();
+    let (rest, port): (&[u8], &'static [u8]) =
+        if t.len() >= 7 && t[..7].eq_ignore_ascii_case(b"http://") {
+            (&t[7..], b"80")
+        } else if t.len() >= 8 && t[..8].eq_ignore_ascii_case(b"https://") {
+            (&t[8..], b"443")
+        } else {
+            return None;
+        };
+    let end = rest
+        .iter()
+        .position(|&b| matches!(b, b'/' | b'?' | b'#'))
+        .unwrap_or(rest.len());
+    let authority = &rest[..end];
+    let host = match authority.iter().rposition(|&b| b == b'@') {
+        Some(at) => &authority[at + 1..],
+        None => authority,
+    };
+    Some((host, port))
+}
+
+/// Whether a `Host` value names the authority of an absolute-form target: the same host
+/// (case aside) and port, a missing port being the scheme's.
+fn same_authority((target, default_port): (&[u8], &[u8]), host: &[u8]) -> bool {
+    let (th, tp) = host_and_port(target);
+    let (hh, hp) = host_and_port(host.trim_ascii());
+    th.eq_ignore_ascii_case(hh) && tp.unwrap_or(default_port) == hp.unwrap_or(default_port)
+}
+
+/// An authority's host (an IPv6 literal with its brackets) and port, if it has one.
+fn host_and_port(a: &[u8]) -> (&[u8], Option<&[u8]>) {
+    let host_end = if a.first() == Some(&b'[') {
+        a.iter().position(|&b| b == b']').map_or(a.len(), |p| p + 1)
+    } else {
+        a.iter().position(|&b| b == b':').unwrap_or(a.len())
+    };
+    let (host, rest) = a.split_at(host_end);
+    let port = rest.strip_prefix(b":").filter(|p| !p.is_empty());
+    (host, port)
 }
 
 /// The options of a head's `Connection` fields that `passes` does not let through: the
@@ -1324,6 +1519,30 @@ fn write_hsts(h: Hsts, eol: &[u8], out: &mut Vec<u8>) {
     out.extend_from_slice(eol);
 }
 
+/// How [`write_own_connection`] changes a response head.
+#[derive(Debug, Clone, Copy)]
+struct Own {
+    /// The client's connection goes on (`Connection: keep-alive`, else `close`).
+    keeps: bool,
+    /// `Content-Length` is left out (a transfer coding frames the body).
+    drop_length: bool,
+}
+
+/// quill's answer in place of a server's that cannot be framed.
+const BAD_GATEWAY: &[u8] =
+    b"HTTP/1.1 502 Bad Gateway\r\nContent-Type: text/plain\r\nContent-Length: 12\r\nConnection: close\r\n\r\nBad Gateway\n";
+
+/// Whether one `Content-Length` field lists numbers that differ (`2, 40`).
+fn lengths_disagree(v: &[u8]) -> bool {
+    // Compared as digits without their leading zeros: `02` and `2` agree, at any length.
+    let value = |p: &[u8]| -> Vec<u8> { p.iter().copied().skip_while(|&b| b == b'0').collect() };
+    let mut numbers = list(v).filter(|p| p.iter().all(u8::is_ascii_digit));
+    let Some(first) = numbers.next().map(value) else {
+        return false;
+    };
+    numbers.any(|p| value(p) != first)
+}
+
 /// Writes a response head with quill's own `Connection` field: the server's status line
 /// and fields, without those about the server's connection only (`Connection`,
 /// `Keep-Alive`, `Proxy-Connection`, the fields `Connection` names, and the lines that
@@ -1334,17 +1553,19 @@ fn write_hsts(h: Hsts, eol: &[u8], out: &mut Vec<u8>) {
 fn write_own_connection(
     head: &[u8],
     headers: &[httparse::Header<'_>],
-    keeps: bool,
+    own: Own,
     hsts: Option<Hsts>,
     out: &mut Vec<u8>,
 ) {
+    let keeps = own.keeps;
     let named = connection_names(headers, |t| {
         t.eq_ignore_ascii_case(b"close") || t.eq_ignore_ascii_case(b"keep-alive")
     });
     let hop = |name: &[u8]| {
-        if name.eq_ignore_ascii_case(b"content-length")
-            || name.eq_ignore_ascii_case(b"transfer-encoding")
-        {
+        if name.eq_ignore_ascii_case(b"content-length") {
+            return own.drop_length;
+        }
+        if name.eq_ignore_ascii_case(b"transfer-encoding") {
             return false;
         }
         name.eq_ignore_ascii_case(b"connection") || is_hop_field(name) || names(&named, name)
@@ -2555,6 +2776,54 @@ mod tests {
         // And a refusal is due at once: answers cannot be followed.
         client(&mut ex, b"\x00\x01\r\n\r\n", 1000);
         assert!(ex.take_refusal().is_some());
+    }
+
+    #[test]
+    fn an_absolute_target_must_name_its_host() {
+        for (target, host, passes) in [
+            ("http://a.example/x", "a.example", true),
+            ("http://a.example/x", "A.EXAMPLE:80", true),
+            ("https://a.example?q", "a.example:443", true),
+            ("http://u@a.example:8080#f", "a.example:8080", true),
+            ("http://[::1]:8080/", "[::1]:8080", true),
+            ("http://[::1]/", "[::1]:8080", false),
+            ("http://a.example:8080/", "a.example", false),
+            ("http://admin.internal/", "a.example", false),
+            // Not absolute-form: `Host` alone names the site.
+            ("/x", "a.example", true),
+        ] {
+            let mut ex = exchange();
+            let req = format!("GET {target} HTTP/1.1\r\nHost: {host}\r\n\r\n");
+            client(&mut ex, req.as_bytes(), 1000);
+            let refused = ex.refusal() == Some(Refusal::BadRequest);
+            assert_eq!(!refused, passes, "{target} with Host {host}");
+        }
+    }
+
+    #[test]
+    fn an_h2c_upgrade_goes_on_as_a_plain_request() {
+        let mut ex = exchange();
+        let out = client(
+            &mut ex,
+            b"GET / HTTP/1.1\r\nConnection: Upgrade, keep-alive\r\nUpgrade: h2c\r\nHTTP2-Settings: AAA\r\n\r\n",
+            1000,
+        );
+        assert_eq!(
+            String::from_utf8_lossy(&out),
+            format!("GET / HTTP/1.1\r\nConnection: keep-alive\r\n{XFF}")
+        );
+        assert!(!ex.pending[0].switch, "no upgrade waits for its answer");
+        let mut ex = exchange();
+        let out = client(
+            &mut ex,
+            b"GET / HTTP/1.1\r\nConnection: Upgrade\r\nUpgrade: h2c, websocket\r\n\r\n",
+            1000,
+        );
+        assert_eq!(
+            String::from_utf8_lossy(&out),
+            format!("GET / HTTP/1.1\r\nConnection: Upgrade\r\nUpgrade: websocket\r\n{XFF}")
+        );
+        assert!(ex.pending[0].switch);
     }
 
     #[test]
