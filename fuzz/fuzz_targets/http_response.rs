@@ -112,8 +112,8 @@ fn says_nothing_of_connections(server: &[u8], requests: usize) -> bool {
     }
     heads.len() <= requests
         && heads.iter().all(|head| {
-        head.starts_with(b"http/1.1 ")
-            && count(head, b"content-length") == 1
-            && count(head, b"\r\ncontent-length: 0\r\n") == 1
-    })
+            head.starts_with(b"http/1.1 ")
+                && count(head, b"content-length") == 1
+                && count(head, b"\r\ncontent-length: 0\r\n") == 1
+        })
 }
