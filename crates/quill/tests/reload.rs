@@ -24,6 +24,20 @@ fn control_args() -> Vec<&'static str> {
     v
 }
 
+/// One HTTP/1.0 request from `src` through `q`, to be logged in its connection log.
+fn logged_request(q: &Quill, src: &str, path: &str) {
+    let (_, mut s) = q.name_from(src);
+    s.write_all(format!("GET {path} HTTP/1.0\r\n\r\n").as_bytes())
+        .unwrap();
+    s.shutdown(Shutdown::Write).unwrap();
+    expect_closed(&mut s, Duration::from_secs(5));
+}
+
+/// Whether a line of the log `file` holds `needle`.
+fn logs(file: &Path, needle: &str) -> bool {
+    fs::read_to_string(file).is_ok_and(|t| t.lines().any(|l| l.contains(needle)))
+}
+
 fn write_file(path: &Path, text: &str) {
     fs::write(path, text).unwrap_or_else(|e| panic!("write {}: {e}", path.display()));
 }
@@ -781,16 +795,7 @@ fn log_rotation_by_mv_and_sighup_writes_to_the_new_file() {
     let q = Quill::start(&["-l", "{dir}/conn.log", "127.0.0.1:{port}", &a.spec()]);
     let log = q.dir().join("conn.log");
     let rotated = q.dir().join("conn.log.1");
-    let request = |src: &str, path: &str| {
-        let (_, mut s) = q.name_from(src);
-        s.write_all(format!("GET {path} HTTP/1.0\r\n\r\n").as_bytes())
-            .unwrap();
-        s.shutdown(Shutdown::Write).unwrap();
-        expect_closed(&mut s, Duration::from_secs(5));
-    };
-    let has = |file: &Path, needle: &str| {
-        fs::read_to_string(file).is_ok_and(|t| t.lines().any(|l| l.contains(needle)))
-    };
+    let request = |src: &str, path: &str| logged_request(&q, src, path);
     // (A connection accepted before quill has opened its log is not logged: see
     // connection_log_records_connections_accepted_at_once.)
     wait_until(Duration::from_secs(5), "quill creates its log file", || {
@@ -800,7 +805,7 @@ fn log_rotation_by_mv_and_sighup_writes_to_the_new_file() {
     wait_until(
         Duration::from_secs(5),
         "the first connection is logged",
-        || has(&log, "GET /before"),
+        || logs(&log, "GET /before"),
     );
     let line = fs::read_to_string(&log).unwrap();
     let line = line.lines().next().unwrap();
@@ -824,19 +829,19 @@ fn log_rotation_by_mv_and_sighup_writes_to_the_new_file() {
     wait_until(Duration::from_secs(5), "a new conn.log is written", || {
         n += 1;
         request("127.0.0.3", &format!("/after-{n}"));
-        has(&log, "/after-")
+        logs(&log, "/after-")
     });
     request("127.0.0.4", "/later");
     wait_until(
         Duration::from_secs(5),
         "the later connection is logged",
-        || has(&log, "GET /later"),
+        || logs(&log, "GET /later"),
     );
     assert!(
-        has(&rotated, "GET /before"),
+        logs(&rotated, "GET /before"),
         "the rotated file keeps its lines"
     );
-    assert!(!has(&rotated, "GET /later"), "written to the rotated file");
+    assert!(!logs(&rotated, "GET /later"), "written to the rotated file");
     // The file was reopened in place: no writer thread was left for the old one...
     assert_eq!(log_writers(&q), writers, "a writer thread per rotation");
     // ...and the connection that outlived the rotation has its line in the new file, as
@@ -846,9 +851,9 @@ fn log_rotation_by_mv_and_sighup_writes_to_the_new_file() {
     wait_until(
         Duration::from_secs(5),
         "the held connection is logged",
-        || has(&log, "GET /held"),
+        || logs(&log, "GET /held"),
     );
-    assert!(!has(&rotated, "GET /held"));
+    assert!(!logs(&rotated, "GET /held"));
 }
 
 /// Log rotation does not depend on the configuration file being good: a HUP whose reload
@@ -873,16 +878,7 @@ fn a_failed_reload_still_reopens_the_rotated_log() {
         "127.0.0.1:{port}",
         &a.spec(),
     ]);
-    let request = |src: &str, path: &str| {
-        let (_, mut s) = q.name_from(src);
-        s.write_all(format!("GET {path} HTTP/1.0\r\n\r\n").as_bytes())
-            .unwrap();
-        s.shutdown(Shutdown::Write).unwrap();
-        expect_closed(&mut s, Duration::from_secs(5));
-    };
-    let has = |file: &Path, needle: &str| {
-        fs::read_to_string(file).is_ok_and(|t| t.lines().any(|l| l.contains(needle)))
-    };
+    let request = |src: &str, path: &str| logged_request(&q, src, path);
     wait_until(Duration::from_secs(5), "quill creates its log file", || {
         log.exists()
     });
@@ -890,7 +886,7 @@ fn a_failed_reload_still_reopens_the_rotated_log() {
     wait_until(
         Duration::from_secs(5),
         "the first connection is logged",
-        || has(&log, "GET /before"),
+        || logs(&log, "GET /before"),
     );
 
     // Rotate, and break the file so that the reload fails.
@@ -915,13 +911,13 @@ fn a_failed_reload_still_reopens_the_rotated_log() {
     wait_until(
         Duration::from_secs(5),
         "the next connection is logged in the new file",
-        || has(&log, "GET /after"),
+        || logs(&log, "GET /after"),
     );
     assert!(
-        has(&rotated, "GET /before"),
+        logs(&rotated, "GET /before"),
         "the rotated file keeps its line"
     );
-    assert!(!has(&rotated, "GET /after"), "written to the rotated file");
+    assert!(!logs(&rotated, "GET /after"), "written to the rotated file");
 }
 
 /// quill's log writer threads (`quill-log`) now.
