@@ -147,6 +147,16 @@ fn serve(mut conn: TcpStream, n: usize, seen: &Mutex<Vec<Seen>>) {
             conn: n,
             head: head.clone(),
         });
+        if path == "/late-head" {
+            // A body to a HEAD, written apart and late: after the head, when the client
+            // has sent its next request over the same (pooled) server connection.
+            let _ = conn.write_all(b"HTTP/1.1 200 OK\r\nContent-Length: 21\r\n\r\n");
+            std::thread::sleep(Duration::from_millis(100));
+            if conn.write_all(b"late body for a HEAD\n").is_err() {
+                return;
+            }
+            continue;
+        }
         let (text, switched) = answer(&path, &head);
         if conn.write_all(text.as_bytes()).is_err() {
             return;
@@ -471,6 +481,33 @@ fn bytes_after_an_answer_are_dropped() {
             server.seen.lock().unwrap().clear();
         }
     }
+}
+
+/// A body a server sends to a `HEAD` late, once the next request went over the same pooled
+/// connection, is not that request's answer: quill answers 502 (as HAProxy does) instead
+/// of passing the bytes on raw (they were written for the `HEAD`'s client, which another
+/// client's request on that pooled connection would have received).
+#[test]
+fn late_bytes_on_a_reused_server_connection_are_a_502_not_an_answer() {
+    let server = Scripted::start();
+    let q = start(Pump::Request, &server);
+    let mut s = client(&q);
+    s.write_all(b"HEAD /late-head HTTP/1.1\r\nHost: x\r\n\r\n")
+        .unwrap();
+    let mut head = Vec::new();
+    let mut byte = [0u8; 1];
+    while !head.ends_with(b"\r\n\r\n") {
+        assert_eq!(s.read(&mut byte).unwrap(), 1);
+        head.push(byte[0]);
+    }
+    s.write_all(b"GET /next HTTP/1.1\r\nHost: x\r\n\r\n")
+        .unwrap();
+    let got = read_answer(&mut s);
+    assert!(!got.contains("late body"), "{got}");
+    assert!(
+        got.starts_with("HTTP/1.1 502") || got.ends_with("normal answer to /next"),
+        "{got}"
+    );
 }
 
 /// An HTTP/2 client's answer from an HTTP/1.1 server that has a transfer coding other

@@ -424,7 +424,7 @@ async fn send<C: Parkable>(
         if reused {
             to.server.reused.fetch_add(1, Relaxed);
         }
-        http.exchange.new_server();
+        http.exchange.new_server(reused);
         let lease = early.take().unwrap_or_else(|| Lease::take(to.server));
         // Boxed: between requests the connection's task keeps none of the relay's state.
         let outcome = match &mut link.stream {

@@ -233,6 +233,9 @@ pub struct Exchange {
     server_keep: bool,
     /// The server closed its connection between requests.
     server_left: bool,
+    /// Request by request: the server connection carrying the request carried others
+    /// before (a pooled one, possibly for another client).
+    server_reused: bool,
     /// The last request received has no body, and its method is idempotent: it can be sent
     /// again, to another connection, if the first went away without a byte of answer.
     replayable: bool,
@@ -322,6 +325,7 @@ impl Exchange {
             client_keep: true,
             server_keep: true,
             server_left: false,
+            server_reused: false,
             replayable: false,
             log: None,
         }
@@ -399,9 +403,10 @@ impl Exchange {
         self.paused = false;
     }
 
-    /// A new server connection carries the next request.
-    pub fn new_server(&mut self) {
+    /// A server connection carries the next request; `reused`: it carried others before.
+    pub fn new_server(&mut self, reused: bool) {
         self.server_left = false;
+        self.server_reused = reused;
     }
 
     /// Request by request: the request taken has been answered whole and nothing of the
@@ -1075,6 +1080,14 @@ impl Exchange {
         let n = match parsed {
             Ok(httparse::Status::Complete(n)) => n,
             Ok(httparse::Status::Partial) => return Some(HeadEnd::Partial),
+            // On a connection that carried earlier answers, bytes that are no answer are
+            // most likely what the server owed an earlier request and sent late (a body to
+            // a `HEAD`): passed raw, they would be this client's answer, though they may
+            // have been written for another client. quill's 502 instead, as HAProxy's.
+            Err(_) if self.one_at_a_time && self.server_reused => {
+                self.bad_gateway(out);
+                return Some(HeadEnd::Complete(buf.len()));
+            }
             Err(_) => {
                 self.give_up_responses();
                 return None;
@@ -2491,7 +2504,7 @@ mod tests {
         server(&mut ex, ok);
         ex.server_left();
         assert!(!ex.server_keeps() && ex.client_keeps());
-        ex.new_server();
+        ex.new_server(false);
         assert!(ex.server_keeps());
         // Only bodiless requests of idempotent methods may be sent twice.
         ex.resume();
