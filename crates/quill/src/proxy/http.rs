@@ -1545,15 +1545,21 @@ struct Own {
 const BAD_GATEWAY: &[u8] =
     b"HTTP/1.1 502 Bad Gateway\r\nContent-Type: text/plain\r\nContent-Length: 12\r\nConnection: close\r\n\r\nBad Gateway\n";
 
+/// `digits` without its leading zeros.
+fn without_leading_zeros(digits: &[u8]) -> &[u8] {
+    let zeros = digits.iter().take_while(|&&b| b == b'0').count();
+    &digits[zeros..]
+}
+
 /// Whether one `Content-Length` field lists numbers that differ (`2, 40`).
 fn lengths_disagree(v: &[u8]) -> bool {
-    // Compared as digits without their leading zeros: `02` and `2` agree, at any length.
-    let value = |p: &[u8]| -> Vec<u8> { p.iter().copied().skip_while(|&b| b == b'0').collect() };
+    // Compared as digits without their leading zeros: `02` and `2` agree, at any length
+    // (slices of the field: nothing allocated for each answer).
     let mut numbers = list(v).filter(|p| p.iter().all(u8::is_ascii_digit));
-    let Some(first) = numbers.next().map(value) else {
+    let Some(first) = numbers.next().map(without_leading_zeros) else {
         return false;
     };
-    numbers.any(|p| value(p) != first)
+    numbers.any(|p| without_leading_zeros(p) != first)
 }
 
 /// Writes a response head with quill's own `Connection` field: the server's status line
