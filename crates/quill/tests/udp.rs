@@ -651,7 +651,7 @@ fn ten_thousand_flows_expire_and_memory_returns() {
         "-x",
         "15000",
         "-O",
-        "udp_idle_timeout 2",
+        "udp_idle_timeout 4",
         "{port}",
         &a.spec(),
     ]);
@@ -671,11 +671,14 @@ fn ten_thousand_flows_expire_and_memory_returns() {
         let sent = flood(&q, &a, 10 + round * 10);
         let took = start.elapsed();
         let flows = q.flows_to(a.addr());
+        // The first flows expire 4 s after the flood began: on a loaded machine the flood
+        // and the count (a read of /proc/net/udp's 10,000 lines) can take 2 s or more.
+        let counted_within_idle_timeout = start.elapsed() < Duration::from_millis(3800);
         let fds = q.fd_count();
         let rss = q.rss_kib();
         eprintln!("round {round}: {sent} flows in {took:?}: {flows} open, fds {base_fds} -> {fds}, RSS {base_rss} KiB -> {rss} KiB");
         assert!(sent >= 9_900, "only {sent} flows could be started");
-        if took < Duration::from_millis(1500) {
+        if counted_within_idle_timeout {
             assert!(
                 flows >= sent * 9 / 10,
                 "one upstream socket per live flow: {flows}"

@@ -29,7 +29,7 @@ pub const MAX_MICROS: u32 = 10_000;
 pub(crate) struct Stats {
     /// Windows in which an event came: a wake-up spared.
     pub(crate) caught: AtomicU64,
-    /// Windows that ran out with nothing to do: the loop slept after polling through them.
+    /// Windows that ran out with nothing caught: the loop slept after polling through them.
     pub(crate) missed: AtomicU64,
 }
 
@@ -54,6 +54,9 @@ struct Window {
     until: Option<Instant>,
     /// The last return from epoll was a poll of the window, not a wake-up.
     polling: bool,
+    /// An event came while the loop polled since the window last opened: when the window
+    /// runs out, it does not count as missed.
+    caught: bool,
 }
 
 impl Window {
@@ -62,6 +65,7 @@ impl Window {
         moved: 0,
         until: None,
         polling: false,
+        caught: false,
     };
 }
 
@@ -108,22 +112,29 @@ pub(crate) fn before_park(micros: u32, opens: Opens) {
     }
     let now = Instant::now();
     let mut w = WINDOW.get();
-    // Work: requests sent on (a gated loop), else bytes relayed since the loop came back
-    // from epoll, or a turn too long to be empty. A gated loop's window stays open to its
-    // end after the first answer: with queries in flight, more answers come (closing it
-    // at the first cost more CPU a query and gained no latency, 2026-12-01).
+    // The turn since the loop came back from epoll did something: bytes or datagrams
+    // moved, or (a TCP loop: a handshake, a new connection) it was too long to be empty.
+    let busy = w.unparked.is_some_and(|u| {
+        super::polling::moved_so_far() != w.moved
+            || matches!(opens, Opens::AfterWork) && now.saturating_duration_since(u) > EMPTY_TURN
+    });
+    if busy && w.polling && !w.caught {
+        // Whatever came (a gated loop's answers too) came without a wake-up; a window
+        // counts once.
+        STATS.caught.fetch_add(1, Relaxed);
+        w.caught = true;
+    }
+    // Work that opens a window: requests sent on (a gated loop), else any busy turn. A gated
+    // loop's window stays open to its end after the first answer: with queries in flight,
+    // more answers come (closing it at the first cost more CPU a query and gained no
+    // latency, 2026-12-01).
     let worked = match opens {
         Opens::AfterRequests => REQUESTED.take(),
-        Opens::AfterWork => w.unparked.is_some_and(|u| {
-            super::polling::moved_so_far() != w.moved
-                || now.saturating_duration_since(u) > EMPTY_TURN
-        }),
+        Opens::AfterWork => busy,
     };
     if worked {
-        if w.polling {
-            STATS.caught.fetch_add(1, Relaxed);
-        }
         w.until = Some(now + Duration::from_micros(u64::from(micros.min(MAX_MICROS))));
+        w.caught = false;
     }
     w.polling = match w.until {
         Some(until) if now < until => {
@@ -133,7 +144,7 @@ pub(crate) fn before_park(micros: u32, opens: Opens) {
             true
         }
         _ => {
-            if w.polling {
+            if w.polling && !w.caught {
                 STATS.missed.fetch_add(1, Relaxed);
             }
             w.until = None;
@@ -181,4 +192,67 @@ pub(crate) fn event_loop_runtime(
         .on_thread_park(move || before_park(parking.poll_before_sleep(), opens))
         .on_thread_unpark(move || after_unpark(unparking.poll_before_sleep()))
         .build()
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// Runs one turn of a loop as the runtime's hooks see it: back from epoll, `work`,
+    /// about to sleep again. Returns whether the loop polls instead of sleeping.
+    fn turn(micros: u32, opens: Opens, work: impl FnOnce()) -> bool {
+        after_unpark(micros);
+        work();
+        before_park(micros, opens);
+        WINDOW.get().polling
+    }
+
+    fn counts() -> (u64, u64) {
+        (STATS.caught.load(Relaxed), STATS.missed.load(Relaxed))
+    }
+
+    /// Each test runs on its own thread: the window is thread-local, the counters are not
+    /// (other tests' loops may add to them, never take from them).
+    #[test]
+    fn a_udp_loop_polls_after_sending_queries_and_counts_the_answer_it_catches() {
+        const MICROS: u32 = 2_000;
+        assert!(!turn(MICROS, Opens::AfterRequests, || {}), "no window yet");
+        // A datagram relayed to a client is no query: no window.
+        assert!(!turn(MICROS, Opens::AfterRequests, || {
+            super::super::polling::moved(1)
+        }));
+        let (caught, _) = counts();
+        assert!(turn(MICROS, Opens::AfterRequests, || {
+            super::super::polling::moved(1);
+            requested();
+        }));
+        // The answer comes while the loop polls: caught, and the window stays open.
+        assert!(turn(MICROS, Opens::AfterRequests, || {
+            super::super::polling::moved(1)
+        }));
+        assert!(counts().0 > caught, "the answer counts as caught");
+        // Nothing more comes: the window runs out.
+        let deadline = Instant::now() + Duration::from_secs(5);
+        while turn(MICROS, Opens::AfterRequests, || {}) {
+            assert!(Instant::now() < deadline, "the window never ends");
+        }
+        assert_eq!(WINDOW.get().until, None);
+    }
+
+    #[test]
+    fn a_window_in_which_nothing_comes_counts_as_missed() {
+        const MICROS: u32 = 100;
+        let missed = counts().1;
+        assert!(turn(MICROS, Opens::AfterRequests, requested));
+        while turn(MICROS, Opens::AfterRequests, || {}) {}
+        assert!(counts().1 > missed);
+    }
+
+    #[test]
+    fn at_zero_a_loop_never_polls() {
+        assert!(!turn(0, Opens::AfterWork, || super::super::polling::moved(
+            1
+        )));
+        assert!(!turn(0, Opens::AfterRequests, requested));
+    }
 }
