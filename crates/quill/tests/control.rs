@@ -716,9 +716,31 @@ fn connection_and_close_act_on_live_connections() {
         reply.contains(&format!("client {} ", two.local_addr().unwrap())),
         "{reply:?}"
     );
+    // `connections` lists them all, oldest first, as `connection N` shows each: the
+    // numbers `close N` takes. The status page lists them too, as Pen's does.
+    let listed = ctl_ok(&ctl, "connections");
+    let lines: Vec<&str> = listed.lines().collect();
+    assert_eq!(lines.len(), 2, "{listed:?}");
+    assert!(lines[0].starts_with("connection 1 client "), "{listed:?}");
+    let second = format!(
+        "connection 2 client {} upstream server 0 age ",
+        two.local_addr().unwrap()
+    );
+    assert!(lines[1].starts_with(&second), "{listed:?}");
+    let page = ctl_ok(&ctl, "status");
+    assert!(
+        page.contains("<h2>Connections</h2>") && page.contains(&second),
+        "{page}"
+    );
 
     assert_eq!(ctl_ok(&ctl, "close 1"), "");
     expect_closed(&mut one, Duration::from_secs(5));
+    wait_until(
+        Duration::from_secs(5),
+        "the closed one leaves the list",
+        || ctl_ok(&ctl, "connections").lines().count() == 1,
+    );
+    assert!(ctl_ok(&ctl, "connections").starts_with("connection 2 "));
     // The other one is untouched.
     two.write_all(b"still here").unwrap();
     let mut back = [0u8; 10];

@@ -9,7 +9,6 @@ use super::{report, write_atomically, Context};
 use crate::balance::clock;
 use crate::command::{Command, StatusFormat};
 use crate::config;
-use crate::proxy::registry::Upstream;
 use crate::settings::Reply;
 
 /// Parses and executes `line`; the reply always ends with a newline unless it is empty.
@@ -48,17 +47,14 @@ pub fn execute(ctx: &Context, cmd: &Command) -> Result<String, String> {
             let c = registry
                 .get(*id)
                 .ok_or_else(|| format!("no connection {id}"))?;
-            let upstream = match c.upstream() {
-                Upstream::None => "none".to_string(),
-                Upstream::Server(i) => format!("server {i}"),
-                Upstream::Emergency => "emergency".to_string(),
-                Upstream::Abuse => "abuse".to_string(),
-            };
-            let age = clock::now_ms().saturating_sub(c.started) / 1000;
-            Ok(format!(
-                "connection {id} client {} upstream {upstream} age {age}",
-                c.real_client()
-            ))
+            Ok(report::connection(&c, clock::now_ms()))
+        }
+        Command::Connections => {
+            let registry = state
+                .registry
+                .as_ref()
+                .ok_or("connections are not tracked")?;
+            Ok(report::connections(registry, None))
         }
         Command::Close(id) => {
             let registry = state

@@ -10,6 +10,7 @@ use serde_json::json;
 
 use super::Context;
 use crate::balance::{clock, ServerState};
+use crate::proxy::registry::{ConnInfo, Registry, Upstream};
 use crate::settings::{ServerConf, Settings};
 use crate::state::State;
 
@@ -45,6 +46,43 @@ pub fn servers(state: &State) -> String {
             rt.state_word(now),
             rt.health().word(),
         );
+    }
+    out
+}
+
+/// One open connection, as `connection N` shows it.
+pub fn connection(c: &ConnInfo, now: u64) -> String {
+    let upstream = match c.upstream() {
+        Upstream::None => "none".to_string(),
+        Upstream::Server(i) => format!("server {i}"),
+        Upstream::Emergency => "emergency".to_string(),
+        Upstream::Abuse => "abuse".to_string(),
+    };
+    let age = now.saturating_sub(c.started) / 1000;
+    format!(
+        "connection {} client {} upstream {upstream} age {age}",
+        c.id,
+        c.real_client()
+    )
+}
+
+/// The status page lists at most this many connections (`connections` lists them all).
+const PAGE_CONNECTIONS: usize = 1_000;
+
+/// Every open connection, oldest first, a [`connection`] line each: the numbers `close N`
+/// takes. With a `limit`, the oldest that many and a line saying how many more are open.
+pub fn connections(registry: &Registry, limit: Option<usize>) -> String {
+    let mut all = registry.all();
+    all.sort_unstable_by_key(|c| c.id);
+    let now = clock::now_ms();
+    let mut out = String::new();
+    let shown = limit.unwrap_or(usize::MAX).min(all.len());
+    for c in &all[..shown] {
+        out.push_str(&connection(c, now));
+        out.push('\n');
+    }
+    if shown < all.len() {
+        let _ = writeln!(out, "and {} more", all.len() - shown);
     }
     out
 }
@@ -162,7 +200,13 @@ pub fn html(ctx: &Context) -> String {
             rt.bytes_from.load(Relaxed),
         );
     }
-    out.push_str("</table>\n<h2>Recent clients</h2>\n<pre>\n");
+    out.push_str("</table>\n");
+    if let Some(registry) = &state.registry {
+        out.push_str("<h2>Connections</h2>\n<pre>\n");
+        out.push_str(&escape(&connections(registry, Some(PAGE_CONNECTIONS))));
+        out.push_str("</pre>\n");
+    }
+    out.push_str("<h2>Recent clients</h2>\n<pre>\n");
     out.push_str(&escape(&recent(state, 300)));
     out.push_str("</pre>\n</body></html>\n");
     out
