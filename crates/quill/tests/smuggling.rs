@@ -56,6 +56,10 @@ fn answer(path: &str, head: &str) -> (String, bool) {
             ),
             false,
         ),
+        "/badcl" => (
+            "HTTP/1.1 200 OK\r\nContent-Length: 2x\r\n\r\nokSURPLUS".to_string(),
+            false,
+        ),
         "/head" => (format!("{}{SURPLUS}", ok("body sent to a HEAD")), false),
         "/204" => (format!("HTTP/1.1 204 No Content\r\n\r\n{SURPLUS}"), false),
         "/extra" => (format!("{}{SURPLUS}", ok("first")), false),
@@ -396,15 +400,19 @@ fn a_length_beside_chunked_framing_is_removed() {
     }
 }
 
-/// An answer with two different lengths is a 502 from quill (as HAProxy), the client's
-/// connection closes after it, and the server connection is not used again.
+/// An answer with two different lengths, or a length that is no number, is a 502 from
+/// quill (as HAProxy and NGINX), the client's connection closes after it, and the server
+/// connection is not used again.
 #[test]
-fn an_answer_with_two_lengths_is_a_502() {
-    for pump in PUMPS {
+fn an_answer_with_two_lengths_or_a_bad_one_is_a_502() {
+    for (pump, path) in PUMPS
+        .into_iter()
+        .flat_map(|p| [(p, "/dupcl"), (p, "/badcl")])
+    {
         let server = Scripted::start();
         let q = start(pump, &server);
         let mut s = client(&q);
-        s.write_all(b"GET /dupcl HTTP/1.1\r\nHost: x\r\n\r\n")
+        s.write_all(format!("GET {path} HTTP/1.1\r\nHost: x\r\n\r\n").as_bytes())
             .unwrap();
         let got = read_answer(&mut s);
         assert!(got.starts_with("HTTP/1.1 502 "), "{pump:?}: {got}");
@@ -424,7 +432,7 @@ fn an_answer_with_two_lengths_is_a_502() {
             .unwrap();
         let got = read_answer(&mut s);
         assert!(got.ends_with("normal answer to /next"), "{pump:?}: {got}");
-        let (first, next) = (server.wait_for("/dupcl"), server.wait_for("/next"));
+        let (first, next) = (server.wait_for(path), server.wait_for("/next"));
         assert_ne!(first.conn, next.conn, "{pump:?}: reused");
     }
 }

@@ -1095,8 +1095,10 @@ impl Exchange {
         };
         let code = resp.code.unwrap_or_default();
         let mut length: Option<Option<u64>> = None;
-        // Two `Content-Length` values that differ (in one field or two).
+        // Two `Content-Length` values that differ (in one field or two), or one that is
+        // no number.
         let mut lengths_differ = false;
+        let mut bad_length = false;
         let mut chunked: Option<bool> = None;
         let mut has_hsts = false;
         let mut options = ConnectionOptions::default();
@@ -1110,6 +1112,7 @@ impl Exchange {
                 let this = content_length(h.value);
                 lengths_differ |= lengths_disagree(h.value)
                     || matches!((length, this), (Some(Some(a)), Some(b)) if a != b);
+                bad_length |= this.is_none();
                 length = Some(this);
             } else if name.eq_ignore_ascii_case(b"transfer-encoding") {
                 if let Some(last) = list(h.value).last() {
@@ -1144,9 +1147,12 @@ impl Exchange {
             }
             return Some(HeadEnd::Complete(n));
         }
-        if lengths_differ {
+        let bodyless = request.head || code == 204 || code == 304;
+        if lengths_differ || (bad_length && chunked.is_none() && !bodyless) {
             // Which length the client would take cannot be known: a 502 in its place
-            // (as HAProxy), and neither connection goes on (RFC 9112 6.3: unrecoverable).
+            // (as HAProxy and NGINX), and neither connection goes on (RFC 9112 6.3:
+            // unrecoverable). Beside a transfer coding a length is dropped, and an answer
+            // without a body has none to frame, whatever it says.
             self.bad_gateway(out);
             return Some(HeadEnd::Complete(n));
         }
@@ -1171,13 +1177,14 @@ impl Exchange {
             // The server's connection is the client's: it ends with it.
             self.client_keep &= server_keeps;
         }
-        let framing = if request.head || code == 204 || code == 304 {
+        let framing = if bodyless {
             Resp::Head
         } else {
             match (chunked, length) {
                 (Some(true), _) => Resp::Chunked(CHUNK_START),
                 (Some(false), _) | (None, None) => Resp::UntilClose,
                 (None, Some(Some(len))) => Resp::Body(len),
+                // Not reached: an unreadable length is a 502 above.
                 (None, Some(None)) => Resp::Raw,
             }
         };
