@@ -796,17 +796,7 @@ fn log_rotation_by_mv_and_sighup_writes_to_the_new_file() {
     let log = q.dir().join("conn.log");
     let rotated = q.dir().join("conn.log.1");
     let request = |src: &str, path: &str| logged_request(&q, src, path);
-    // (A connection accepted before quill has opened its log is not logged: see
-    // connection_log_records_connections_accepted_at_once.)
-    wait_until(Duration::from_secs(5), "quill creates its log file", || {
-        log.exists()
-    });
-    request("127.0.0.2", "/before");
-    wait_until(
-        Duration::from_secs(5),
-        "the first connection is logged",
-        || logs(&log, "GET /before"),
-    );
+    first_request_logged(&q, &log);
     let line = fs::read_to_string(&log).unwrap();
     let line = line.lines().next().unwrap();
     let f: Vec<&str> = line.splitn(4, ' ').collect();
@@ -831,17 +821,7 @@ fn log_rotation_by_mv_and_sighup_writes_to_the_new_file() {
         request("127.0.0.3", &format!("/after-{n}"));
         logs(&log, "/after-")
     });
-    request("127.0.0.4", "/later");
-    wait_until(
-        Duration::from_secs(5),
-        "the later connection is logged",
-        || logs(&log, "GET /later"),
-    );
-    assert!(
-        logs(&rotated, "GET /before"),
-        "the rotated file keeps its lines"
-    );
-    assert!(!logs(&rotated, "GET /later"), "written to the rotated file");
+    logged_in_the_new_file_only(&q, &log, &rotated, "/later");
     // The file was reopened in place: no writer thread was left for the old one...
     assert_eq!(log_writers(&q), writers, "a writer thread per rotation");
     // ...and the connection that outlived the rotation has its line in the new file, as
@@ -878,16 +858,7 @@ fn a_failed_reload_still_reopens_the_rotated_log() {
         "127.0.0.1:{port}",
         &a.spec(),
     ]);
-    let request = |src: &str, path: &str| logged_request(&q, src, path);
-    wait_until(Duration::from_secs(5), "quill creates its log file", || {
-        log.exists()
-    });
-    request("127.0.0.2", "/before");
-    wait_until(
-        Duration::from_secs(5),
-        "the first connection is logged",
-        || logs(&log, "GET /before"),
-    );
+    first_request_logged(&q, &log);
 
     // Rotate, and break the file so that the reload fails.
     write_file(&cfg, "roundrobin\nfrobnicate\n");
@@ -907,17 +878,39 @@ fn a_failed_reload_still_reopens_the_rotated_log() {
         "the failed reload reopens the log: a new conn.log",
         || log.exists(),
     );
-    request("127.0.0.3", "/after");
+    logged_in_the_new_file_only(&q, &log, &rotated, "/after");
+}
+
+/// Waits for quill to create its connection log `log`, then for a first request
+/// (`GET /before`) to be logged in it. A connection accepted before quill has opened its
+/// log is not logged: see connection_log_records_connections_accepted_at_once.
+fn first_request_logged(q: &Quill, log: &Path) {
+    wait_until(Duration::from_secs(5), "quill creates its log file", || {
+        log.exists()
+    });
+    logged_request(q, "127.0.0.2", "/before");
     wait_until(
         Duration::from_secs(5),
-        "the next connection is logged in the new file",
-        || logs(&log, "GET /after"),
+        "the first connection is logged",
+        || logs(log, "GET /before"),
+    );
+}
+
+/// After a rotation (`log` moved to `rotated` and reopened): a request for `path` is logged
+/// in the new file and not in the rotated one, which keeps [`first_request_logged`]'s line.
+fn logged_in_the_new_file_only(q: &Quill, log: &Path, rotated: &Path, path: &str) {
+    logged_request(q, "127.0.0.4", path);
+    let line = format!("GET {path}");
+    wait_until(
+        Duration::from_secs(5),
+        format_args!("{line} is logged in the new file"),
+        || logs(log, &line),
     );
     assert!(
-        logs(&rotated, "GET /before"),
-        "the rotated file keeps its line"
+        logs(rotated, "GET /before"),
+        "the rotated file keeps its lines"
     );
-    assert!(!logs(&rotated, "GET /after"), "written to the rotated file");
+    assert!(!logs(rotated, &line), "written to the rotated file");
 }
 
 /// quill's log writer threads (`quill-log`) now.

@@ -1841,20 +1841,7 @@ fn a_websocket_over_h2_outlives_a_drain_and_the_connection_closes_after_it() {
     let ctl = ctl.as_str();
     rt.block_on(async move {
         let limit = Duration::from_secs(10);
-        let tcp = tokio::net::TcpStream::connect(("127.0.0.1", port))
-            .await
-            .unwrap();
-        let (client, conn) = h2::client::handshake(tcp).await.unwrap();
-        let mut conn = tokio::spawn(conn);
-        let mut client = client.ready().await.unwrap();
-        // Extended CONNECT may be sent once quill's SETTINGS said it takes it.
-        tokio::time::timeout(limit, async {
-            while !client.is_extended_connect_protocol_enabled() {
-                tokio::time::sleep(Duration::from_millis(10)).await;
-            }
-        })
-        .await
-        .expect("timed out waiting for ENABLE_CONNECT_PROTOCOL");
+        let (mut client, mut conn) = support::http::h2_extended_connect_client(port, limit).await;
         let req = Request::builder()
             .method("CONNECT")
             .uri(format!("http://127.0.0.1:{port}/raw"))

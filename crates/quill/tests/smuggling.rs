@@ -321,20 +321,7 @@ fn extended_connect(port: u16, protocol: &str) -> u16 {
         .build()
         .unwrap();
     rt.block_on(async move {
-        let tcp = tokio::net::TcpStream::connect(("127.0.0.1", port))
-            .await
-            .unwrap();
-        let (client, conn) = h2::client::handshake(tcp).await.unwrap();
-        tokio::spawn(conn);
-        let mut client = client.ready().await.unwrap();
-        // Extended CONNECT may be sent once quill's SETTINGS said it takes it.
-        tokio::time::timeout(LIMIT, async {
-            while !client.is_extended_connect_protocol_enabled() {
-                tokio::time::sleep(Duration::from_millis(10)).await;
-            }
-        })
-        .await
-        .expect("timed out waiting for ENABLE_CONNECT_PROTOCOL");
+        let (mut client, _conn) = support::http::h2_extended_connect_client(port, LIMIT).await;
         let req = Request::builder()
             .method("CONNECT")
             .uri(format!("http://127.0.0.1:{port}/switch"))

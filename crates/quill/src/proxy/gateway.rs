@@ -1503,19 +1503,15 @@ fn ambiguous_host<B>(req: &Request<B>) -> Option<&'static str> {
     if req.method() == Method::CONNECT {
         return None;
     }
-    let target = req.uri().authority()?;
-    let default_port = if req.uri().scheme() == Some(&hyper::http::uri::Scheme::HTTPS) {
-        443
+    let target = req.uri().authority()?.as_str();
+    // Its user information left out, as `http::Exchange` does.
+    let target = target.rsplit_once('@').map_or(target, |(_, host)| host);
+    let default_port: &[u8] = if req.uri().scheme() == Some(&hyper::http::uri::Scheme::HTTPS) {
+        b"443"
     } else {
-        80
+        b"80"
     };
-    let host = host.to_str().ok()?.trim();
-    let host: hyper::http::uri::Authority = match host.parse() {
-        Ok(a) => a,
-        Err(_) => return Some("Host is not the target's authority\n"),
-    };
-    let same = host.host().eq_ignore_ascii_case(target.host())
-        && host.port_u16().unwrap_or(default_port) == target.port_u16().unwrap_or(default_port);
+    let same = super::http::same_authority((target.as_bytes(), default_port), host.as_bytes());
     (!same).then_some("Host is not the target's authority\n")
 }
 
@@ -1681,6 +1677,44 @@ fn websocket_key() -> Option<HeaderValue> {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn a_host_that_is_not_the_absolute_targets_authority_is_ambiguous() {
+        let req = |target: &str, hosts: &[&str]| {
+            let mut b = Request::builder().uri(target);
+            for h in hosts {
+                b = b.header(header::HOST, *h);
+            }
+            b.body(()).unwrap()
+        };
+        assert_eq!(ambiguous_host(&req("/x", &["a.test"])), None);
+        assert_eq!(ambiguous_host(&req("/x", &[])), None);
+        assert!(ambiguous_host(&req("/x", &["a.test", "b.test"])).is_some());
+        for (target, host) in [
+            ("http://a.test/x", "A.test"),
+            ("http://a.test/x", "a.test:80"),
+            ("https://a.test:443/x", "a.test"),
+            ("http://u:p@a.test:8080/x", " a.test:8080 "),
+            ("http://[::1]/x", "[::1]:80"),
+        ] {
+            assert_eq!(
+                ambiguous_host(&req(target, &[host])),
+                None,
+                "{target} {host}"
+            );
+        }
+        for (target, host) in [
+            ("http://a.test/x", "b.test"),
+            ("http://a.test/x", "a.test:8080"),
+            ("https://a.test/x", "a.test:80"),
+            ("http://a.test@b.test/x", "a.test"),
+        ] {
+            assert!(
+                ambiguous_host(&req(target, &[host])).is_some(),
+                "{target} {host}"
+            );
+        }
+    }
 
     #[test]
     fn the_hsts_value_follows_the_policy_it_was_made_for() {

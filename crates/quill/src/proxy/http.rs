@@ -869,17 +869,7 @@ impl Exchange {
                     continue;
                 }
                 if list(h.value).any(is_http2_token) {
-                    let mut kept = list(h.value).filter(|p| !is_http2_token(p));
-                    if let Some(first) = kept.next() {
-                        out.extend_from_slice(name);
-                        out.extend_from_slice(b": ");
-                        out.extend_from_slice(first);
-                        for p in kept {
-                            out.extend_from_slice(b", ");
-                            out.extend_from_slice(p);
-                        }
-                        out.extend_from_slice(b"\r\n");
-                    }
+                    write_list(out, name, list(h.value).filter(|p| !is_http2_token(p)));
                     continue;
                 }
             }
@@ -894,21 +884,12 @@ impl Exchange {
                 continue;
             }
             if name.eq_ignore_ascii_case(b"connection") {
-                let mut rest = list(h.value).filter(|t| {
+                let kept = list(h.value).filter(|t| {
                     is_message_option(t)
                         && !(towards.drop_close && t.eq_ignore_ascii_case(b"close"))
                         && (towards.upgrade || !t.eq_ignore_ascii_case(b"upgrade"))
                 });
-                if let Some(first) = rest.next() {
-                    out.extend_from_slice(name);
-                    out.extend_from_slice(b": ");
-                    out.extend_from_slice(first);
-                    for token in rest {
-                        out.extend_from_slice(b", ");
-                        out.extend_from_slice(token);
-                    }
-                    out.extend_from_slice(b"\r\n");
-                }
+                write_list(out, name, kept);
                 continue;
             }
             out.extend_from_slice(name);
@@ -1457,9 +1438,26 @@ fn absolute_authority(target: &str) -> Option<(&[u8], &'static [u8])> {
     Some((host, port))
 }
 
+/// Writes the field `name` with the comma-separated `items`; nothing if there are none.
+fn write_list<'a>(out: &mut Vec<u8>, name: &[u8], items: impl Iterator<Item = &'a [u8]>) {
+    let mut items = items.peekable();
+    if items.peek().is_none() {
+        return;
+    }
+    out.extend_from_slice(name);
+    out.extend_from_slice(b": ");
+    for (i, item) in items.enumerate() {
+        if i > 0 {
+            out.extend_from_slice(b", ");
+        }
+        out.extend_from_slice(item);
+    }
+    out.extend_from_slice(b"\r\n");
+}
+
 /// Whether a `Host` value names the authority of an absolute-form target: the same host
 /// (case aside) and port, a missing port being the scheme's.
-fn same_authority((target, default_port): (&[u8], &[u8]), host: &[u8]) -> bool {
+pub(super) fn same_authority((target, default_port): (&[u8], &[u8]), host: &[u8]) -> bool {
     let (th, tp) = host_and_port(target);
     let (hh, hp) = host_and_port(host.trim_ascii());
     th.eq_ignore_ascii_case(hh) && tp.unwrap_or(default_port) == hp.unwrap_or(default_port)

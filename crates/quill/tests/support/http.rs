@@ -248,3 +248,29 @@ pub fn parse_metrics(python: &Path, text: &str) -> Vec<Sample> {
         })
         .collect()
 }
+
+/// An HTTP/2 client connection (prior knowledge) to quill's `port`, ready to send an
+/// extended CONNECT (RFC 8441): returned once quill's SETTINGS have enabled it, within
+/// `limit`. The task drives the connection.
+pub async fn h2_extended_connect_client(
+    port: u16,
+    limit: std::time::Duration,
+) -> (
+    h2::client::SendRequest<bytes::Bytes>,
+    tokio::task::JoinHandle<Result<(), h2::Error>>,
+) {
+    let tcp = tokio::net::TcpStream::connect(("127.0.0.1", port))
+        .await
+        .unwrap();
+    let (client, conn) = h2::client::handshake(tcp).await.unwrap();
+    let conn = tokio::spawn(conn);
+    let client = client.ready().await.unwrap();
+    tokio::time::timeout(limit, async {
+        while !client.is_extended_connect_protocol_enabled() {
+            tokio::time::sleep(std::time::Duration::from_millis(10)).await;
+        }
+    })
+    .await
+    .expect("timed out waiting for ENABLE_CONNECT_PROTOCOL");
+    (client, conn)
+}
