@@ -247,7 +247,7 @@ static WARNED_FULL: std::sync::atomic::AtomicU64 = std::sync::atomic::AtomicU64:
 fn warn_full(state: &State) {
     if super::warn_again(&WARNED_FULL, clock::now_ms(), 10_000) {
         tracing::warn!(
-            "conn_max ({}) connections open: new clients wait in the listen queue (-q) until one ends",
+            "conn_max ({}) connections open: none accepted until one ends (new clients wait in the listen queue, -q)",
             state.settings().conn_max
         );
     }
