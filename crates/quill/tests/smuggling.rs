@@ -408,6 +408,19 @@ fn an_answer_with_two_lengths_or_a_bad_one_is_a_502() {
                 .contains("\r\nconnection: close\r\n"),
             "{pump:?}: {got}"
         );
+        // The operator is told which server, and why.
+        let why = if path == "/dupcl" {
+            "two different Content-Length values"
+        } else {
+            "a Content-Length that is no number"
+        };
+        let warning = format!(
+            "server 0 ({}) sent an answer quill cannot frame ({why})",
+            server.spec()
+        );
+        wait_until(LIMIT, format_args!("stderr says {warning:?}"), || {
+            q.stderr().contains(&warning)
+        });
         let (rest, _) = expect_closed(&mut s, LIMIT);
         assert!(
             rest.is_empty(),

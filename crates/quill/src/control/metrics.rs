@@ -200,6 +200,15 @@ pub static FAMILIES: &[Family] = &[
         source: Source::Global(|s| load(&s.counters.http_refused)),
     },
     Family {
+        name: "http_bad_answers",
+        help: "Answers of servers to HTTP/1.x clients (http, -H) that quill could not frame \
+               (two Content-Length values, one that is no number, bytes that are no answer \
+               over a reused connection), replaced by its 502, both connections then closed.",
+        unit: None,
+        kind: Kind::Counter,
+        source: Source::Global(|s| load(&s.counters.http_bad_answers)),
+    },
+    Family {
         name: "http_request_timeouts",
         help: "HTTP connections (http, -H) closed because a request head did not arrive \
                whole within http_request_timeout (408 after part of one, else no answer).",
@@ -721,6 +730,7 @@ mod tests {
         state.counters.bad_proxy_header.store(3, Relaxed);
         state.counters.http_refused.store(4, Relaxed);
         state.counters.http_request_timeouts.store(6, Relaxed);
+        state.counters.http_bad_answers.store(8, Relaxed);
         if let Some(s) = state.servers.get(1) {
             s.bytes_to.store(1234, Relaxed);
             s.blacklist(clock::now_ms(), 60);
@@ -737,6 +747,7 @@ mod tests {
             "quill_connections_refused_total{reason=\"proxy_header\"} 3",
             "quill_http_requests_refused_total 4",
             "quill_http_request_timeouts_total 6",
+            "quill_http_bad_answers_total 8",
             "quill_server_sent_bytes_total{server=\"1\",address=\"[::1]:9002\"} 1234",
             "quill_server_state{server=\"1\",address=\"[::1]:9002\",state=\"blacklisted\"} 1",
             "quill_server_state{server=\"0\",address=\"127.0.0.1:9001\",state=\"up\"} 1",

@@ -279,6 +279,7 @@ pub fn json(ctx: &Context) -> String {
             "refused_proxy_header": state.counters.bad_proxy_header.load(Relaxed),
             "http_refused": state.counters.http_refused.load(Relaxed),
             "http_request_timeouts": state.counters.http_request_timeouts.load(Relaxed),
+            "http_bad_answers": state.counters.http_bad_answers.load(Relaxed),
             "h2": state.counters.h2_connections.load(Relaxed),
             "h2_requests": state.counters.h2_requests.load(Relaxed),
             "max": settings.conn_max,

@@ -434,6 +434,9 @@ async fn send<C: Parkable>(
             }
         };
         drop(lease);
+        if let Some(why) = http.exchange.take_bad_answer() {
+            super::tcp::bad_answer(state, to, why);
+        }
         to.server.bytes_to.fetch_add(outcome.up, Relaxed);
         to.server.bytes_from.fetch_add(outcome.down, Relaxed);
         if let Some(r) = record.filter(|_| outcome.down > 0) {

@@ -172,6 +172,18 @@ enum Resp {
     Discard,
 }
 
+/// Why a server's answer was replaced by quill's 502 ([`Exchange::take_bad_answer`]).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, thiserror::Error)]
+#[non_exhaustive]
+pub enum BadAnswer {
+    #[error("two different Content-Length values")]
+    TwoLengths,
+    #[error("a Content-Length that is no number")]
+    BadLength,
+    #[error("bytes that are no HTTP answer, over a connection reused from the pool")]
+    NotHttp,
+}
+
 /// Outcome of feeding the client's bytes.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum Fed {
@@ -236,6 +248,8 @@ pub struct Exchange {
     /// Request by request: the server connection carrying the request carried others
     /// before (a pooled one, possibly for another client).
     server_reused: bool,
+    /// An answer replaced by quill's 502, until the driver takes it to report it.
+    bad_answer: Option<BadAnswer>,
     /// The last request received has no body, and its method is idempotent: it can be sent
     /// again, to another connection, if the first went away without a byte of answer.
     replayable: bool,
@@ -326,6 +340,7 @@ impl Exchange {
             server_keep: true,
             server_left: false,
             server_reused: false,
+            bad_answer: None,
             replayable: false,
             log: None,
         }
@@ -383,6 +398,12 @@ impl Exchange {
     /// The request being answered.
     fn logged_out(&mut self) -> Option<&mut Logged> {
         self.log.as_mut()?.open.front_mut()
+    }
+
+    /// Why an answer was replaced by quill's 502 since the last call, if one was: for the
+    /// driver, which knows the server, to report.
+    pub fn take_bad_answer(&mut self) -> Option<BadAnswer> {
+        self.bad_answer.take()
     }
 
     /// Takes one request at a time (request-level relaying, `proxy::h1_pump`): once a
@@ -1066,7 +1087,7 @@ impl Exchange {
             // a `HEAD`): passed raw, they would be this client's answer, though they may
             // have been written for another client. quill's 502 instead, as HAProxy's.
             Err(_) if self.one_at_a_time && self.server_reused => {
-                self.bad_gateway(out);
+                self.bad_gateway(BadAnswer::NotHttp, out);
                 return Some(HeadEnd::Complete(buf.len()));
             }
             Err(_) => {
@@ -1134,7 +1155,12 @@ impl Exchange {
             // (as HAProxy and NGINX), and neither connection goes on (RFC 9112 6.3:
             // unrecoverable). Beside a transfer coding a length is dropped, and an answer
             // without a body has none to frame, whatever it says.
-            self.bad_gateway(out);
+            let why = if lengths_differ {
+                BadAnswer::TwoLengths
+            } else {
+                BadAnswer::BadLength
+            };
+            self.bad_gateway(why, out);
             return Some(HeadEnd::Complete(n));
         }
         let hsts = match self.params.hsts {
@@ -1240,7 +1266,8 @@ impl Exchange {
     /// dropped from here on, and the client's connection ends after it
     /// ([`Exchange::finished`]): the requests pipelined after this one go unanswered, as
     /// its `Connection: close` tells the client.
-    fn bad_gateway(&mut self, out: &mut Vec<u8>) {
+    fn bad_gateway(&mut self, why: BadAnswer, out: &mut Vec<u8>) {
+        self.bad_answer = Some(why);
         if let Some(l) = self.logged_out() {
             l.status = 502;
         }

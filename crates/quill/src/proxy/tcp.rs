@@ -29,7 +29,7 @@ use tokio::sync::{mpsc, watch};
 
 use super::candidates::Candidates;
 use super::gateway::Peer;
-use super::http::{Exchange, HttpParams, Scheme};
+use super::http::{BadAnswer, Exchange, HttpParams, Scheme};
 use super::park::{self, Parked};
 use super::proxy_protocol;
 use super::pump::{self, Http};
@@ -1049,6 +1049,7 @@ impl<C: ClientStream> Session<'static, Live<C>> {
     /// once (a session moved into this future would also keep its slot in the caller's).
     async fn run(&mut self, state: &State, from: Totals) -> Option<Totals> {
         let opts = self.books.opts;
+        let server = Which(self.books.lease.index);
         // Raw sockets on both sides without `http` take the fast path.
         let outcome = match (&mut self.ends.client, &mut self.ends.server) {
             (Client::Plain(c), Server::Plain(s)) if self.books.http.is_none() => {
@@ -1058,17 +1059,20 @@ impl<C: ClientStream> Session<'static, Live<C>> {
                 }
             }
             (Client::Plain(c), Server::Plain(s)) => {
-                pump_streams(state, c, s, self.books.http.take(), opts, from.first).await
+                let http = self.books.http.take();
+                pump_streams(state, c, s, http, opts, from.first, server).await
             }
             (Client::Plain(c), Server::Tls(s)) => {
-                pump_streams(state, c, &mut **s, self.books.http.take(), opts, from.first).await
+                let http = self.books.http.take();
+                pump_streams(state, c, &mut **s, http, opts, from.first, server).await
             }
             (Client::Tls(c), Server::Plain(s)) => {
-                pump_streams(state, &mut **c, s, self.books.http.take(), opts, from.first).await
+                let http = self.books.http.take();
+                pump_streams(state, &mut **c, s, http, opts, from.first, server).await
             }
             (Client::Tls(c), Server::Tls(s)) => {
                 let http = self.books.http.take();
-                pump_streams(state, &mut **c, &mut **s, http, opts, from.first).await
+                pump_streams(state, &mut **c, &mut **s, http, opts, from.first, server).await
             }
         };
         self.finish(outcome);
@@ -1101,6 +1105,7 @@ async fn pump_streams<C, S>(
     http: Option<Box<Http>>,
     opts: RelayOptions,
     first: Option<Capture>,
+    which: Which,
 ) -> Outcome
 where
     C: tokio::io::AsyncRead + tokio::io::AsyncWrite + Unpin + ?Sized,
@@ -1113,6 +1118,9 @@ where
             let relay = pump::relay(client, server, Some(&mut *http), opts, &ask);
             let outcome = Box::pin(telling(state, relay, &ask)).await;
             count_http_end(state, &outcome.end);
+            if let Some(why) = http.exchange.take_bad_answer() {
+                bad_answer(state, which.describe(state), why);
+            }
             http.log_the_rest();
             outcome
         }
@@ -1159,6 +1167,39 @@ pub(super) fn count_http_end(state: &State, end: &relay::End) {
             }
         }
         _ => {}
+    }
+}
+
+/// The server of a one-to-one connection, by its index (none for the emergency and abuse
+/// servers). Its address, for a message, is looked up only when one is written: the
+/// connection keeps no more than the index.
+#[derive(Clone, Copy)]
+struct Which(Option<usize>);
+
+impl Which {
+    /// As `Candidate` words it: `server N (ADDRESS)`, from the settings in force.
+    fn describe(self, state: &State) -> String {
+        let settings = state.settings();
+        match self.0 {
+            Some(i) => match settings.servers.get(i).and_then(|s| Some((s.ip?, s.port))) {
+                Some(addr) => format!("server {i} ({})", SocketAddr::from(addr)),
+                None => format!("server {i}"),
+            },
+            None => "the emergency or abuse server".to_string(),
+        }
+    }
+}
+
+/// When [`bad_answer`] last warned (`clock::now_ms()`).
+static WARNED_BAD_ANSWER: std::sync::atomic::AtomicU64 = std::sync::atomic::AtomicU64::new(0);
+
+/// `server`'s answer was replaced by quill's 502 (`http::Exchange::take_bad_answer`):
+/// counted, and said at most every ten seconds (a broken server sends many). The server
+/// is not blacklisted: it accepts connections, and the next answer may be sound.
+pub(super) fn bad_answer(state: &State, server: impl std::fmt::Display, why: BadAnswer) {
+    state.counters.http_bad_answers.fetch_add(1, Relaxed);
+    if super::warn_again(&WARNED_BAD_ANSWER, clock::now_ms(), 10_000) {
+        tracing::warn!("{server} sent an answer quill cannot frame ({why}): the client got a 502");
     }
 }
 
