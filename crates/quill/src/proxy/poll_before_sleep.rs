@@ -196,6 +196,7 @@ pub(crate) fn event_loop_runtime(
 
 #[cfg(test)]
 mod tests {
+    use super::super::polling::moved;
     use super::*;
 
     /// Runs one turn of a loop as the runtime's hooks see it: back from epoll, `work`,
@@ -218,18 +219,14 @@ mod tests {
         const MICROS: u32 = 2_000;
         assert!(!turn(MICROS, Opens::AfterRequests, || {}), "no window yet");
         // A datagram relayed to a client is no query: no window.
-        assert!(!turn(MICROS, Opens::AfterRequests, || {
-            super::super::polling::moved(1)
-        }));
+        assert!(!turn(MICROS, Opens::AfterRequests, || moved(1)));
         let (caught, _) = counts();
         assert!(turn(MICROS, Opens::AfterRequests, || {
-            super::super::polling::moved(1);
+            moved(1);
             requested();
         }));
         // The answer comes while the loop polls: caught, and the window stays open.
-        assert!(turn(MICROS, Opens::AfterRequests, || {
-            super::super::polling::moved(1)
-        }));
+        assert!(turn(MICROS, Opens::AfterRequests, || moved(1)));
         assert!(counts().0 > caught, "the answer counts as caught");
         // Nothing more comes: the window runs out.
         let deadline = Instant::now() + Duration::from_secs(5);
@@ -250,9 +247,7 @@ mod tests {
 
     #[test]
     fn at_zero_a_loop_never_polls() {
-        assert!(!turn(0, Opens::AfterWork, || super::super::polling::moved(
-            1
-        )));
+        assert!(!turn(0, Opens::AfterWork, || moved(1)));
         assert!(!turn(0, Opens::AfterRequests, requested));
     }
 }
