@@ -78,11 +78,16 @@ impl fmt::Display for Problem {
 /// be parsed. An empty result means the start would get as far as binding its sockets.
 pub fn run(inv: &Invocation, cli_errors: Vec<CliError>) -> Vec<Problem> {
     let mut problems: Vec<Problem> = cli_errors.into_iter().map(Problem::Argument).collect();
-    if let Some(user) = &inv.user {
-        if let Err(e) = privileges::lookup_account(inv.jail.as_deref(), user) {
-            problems.push(Problem::Start(StartError::Privileges(e.to_string())));
-        }
-    }
+    let account = match &inv.user {
+        None => None,
+        Some(user) => match privileges::lookup_account(inv.jail.as_deref(), user) {
+            Ok(account) => Some(account),
+            Err(e) => {
+                problems.push(Problem::Start(StartError::Privileges(e.to_string())));
+                None
+            }
+        },
+    };
     if let Some(jail) = &inv.jail {
         // A start reads every file inside the jail: so does the check, from inside it.
         if let Err(e) = privileges::enter_jail(jail) {
@@ -125,6 +130,9 @@ pub fn run(inv: &Invocation, cli_errors: Vec<CliError>) -> Vec<Problem> {
         }
     }
     problems.extend(process(inv).into_iter().map(Problem::Start));
+    if let (Some(account), Some(path)) = (&account, &inv.pidfile) {
+        privileges::warn_if_pid_file_stays(account, path);
+    }
     if let Some(addr) = settings.metrics_listen {
         crate::control::web::warn_if_control_open(&settings, addr);
     }

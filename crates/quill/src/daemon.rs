@@ -395,6 +395,9 @@ pub fn run(inv: Invocation) -> Result<(), StartError> {
             }
         })?;
         cleanup.0.push(path.clone());
+        if let Some(account) = &account {
+            privileges::warn_if_pid_file_stays(account, path);
+        }
     }
     if let Some(account) = &account {
         let dropped =

@@ -72,6 +72,50 @@ pub struct Account {
     pub groups: Vec<u32>,
 }
 
+impl Account {
+    /// Whether the account may remove a file it does not own (root's pid file) from `dir`:
+    /// write and search access to the directory, and with its sticky bit, the directory
+    /// its own. An unreadable directory counts as no.
+    pub fn may_remove_from(&self, dir: &Path) -> bool {
+        use std::os::unix::fs::MetadataExt;
+        if self.uid == 0 {
+            return true;
+        }
+        let Ok(meta) = std::fs::metadata(dir) else {
+            return false;
+        };
+        let mode = meta.mode();
+        let owns = meta.uid() == self.uid;
+        let shift = if owns {
+            6
+        } else if self.groups.contains(&meta.gid()) {
+            3
+        } else {
+            0
+        };
+        let write_and_search = (mode >> shift) & 0o3 == 0o3;
+        write_and_search && (mode & 0o1000 == 0 || owns)
+    }
+}
+
+/// The pid file `path` will be left at exit: `account` may not remove it from its
+/// directory (said at start, and by `--check`, as well as at exit).
+pub fn warn_if_pid_file_stays(account: &Account, path: &Path) {
+    let dir = match path.parent() {
+        Some(d) if !d.as_os_str().is_empty() => d,
+        _ => Path::new("."),
+    };
+    // A directory that is not there fails the start (and the check) anyway.
+    if dir.is_dir() && !account.may_remove_from(dir) {
+        tracing::warn!(
+            "pid file {}: user {} may not remove it from {} at exit, so it will be left naming a dead process",
+            path.display(),
+            account.name,
+            dir.display()
+        );
+    }
+}
+
 /// What [`drop_privileges`] did, for the log.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct Dropped {
@@ -606,5 +650,48 @@ dup:x:5000:quill
             d.to_string(),
             "chrooted to /var/lib/quill; running as quill (uid 4242, gid 4243, groups 4243,5000)"
         );
+    }
+
+    #[test]
+    fn removing_root_s_file_needs_write_and_search_on_the_directory_and_sticky_ownership() {
+        use std::os::unix::fs::{MetadataExt, PermissionsExt};
+        let dir = std::env::temp_dir().join(format!("quill-priv-remove-{}", std::process::id()));
+        assert!(std::fs::create_dir_all(&dir).is_ok());
+        let meta = std::fs::metadata(&dir).ok();
+        let (owner, group) = meta.map(|m| (m.uid(), m.gid())).unwrap_or_default();
+        let account = |uid: u32, groups: Vec<u32>| Account {
+            name: "someone".into(),
+            uid,
+            gid: groups.first().copied().unwrap_or(uid),
+            groups,
+        };
+        // Not the owner, nor in the group: neither uid is root's.
+        let stranger = account(owner + 50_000, vec![group + 50_000]);
+        let member = account(owner + 50_001, vec![group + 50_000, group]);
+        let chmod = |mode: u32| {
+            assert!(std::fs::set_permissions(&dir, std::fs::Permissions::from_mode(mode)).is_ok());
+        };
+        chmod(0o755);
+        assert!(!stranger.may_remove_from(&dir));
+        assert!(!member.may_remove_from(&dir));
+        chmod(0o775);
+        assert!(!stranger.may_remove_from(&dir));
+        assert!(member.may_remove_from(&dir));
+        chmod(0o773);
+        assert!(stranger.may_remove_from(&dir), "write and search suffice");
+        chmod(0o772);
+        assert!(!stranger.may_remove_from(&dir), "write without search");
+        chmod(0o1777);
+        assert!(
+            !stranger.may_remove_from(&dir),
+            "sticky: another's file stays"
+        );
+        assert!(
+            account(owner, vec![group]).may_remove_from(&dir),
+            "sticky: the owner may"
+        );
+        assert!(account(0, vec![0]).may_remove_from(&dir), "root may");
+        assert!(!stranger.may_remove_from(&dir.join("missing")));
+        let _ = std::fs::remove_dir_all(&dir);
     }
 }

@@ -767,8 +767,32 @@ fn pid_file_of_a_u_user_stays_roots_and_is_removed_only_where_the_user_may() {
             fs::read_to_string(&pidfile).is_ok_and(|t| t.trim() == q.pid().to_string())
         });
         assert_eq!(fs::metadata(&pidfile).unwrap().uid(), 0, "pid file owner");
+        // Said at start, and by `--check` with the same arguments, not only at exit.
+        let foretold = "pid file {}: user nobody may not remove it from";
+        let foretold = foretold.replace("{}", pidfile.to_str().unwrap());
+        let args = [
+            "-u",
+            "nobody",
+            "-p",
+            pidfile.to_str().unwrap(),
+            "127.0.0.1:1",
+            "127.0.0.1:2",
+        ];
+        let checked = run(&[&["--check"][..], &args[..]].concat());
+        assert_eq!(checked.code, Some(0), "{checked:?}");
+        assert_eq!(
+            checked.stderr.contains(&foretold),
+            !nobody_may_write,
+            "--check: {checked:?}"
+        );
         signal_when_handled(&q, "TERM");
         assert_eq!(q.wait_exit(Duration::from_secs(15)), Some(Some(0)));
+        assert_eq!(
+            q.stderr().contains(&foretold),
+            !nobody_may_write,
+            "{}",
+            q.stderr()
+        );
         let warned = q.stderr().contains(&format!(
             "cannot remove {} at exit: Permission denied",
             pidfile.display()
