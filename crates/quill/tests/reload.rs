@@ -736,6 +736,53 @@ fn write_and_the_status_file_are_written_in_place_where_the_u_user_owns_only_the
     assert_eq!(left.len(), 2, "files in the directory: {left:?}");
 }
 
+/// The `-w` page in a sticky directory such as /tmp, in a file another user owns and lets
+/// the `-u` user write: the kernel refuses to rename quill's temporary file over it, so
+/// quill writes in place (as Pen always does), and leaves no temporary file behind.
+#[test]
+fn the_status_file_is_written_in_place_where_a_sticky_directory_refuses_the_rename() {
+    if !running_as_root() || !nobody_exists() {
+        eprintln!("SKIPPED: needs root and the account nobody (uid {NOBODY_UID}) for -u nobody");
+        return;
+    }
+    if skip_on_pen("Pen writes in place: no rename to refuse") {
+        return;
+    }
+    let a = IdentityBackend::start("a");
+    let dir = TempDir::new("sticky");
+    fs::set_permissions(dir.path(), fs::Permissions::from_mode(0o1777)).unwrap();
+    let status = dir.path().join("status.html");
+    write_file(&status, "");
+    fs::set_permissions(&status, fs::Permissions::from_mode(0o666)).unwrap();
+    let q = Quill::start(&[
+        "-u",
+        "nobody",
+        "-w",
+        status.to_str().unwrap(),
+        "127.0.0.1:{port}",
+        &a.spec(),
+    ]);
+    signal_when_handled(&q, "USR1");
+    wait_until(Duration::from_secs(5), "SIGUSR1 writes the -w file", || {
+        fs::read_to_string(&status).is_ok_and(|t| t.contains("</html>"))
+    });
+    assert!(
+        !q.stderr().contains("cannot write status file"),
+        "{}",
+        q.stderr()
+    );
+    assert_eq!(
+        fs::metadata(&status).unwrap().uid(),
+        0,
+        "the same file, root's"
+    );
+    let left: Vec<_> = fs::read_dir(dir.path())
+        .unwrap()
+        .map(|e| e.unwrap().file_name())
+        .collect();
+    assert_eq!(left.len(), 1, "files in the directory: {left:?}");
+}
+
 /// The pid file is written as root before the drop to `-u` and stays root's. Where the
 /// user may write to its directory it is removed at exit; where not, it is left, and the
 /// log says so.
