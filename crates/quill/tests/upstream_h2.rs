@@ -498,6 +498,59 @@ fn hop_by_hop_fields_stay_behind_and_host_becomes_the_authority() {
     );
 }
 
+/// Requests after a connection's first go through hyper's HTTP/1.1 server, not the byte
+/// pump that reads the first head: there too, two `Host` fields, or an absolute-form
+/// target whose authority is not the `Host`, are a 400 and never reach the server (which
+/// would pick one name, and a check before it the other).
+#[test]
+fn an_ambiguous_host_after_the_first_request_is_a_400() {
+    let port = free_port();
+    let Some(_nginx) = nginx_on(port, " http2", None) else {
+        return;
+    };
+    let q = quill_h2(port, &[]);
+    let answer = |second: &str| {
+        let mut s = TcpStream::connect(q.addr()).unwrap();
+        s.set_read_timeout(Some(Duration::from_secs(20))).unwrap();
+        s.write_all(b"GET /who HTTP/1.1\r\nHost: a.example\r\n\r\n")
+            .unwrap();
+        // The first answer, by its length.
+        let mut raw = Vec::new();
+        let mut byte = [0u8; 1];
+        let end = loop {
+            assert_eq!(s.read(&mut byte).unwrap(), 1, "{raw:?}");
+            raw.push(byte[0]);
+            let text = String::from_utf8_lossy(&raw).to_ascii_lowercase();
+            if let Some((head, body)) = text.split_once("\r\n\r\n") {
+                let length: usize = head
+                    .lines()
+                    .find_map(|l| l.strip_prefix("content-length:"))
+                    .map(|v| v.trim().parse().unwrap())
+                    .unwrap();
+                if body.len() == length {
+                    break text;
+                }
+            }
+        };
+        assert!(end.starts_with("http/1.1 200"), "{end}");
+        s.write_all(second.as_bytes()).unwrap();
+        let mut rest = Vec::new();
+        s.read_to_end(&mut rest).unwrap();
+        String::from_utf8_lossy(&rest).into_owned()
+    };
+    for bad in [
+        "GET /who HTTP/1.1\r\nHost: public.example\r\nHost: admin.internal\r\nConnection: close\r\n\r\n",
+        "GET http://admin.internal/who HTTP/1.1\r\nHost: public.example\r\nConnection: close\r\n\r\n",
+    ] {
+        let got = answer(bad);
+        assert!(got.starts_with("HTTP/1.1 400 "), "{bad:?}: {got}");
+    }
+    let good =
+        "GET http://A.example/who HTTP/1.1\r\nHost: a.example:80\r\nConnection: close\r\n\r\n";
+    let got = answer(good);
+    assert!(got.starts_with("HTTP/1.1 200 "), "{got}");
+}
+
 /// The head of the answer to an HTTP/1.1 `GET path` on a connection of its own.
 fn head_of(addr: std::net::SocketAddr, path: &str) -> String {
     let mut s = TcpStream::connect(addr).unwrap();
