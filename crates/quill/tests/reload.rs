@@ -665,12 +665,26 @@ fn root_directory_with_files_of_nobody(tag: &str, files: &[&str]) -> TempDir {
 const NOBODY_UID: u32 = 65_534;
 const NOBODY_GID: u32 = 65_534;
 
-/// Whether the account `nobody` is there with the ids the tests assume.
-fn nobody_exists() -> bool {
-    fs::read_to_string("/etc/passwd").is_ok_and(|t| {
+/// Whether quill can be run with `-u nobody` here: as root, with the account `nobody`
+/// there with the ids the tests assume. Says so when not.
+fn can_run_as_nobody() -> bool {
+    let nobody_exists = fs::read_to_string("/etc/passwd").is_ok_and(|t| {
         t.lines()
             .any(|l| l.starts_with(&format!("nobody:x:{NOBODY_UID}:")))
-    })
+    });
+    let can = running_as_root() && nobody_exists;
+    if !can {
+        eprintln!("SKIPPED: needs root and the account nobody (uid {NOBODY_UID}) for -u nobody");
+    }
+    can
+}
+
+/// The names of the files in `dir`.
+fn files_in(dir: &Path) -> Vec<std::ffi::OsString> {
+    fs::read_dir(dir)
+        .unwrap()
+        .map(|e| e.unwrap().file_name())
+        .collect()
 }
 
 /// `write FILE` and the `-w` page, after the drop to `-u nobody`, where nobody owns the
@@ -678,8 +692,7 @@ fn nobody_exists() -> bool {
 /// place, as Pen does.
 #[test]
 fn write_and_the_status_file_are_written_in_place_where_the_u_user_owns_only_the_file() {
-    if !running_as_root() || !nobody_exists() {
-        eprintln!("SKIPPED: needs root and the account nobody (uid {NOBODY_UID}) for -u nobody");
+    if !can_run_as_nobody() {
         return;
     }
     let a = IdentityBackend::start("a");
@@ -729,10 +742,7 @@ fn write_and_the_status_file_are_written_in_place_where_the_u_user_owns_only_the
     for file in [&cfg, &status] {
         assert_eq!(fs::metadata(file).unwrap().uid(), NOBODY_UID, "{file:?}");
     }
-    let left: Vec<_> = fs::read_dir(dir.path())
-        .unwrap()
-        .map(|e| e.unwrap().file_name())
-        .collect();
+    let left = files_in(dir.path());
     assert_eq!(left.len(), 2, "files in the directory: {left:?}");
 }
 
@@ -741,8 +751,7 @@ fn write_and_the_status_file_are_written_in_place_where_the_u_user_owns_only_the
 /// quill writes in place (as Pen always does), and leaves no temporary file behind.
 #[test]
 fn the_status_file_is_written_in_place_where_a_sticky_directory_refuses_the_rename() {
-    if !running_as_root() || !nobody_exists() {
-        eprintln!("SKIPPED: needs root and the account nobody (uid {NOBODY_UID}) for -u nobody");
+    if !can_run_as_nobody() {
         return;
     }
     if skip_on_pen("Pen writes in place: no rename to refuse") {
@@ -776,10 +785,7 @@ fn the_status_file_is_written_in_place_where_a_sticky_directory_refuses_the_rena
         0,
         "the same file, root's"
     );
-    let left: Vec<_> = fs::read_dir(dir.path())
-        .unwrap()
-        .map(|e| e.unwrap().file_name())
-        .collect();
+    let left = files_in(dir.path());
     assert_eq!(left.len(), 1, "files in the directory: {left:?}");
 }
 
@@ -788,8 +794,7 @@ fn the_status_file_is_written_in_place_where_a_sticky_directory_refuses_the_rena
 /// log says so.
 #[test]
 fn pid_file_of_a_u_user_stays_roots_and_is_removed_only_where_the_user_may() {
-    if !running_as_root() || !nobody_exists() {
-        eprintln!("SKIPPED: needs root and the account nobody (uid {NOBODY_UID}) for -u nobody");
+    if !can_run_as_nobody() {
         return;
     }
     if skip_on_pen("Pen writes its pid file after the drop to -u") {
