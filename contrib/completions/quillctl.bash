@@ -24,7 +24,7 @@ accept_proxy alpn h2c h2_max_streams upstream_keepalive upstream_idle_timeout
 upstream_max_requests queue_timeout queue_max upstream_h2 access_log'
 
 # Operations on the running process, for the control socket only.
-_quillctl_operations='servers status mode recent connection close control pid include write
+_quillctl_operations='servers status mode recent connection connections close control pid include write
 exit health drain'
 
 # The commands that have a `no` form.
