@@ -388,7 +388,7 @@ fn a_length_beside_chunked_framing_is_removed() {
 }
 
 /// An answer with two different lengths, or a length that is no number, is a 502 from
-/// quill (as HAProxy and NGINX), the client's connection closes after it, and the server
+/// quill (as HAProxy's), the client's connection closes after it, and the server
 /// connection is not used again.
 #[test]
 fn an_answer_with_two_lengths_or_a_bad_one_is_a_502() {

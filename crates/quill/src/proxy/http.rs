@@ -1151,10 +1151,10 @@ impl Exchange {
         }
         let bodyless = request.head || code == 204 || code == 304;
         if lengths_differ || (bad_length && chunked.is_none() && !bodyless) {
-            // Which length the client would take cannot be known: a 502 in its place
-            // (as HAProxy and NGINX), and neither connection goes on (RFC 9112 6.3:
-            // unrecoverable). Beside a transfer coding a length is dropped, and an answer
-            // without a body has none to frame, whatever it says.
+            // Which length the client would take cannot be known: a 502 in its place (as
+            // HAProxy; NGINX 1.22 passes both with a 200), and neither connection goes on
+            // (RFC 9112 6.3: unrecoverable). Beside a transfer coding a length is dropped,
+            // and an answer without a body has none to frame, whatever it says.
             let why = if lengths_differ {
                 BadAnswer::TwoLengths
             } else {
