@@ -72,9 +72,9 @@ pub struct Counters {
     pub bad_proxy_header: AtomicU64,
     /// HTTP requests refused with 400, 408 or 431 (`http`).
     pub http_refused: AtomicU64,
-    /// Answers of servers that quill could not frame, replaced by its 502 (`http`,
-    /// HTTP/1.x clients: two lengths, a length that is no number, bytes that are no
-    /// answer over a reused connection).
+    /// Answers of HTTP/1.x servers that quill could not frame, replaced by its 502
+    /// (`http`: two lengths, a length that is no number, bytes that are no answer over a
+    /// reused connection), whichever HTTP the client speaks.
     pub http_bad_answers: AtomicU64,
     /// HTTP connections closed because a request head did not come whole within
     /// `http_request_timeout` (answered 408 after part of one, else closed silently).

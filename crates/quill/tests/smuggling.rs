@@ -437,6 +437,38 @@ fn an_answer_with_two_lengths_or_a_bad_one_is_a_502() {
     }
 }
 
+/// An HTTP/2 client's request to an HTTP/1.1 server whose answer cannot be framed gets
+/// quill's 502 too (quill frames the server's answer into HTTP/2 frames itself), and the
+/// operator is told which server and why, as for HTTP/1.x clients.
+#[test]
+fn an_http2_client_gets_a_502_for_an_answer_with_two_lengths_or_a_bad_one() {
+    let server = Scripted::start();
+    let q = start(Pump::Request, &server);
+    for path in ["/dupcl", "/badcl"] {
+        let url = format!("http://127.0.0.1:{}{path}", q.port);
+        let args = [
+            "-s",
+            "--http2-prior-knowledge",
+            "-o",
+            "/dev/null",
+            "-w",
+            "%{http_code}",
+        ];
+        let Some(status) = tool("curl", &[&args[..], &[url.as_str()]].concat()) else {
+            return;
+        };
+        assert_eq!(status, "502", "{path}");
+    }
+    // Warned at most every 10 s: the first one.
+    let warning = format!(
+        "server 0 ({}) sent an answer quill cannot frame (two different Content-Length values)",
+        server.spec()
+    );
+    wait_until(LIMIT, format_args!("stderr says {warning:?}"), || {
+        q.stderr().contains(&warning)
+    });
+}
+
 /// Bytes a server sends beyond the answer due (a body to a `HEAD`, after a 204, an answer
 /// nobody asked for) never reach the client: its next request gets its own answer.
 /// Request by request the client's connection goes on, the server's is not used again;

@@ -201,9 +201,9 @@ pub static FAMILIES: &[Family] = &[
     },
     Family {
         name: "http_bad_answers",
-        help: "Answers of servers to HTTP/1.x clients (http, -H) that quill could not frame \
-               (two Content-Length values, one that is no number, bytes that are no answer \
-               over a reused connection), replaced by its 502, both connections then closed.",
+        help: "Answers of HTTP/1.x servers (http, -H) that quill could not frame (two \
+               Content-Length values, one that is no number, bytes that are no answer over a \
+               reused connection), replaced by its 502 and the server connection closed.",
         unit: None,
         kind: Kind::Counter,
         source: Source::Global(|s| load(&s.counters.http_bad_answers)),

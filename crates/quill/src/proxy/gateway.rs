@@ -776,11 +776,18 @@ async fn route(
                 return refused;
             }
             Sent::Lost(e) => {
-                candidates::lost(&c, &e);
+                match bad_answer(&e) {
+                    Some(why) => super::tcp::bad_answer(state, c, why),
+                    None => candidates::lost(&c, &e),
+                }
                 return answer(StatusCode::BAD_GATEWAY, "Bad gateway\n");
             }
             Sent::Failed(e) => {
-                tracing::debug!(peer = %peer.addr, "{c} failed a request: {e}");
+                match bad_answer(&e) {
+                    // Over a reused connection too: the answer came, and was unusable.
+                    Some(why) => super::tcp::bad_answer(state, c, why),
+                    None => tracing::debug!(peer = %peer.addr, "{c} failed a request: {e}"),
+                }
                 return answer(StatusCode::BAD_GATEWAY, "Bad gateway\n");
             }
         }
@@ -1073,6 +1080,12 @@ async fn send_own(
             Err(Failure::Client(e)) => return Sent::Failed(e),
         }
     }
+}
+
+/// Why a server's answer could not be framed, when that is what `e` says
+/// (`h1_client`'s framing errors), whether or not its connection was reused.
+fn bad_answer(e: &std::io::Error) -> Option<super::http::BadAnswer> {
+    e.get_ref()?.downcast_ref().copied()
 }
 
 /// What it takes to send a request again after the HTTP/2 server refused its stream: only

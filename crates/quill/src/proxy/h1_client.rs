@@ -26,7 +26,7 @@ use tokio::io::AsyncWrite;
 
 use super::gateway::RequestBody;
 use super::h1_pump::Link;
-use super::http::ConnectionOptions;
+use super::http::{BadAnswer, ConnectionOptions};
 use super::pool::{self, Limits, Target};
 use super::quickack::Acknowledge as _;
 use crate::balance::ServerState;
@@ -384,6 +384,12 @@ enum Parsed {
     Final(Head),
 }
 
+/// An answer whose body cannot be framed: the error carries why, for
+/// `gateway`'s report (`tcp::bad_answer`).
+fn framing(why: BadAnswer) -> Failure {
+    Failure::Broken(io::Error::new(io::ErrorKind::InvalidData, why))
+}
+
 /// Parses a complete answer head at the front of `buf`, consuming it.
 fn parse_head(buf: &mut BytesMut, head_only: bool) -> Result<Parsed, Failure> {
     let mut fields = [httparse::EMPTY_HEADER; MAX_FIELDS];
@@ -423,9 +429,9 @@ fn parse_head(buf: &mut BytesMut, head_only: bool) -> Result<Parsed, Failure> {
             let n = (!digits.is_empty() && digits.iter().all(u8::is_ascii_digit))
                 .then(|| std::str::from_utf8(digits).ok()?.parse::<u64>().ok())
                 .flatten()
-                .ok_or_else(|| Failure::Broken(invalid("bad Content-Length")))?;
+                .ok_or_else(|| framing(BadAnswer::BadLength))?;
             if length.is_some_and(|l| l != n) {
-                return Err(Failure::Broken(invalid("conflicting Content-Length")));
+                return Err(framing(BadAnswer::TwoLengths));
             }
             length = Some(n);
         } else if name == header::TRANSFER_ENCODING {
