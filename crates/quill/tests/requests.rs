@@ -2178,8 +2178,9 @@ fn a_server_that_closes_ends_its_own_connection_not_the_clients() {
 /// closed unanswered (NGINX's `return 444`, a common rule for bad bots); `GET /cut` is
 /// answered with a head announcing 1,000,000 bytes, 10,000 of them, and the close of a
 /// server that died; `GET /until-close` with a body the close ends (no length), `GET
-/// /not-http` with a line that is not HTTP, then the close. Counts the connections it
-/// closed on an unfinished body.
+/// /not-http` with a line that is not HTTP, then the close; `GET /think` is answered after
+/// a minute of work, which stops when the connection ends first (as a Go server's request
+/// context is cancelled). Counts the connections it closed on an unfinished body or work.
 fn unfinished_server() -> (u16, Arc<AtomicUsize>) {
     let listener = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
     let port = listener.local_addr().unwrap().port();
@@ -2212,6 +2213,14 @@ fn unfinished_server() -> (u16, Arc<AtomicUsize>) {
                 if head.starts_with("get /not-http") {
                     let _ = conn.write_all(b"SSH-2.0-quill-test\r\n");
                     return;
+                }
+                if head.starts_with("get /think") {
+                    conn.set_read_timeout(Some(Duration::from_secs(60)))
+                        .unwrap();
+                    if matches!(conn.read(&mut buf), Ok(0) | Err(_)) {
+                        count.fetch_add(1, SeqCst);
+                        return;
+                    }
                 }
                 if head.starts_with("get /cut") {
                     let mut answer = b"HTTP/1.1 200 OK\r\nContent-Length: 1000000\r\n\r\n".to_vec();
@@ -2267,6 +2276,52 @@ fn a_client_that_gives_up_an_upload_does_not_blacklist_the_server() {
     let mut next = q.connect();
     next.set_read_timeout(Some(IO_TIMEOUT)).unwrap();
     next.write_all(b"POST /upload HTTP/1.1\r\nHost: x\r\nContent-Length: 3\r\n\r\nabc")
+        .unwrap();
+    let resp = read_response(&mut next).expect("the next client's answer");
+    assert_eq!(resp.status, 200, "{}", resp.head);
+}
+
+/// A client that leaves while its server still works on the answer (curl's `--max-time`,
+/// a closed tab) is seen leaving: its end goes on to the server at once, as it would
+/// without quill, so that the server can stop working. The server that then closes
+/// unanswered is not blamed, nor is its connection kept for another request. The same for
+/// a client that resets its connection. (Before, request by request, the client was not
+/// read while its answer came: the server worked on, and quill held both connections,
+/// until the answer.)
+#[test]
+fn a_client_that_leaves_before_its_answer_is_seen_leaving_by_the_server() {
+    let (port, abandoned) = unfinished_server();
+    let (q, ctl) =
+        support::ctl::start_with_tcp_control(&["-H", "{port}", &format!("127.0.0.1:{port}")]);
+    let mut client = q.connect();
+    client
+        .write_all(b"GET /think HTTP/1.1\r\nHost: x\r\n\r\n")
+        .unwrap();
+    drop(client);
+    wait_until(IO_TIMEOUT, "the server saw its client leave", || {
+        abandoned.load(SeqCst) == 1
+    });
+    let client = q.connect();
+    (&client)
+        .write_all(b"GET /think HTTP/1.1\r\nHost: x\r\n\r\n")
+        .unwrap();
+    socket2::SockRef::from(&client)
+        .set_linger(Some(Duration::ZERO))
+        .unwrap();
+    drop(client); // a reset
+    wait_until(IO_TIMEOUT, "the server saw its client reset", || {
+        abandoned.load(SeqCst) == 2
+    });
+    wait_until(IO_TIMEOUT, "quill let the connections go", || {
+        support::ctl::status_json(&ctl)["connections"]["open"] == 0
+    });
+    let server = support::ctl::server_status(&ctl, 0);
+    assert_eq!(server["blacklisted"], false, "{server}");
+    assert_eq!(server["failures"], 0, "{server}");
+    assert_eq!(server["pool_idle"], 0, "{server}");
+    let mut next = q.connect();
+    next.set_read_timeout(Some(IO_TIMEOUT)).unwrap();
+    next.write_all(b"GET / HTTP/1.1\r\nHost: x\r\n\r\n")
         .unwrap();
     let resp = read_response(&mut next).expect("the next client's answer");
     assert_eq!(resp.status, 200, "{}", resp.head);

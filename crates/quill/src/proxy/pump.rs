@@ -94,6 +94,9 @@ struct Shared<'a> {
     server_failed: bool,
     /// Request by request: the server closed its connection between requests.
     server_left: bool,
+    /// Request by request: the client closed its side (or failed) while its request's
+    /// answer was awaited. Its EOF went on to the server, which may answer or give up.
+    client_left: bool,
 }
 
 impl Shared<'_> {
@@ -110,13 +113,24 @@ impl Shared<'_> {
     }
 
     /// Request by request, whether the client, its side done (`client_done`), closed it
-    /// before its request was whole: an upload given up (its EOF went on to the server). A
+    /// before its request was whole (an upload given up) or while its answer was awaited
+    /// (a client that left: curl stopped, a tab closed). Its EOF went on to the server. A
     /// server that then ends without an answer, or fails, is not at fault: it was left with
-    /// half a request.
+    /// half a request, or told its client had gone.
     fn given_up(&self, client_done: bool) -> bool {
         self.one_request
             && client_done
-            && !self.exchange.as_ref().is_some_and(|ex| ex.request_whole())
+            && (self.client_left || !self.exchange.as_ref().is_some_and(|ex| ex.request_whole()))
+    }
+
+    /// Request by request, the client is read while its answer comes (unless its request
+    /// was refused: what follows a refused request is never read).
+    fn reads_ahead(&self) -> bool {
+        self.one_request
+            && self
+                .exchange
+                .as_ref()
+                .is_some_and(|ex| ex.refusal().is_none())
     }
 
     fn accepts(&self, dir: Dir) -> bool {
@@ -195,7 +209,11 @@ impl Flow {
                 self.done = true;
                 return Poll::Ready(Ok(()));
             }
-            if !shared.accepts(dir) {
+            // Request by request the client is read while its answer comes, its bytes
+            // held for the next request, so that its leaving is seen (and passed on to
+            // the server, as without quill) rather than found only at the next write.
+            let ahead = !shared.accepts(dir);
+            if ahead && !(dir == Dir::Up && shared.reads_ahead()) {
                 // Woken again when the other direction changes what the exchange accepts.
                 return Poll::Pending;
             }
@@ -211,11 +229,23 @@ impl Flow {
                     Poll::Pending => return Poll::Pending,
                     Poll::Ready(Err(e)) => {
                         shared.server_failed = dir == Dir::Down;
+                        shared.client_left |= ahead;
                         return Poll::Ready(Err(e));
                     }
                     Poll::Ready(Ok(())) => {}
                 }
                 let input = buf.filled();
+                if ahead {
+                    if input.is_empty() {
+                        self.eof = true;
+                        shared.client_left = true;
+                    } else {
+                        self.bytes += input.len() as u64;
+                        shared.active = true;
+                        self.held.extend_from_slice(input);
+                    }
+                    return Poll::Ready(Ok(()));
+                }
                 if input.is_empty() && dir == Dir::Down && shared.one_request {
                     if shared.exchange.as_ref().is_some_and(|ex| ex.between()) {
                         // Between requests: the connection is of no further use, but
@@ -233,8 +263,8 @@ impl Flow {
                         )));
                     }
                     if !given_up && shared.exchange.as_ref().is_some_and(|ex| ex.cut_by_close()) {
-                        // The client, not read while its answer comes, would never be
-                        // seen leaving: the connection ends here, the answer cut.
+                        // The answer cut: the client's connection ends here, so that the
+                        // client sees it cut rather than wait for the rest.
                         shared.server_failed = true;
                         return Poll::Ready(Err(io::Error::new(
                             ErrorKind::UnexpectedEof,
@@ -717,6 +747,7 @@ where
     // The client's direction was stopped because the server took no more, not because the
     // client finished: its side is still to be shut after the answer.
     let mut up_stopped = false;
+    let mut client_left = false;
     let end = poll_fn(|cx| {
         if let Some((timer, drained)) = linger.as_mut() {
             return poll_linger(cx, client, timer.as_mut(), drained);
@@ -730,6 +761,7 @@ where
             one_request,
             server_failed: false,
             server_left: false,
+            client_left,
         };
         let blocked_before = !shared.accepts(Dir::Up);
         let failed = |e, shared: &Shared<'_>, client_done: bool| {
@@ -789,9 +821,8 @@ where
         {
             // The answer ended with the server's connection (a body delimited by the close,
             // or no HTTP quill can frame): the client's connection cannot carry another
-            // request and ends too, as an asked-for end does. Request by request the
-            // client is not read while its answer comes: left waiting for the client to
-            // close, the relay would never see it go.
+            // request, its close is what tells the client the body ended, and it ends
+            // too, as an asked-for end does.
             ending = true;
             up.done = true;
             up_stopped = true;
@@ -834,6 +865,7 @@ where
         }
         active = shared.active;
         refusing = shared.refusing;
+        client_left = shared.client_left;
         let refused = shared
             .exchange
             .as_ref()
