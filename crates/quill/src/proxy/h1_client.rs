@@ -26,7 +26,7 @@ use tokio::io::AsyncWrite;
 
 use super::gateway::RequestBody;
 use super::h1_pump::Link;
-use super::http::{BadAnswer, ConnectionOptions};
+use super::http::{BadAnswer, ConnectionOptions, Lengths};
 use super::pool::{self, Limits, Target};
 use super::quickack::Acknowledge as _;
 use crate::balance::ServerState;
@@ -415,7 +415,7 @@ fn parse_head(buf: &mut BytesMut, head_only: bool) -> Result<Parsed, Failure> {
     }
     let http10 = parsed.version == Some(0);
     let mut headers = HeaderMap::with_capacity(parsed.headers.len());
-    let mut length: Option<u64> = None;
+    let mut lengths = Lengths::default();
     let mut transfer: Option<bool> = None; // Some(chunked last)
     let mut options = ConnectionOptions::default();
     for f in parsed.headers.iter() {
@@ -424,16 +424,9 @@ fn parse_head(buf: &mut BytesMut, head_only: bool) -> Result<Parsed, Failure> {
         let value = HeaderValue::from_bytes(f.value)
             .map_err(|_| Failure::Broken(invalid("bad field value")))?;
         if name == header::CONTENT_LENGTH {
-            // Digits only (RFC 9110 8.6): `parse` would also take a sign.
-            let digits = f.value.trim_ascii();
-            let n = (!digits.is_empty() && digits.iter().all(u8::is_ascii_digit))
-                .then(|| std::str::from_utf8(digits).ok()?.parse::<u64>().ok())
-                .flatten()
-                .ok_or_else(|| framing(BadAnswer::BadLength))?;
-            if length.is_some_and(|l| l != n) {
-                return Err(framing(BadAnswer::TwoLengths));
-            }
-            length = Some(n);
+            // Judged below, and written again as one number when it frames the body.
+            lengths.read(f.value);
+            continue;
         } else if name == header::TRANSFER_ENCODING {
             let last = f.value.rsplit(|&b| b == b',').next().unwrap_or_default();
             transfer = Some(last.trim_ascii().eq_ignore_ascii_case(b"chunked"));
@@ -452,27 +445,31 @@ fn parse_head(buf: &mut BytesMut, head_only: bool) -> Result<Parsed, Failure> {
         headers.append(name, value);
     }
     buf.advance(len);
-    let framing =
-        if head_only || status == StatusCode::NO_CONTENT || status == StatusCode::NOT_MODIFIED {
-            Framing::Length(0)
-        } else {
-            match (transfer, length) {
-                (Some(true), _) => {
-                    // A length beside chunked framing means nothing (RFC 9112 6.3).
-                    headers.remove(header::CONTENT_LENGTH);
-                    Framing::Chunked(Chunk::Size)
-                }
-                (Some(false), _) => {
-                    // Nor beside any other coding: the body runs to the close, and an
-                    // HTTP/2 answer that kept the length would say less than it carries
-                    // (a malformed answer its client resets).
-                    headers.remove(header::CONTENT_LENGTH);
-                    Framing::Close
-                }
-                (None, Some(n)) => Framing::Length(n),
-                (None, None) => Framing::Close,
-            }
-        };
+    let bodyless =
+        head_only || status == StatusCode::NO_CONTENT || status == StatusCode::NOT_MODIFIED;
+    // The byte pump's rules (`http::Lengths`): lengths that differ, or one that is no
+    // number where it would frame the body, are the server's fault.
+    let length = lengths
+        .judge(transfer.is_some(), bodyless)
+        .map_err(framing)?;
+    if let (Some(n), None) = (length, transfer) {
+        // One number, however the server wrote it (`5, 5`, two fields): an HTTP/2
+        // client takes no list. Beside a transfer coding a length means nothing (RFC
+        // 9112 6.3), and an HTTP/2 answer that kept it would say less than it carries
+        // (a malformed answer its client resets).
+        headers.insert(header::CONTENT_LENGTH, HeaderValue::from(n));
+    }
+    let framing = if bodyless {
+        Framing::Length(0)
+    } else {
+        match (transfer, length) {
+            (Some(true), _) => Framing::Chunked(Chunk::Size),
+            // Nor beside any other coding: the body runs to the close.
+            (Some(false), _) => Framing::Close,
+            (None, Some(n)) => Framing::Length(n),
+            (None, None) => Framing::Close,
+        }
+    };
     let keeps = framing != Framing::Close && options.keeps(!http10);
     let mut parts = Response::new(()).into_parts().0;
     parts.status = status;
@@ -812,6 +809,74 @@ mod tests {
                 "{:?}",
                 String::from_utf8_lossy(bad)
             );
+        }
+    }
+
+    /// The head `parse_head` makes of `answer`, or why it refused it.
+    fn head_of(answer: &[u8], head_only: bool) -> Result<Head, String> {
+        match parse_head(&mut BytesMut::from(answer), head_only) {
+            Ok(Parsed::Final(head)) => Ok(head),
+            Ok(Parsed::Interim | Parsed::Partial) => Err("no final head".into()),
+            Err(Failure::Unanswered(e) | Failure::Broken(e) | Failure::Client(e)) => {
+                Err(e.to_string())
+            }
+        }
+    }
+
+    fn lengths(head: &Head) -> Vec<&HeaderValue> {
+        head.parts
+            .headers
+            .get_all(header::CONTENT_LENGTH)
+            .iter()
+            .collect()
+    }
+
+    /// As the byte pump judges them (`http::Lengths`), so that an HTTP/2 client gets the
+    /// answer an HTTP/1.1 client gets.
+    #[test]
+    fn lengths_are_judged_as_the_byte_pump_judges_them() {
+        // One number however written, given to the HTTP/2 client once.
+        let listed = head_of(
+            b"HTTP/1.1 200 OK\r\nContent-Length: 5, 5\r\nContent-Length: 05\r\n\r\n",
+            false,
+        )
+        .unwrap();
+        assert_eq!(listed.framing, Framing::Length(5));
+        assert_eq!(lengths(&listed), ["5"]);
+        // A length that is no number frames nothing beside chunked framing, nor on an
+        // answer without a body: left out, not a 502.
+        for (answer, head_only) in [
+            (
+                &b"HTTP/1.1 200 OK\r\nTransfer-Encoding: chunked\r\nContent-Length: 12abc\r\n\r\n"
+                    [..],
+                false,
+            ),
+            (b"HTTP/1.1 200 OK\r\nContent-Length: abc\r\n\r\n", true),
+            (
+                b"HTTP/1.1 304 Not Modified\r\nContent-Length: -1\r\n\r\n",
+                false,
+            ),
+        ] {
+            let head = head_of(answer, head_only).unwrap();
+            assert!(
+                lengths(&head).is_empty(),
+                "{:?}",
+                String::from_utf8_lossy(answer)
+            );
+        }
+        // Where it would frame the body, it is the server's fault; and lengths that differ
+        // are, whatever the answer.
+        for (answer, head_only, why) in [
+            (&b"HTTP/1.1 200 OK\r\nContent-Length: 12abc\r\n\r\n"[..], false, BadAnswer::BadLength),
+            (b"HTTP/1.1 200 OK\r\nContent-Length: 1, 2\r\n\r\n", true, BadAnswer::TwoLengths),
+            (
+                b"HTTP/1.1 200 OK\r\nTransfer-Encoding: chunked\r\nContent-Length: 1\r\nContent-Length: 2\r\n\r\n",
+                false,
+                BadAnswer::TwoLengths,
+            ),
+        ] {
+            let refused = head_of(answer, head_only).err().unwrap_or_default();
+            assert!(refused.contains(&why.to_string()), "{refused}: {:?}", String::from_utf8_lossy(answer));
         }
     }
 

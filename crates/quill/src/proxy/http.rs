@@ -1096,11 +1096,7 @@ impl Exchange {
             }
         };
         let code = resp.code.unwrap_or_default();
-        let mut length: Option<Option<u64>> = None;
-        // Two `Content-Length` values that differ (in one field or two), or one that is
-        // no number.
-        let mut lengths_differ = false;
-        let mut bad_length = false;
+        let mut lengths = Lengths::default();
         let mut chunked: Option<bool> = None;
         let mut has_hsts = false;
         let mut options = ConnectionOptions::default();
@@ -1111,11 +1107,7 @@ impl Exchange {
             if name.eq_ignore_ascii_case(b"connection") {
                 options.read(h.value);
             } else if name.eq_ignore_ascii_case(b"content-length") {
-                let this = content_length(h.value);
-                lengths_differ |= lengths_disagree(h.value)
-                    || matches!((length, this), (Some(Some(a)), Some(b)) if a != b);
-                bad_length |= this.is_none();
-                length = Some(this);
+                lengths.read(h.value);
             } else if name.eq_ignore_ascii_case(b"transfer-encoding") {
                 if let Some(last) = list(h.value).last() {
                     let coding = last.split(|&b| b == b';').next().unwrap_or_default();
@@ -1150,19 +1142,16 @@ impl Exchange {
             return Some(HeadEnd::Complete(n));
         }
         let bodyless = request.head || code == 204 || code == 304;
-        if lengths_differ || (bad_length && chunked.is_none() && !bodyless) {
-            // Which length the client would take cannot be known: a 502 in its place (as
-            // HAProxy; NGINX 1.22 passes both with a 200), and neither connection goes on
-            // (RFC 9112 6.3: unrecoverable). Beside a transfer coding a length is dropped,
-            // and an answer without a body has none to frame, whatever it says.
-            let why = if lengths_differ {
-                BadAnswer::TwoLengths
-            } else {
-                BadAnswer::BadLength
-            };
-            self.bad_gateway(why, out);
-            return Some(HeadEnd::Complete(n));
-        }
+        let length = match lengths.judge(chunked.is_some(), bodyless) {
+            Ok(length) => length,
+            Err(why) => {
+                // Which length the client would take cannot be known: a 502 in its place
+                // (as HAProxy; NGINX 1.22 passes both with a 200), and neither connection
+                // goes on (RFC 9112 6.3: unrecoverable).
+                self.bad_gateway(why, out);
+                return Some(HeadEnd::Complete(n));
+            }
+        };
         let hsts = match self.params.hsts {
             Some(h) if self.params.scheme == Scheme::Https && !has_hsts => Some(h),
             _ => None,
@@ -1190,9 +1179,7 @@ impl Exchange {
             match (chunked, length) {
                 (Some(true), _) => Resp::Chunked(CHUNK_START),
                 (Some(false), _) | (None, None) => Resp::UntilClose,
-                (None, Some(Some(len))) => Resp::Body(len),
-                // Not reached: an unreadable length is a 502 above.
-                (None, Some(None)) => Resp::Raw,
+                (None, Some(len)) => Resp::Body(len),
             }
         };
         if framing == Resp::UntilClose {
@@ -1212,16 +1199,11 @@ impl Exchange {
         // would read in the server's (its default by the older of the two versions).
         let client_keeps = self.client_keep && !closes;
         let says_keep = options.keeps(resp.version != Some(0) && !request.http10);
-        // An answer quill cannot frame passes as it came, unless it is the last one.
-        let verbatim = if framing == Resp::Raw {
-            !closes
-        } else {
-            !hop_fields && !options.names && says_keep == client_keeps
-        };
+        let verbatim = !hop_fields && !options.names && says_keep == client_keeps;
         // A length beside a transfer coding means nothing (the coding frames the body),
         // and RFC 9112 6.3 has an intermediary remove it: a client that believed it
         // would read the rest of the body as the next answer.
-        let drop_length = chunked.is_some() && length.is_some();
+        let drop_length = chunked.is_some() && lengths.present();
         if verbatim && !drop_length {
             write_with_hsts(head, hsts, out);
         } else {
@@ -1244,8 +1226,6 @@ impl Exchange {
                 self.response_done();
                 self.resp = Resp::Head;
             }
-            // An unreadable length: the rest cannot be framed.
-            Resp::Raw => self.give_up_responses(),
             _ => {}
         }
         Some(HeadEnd::Complete(n))
@@ -1576,6 +1556,58 @@ struct Own {
 /// quill's answer in place of a server's that cannot be framed.
 const BAD_GATEWAY: &[u8] =
     b"HTTP/1.1 502 Bad Gateway\r\nContent-Type: text/plain\r\nContent-Length: 12\r\nConnection: close\r\n\r\nBad Gateway\n";
+
+/// The `Content-Length` fields of one answer, judged by the rules of both paths that read
+/// HTTP/1.1 answers (the byte pump's `Exchange`, and `h1_client` for HTTP/2 clients), so
+/// that a client gets the same answer whichever way it came.
+#[derive(Debug, Default, Clone, Copy)]
+pub(super) struct Lengths {
+    /// The first value that is a number.
+    number: Option<u64>,
+    /// A field was there.
+    present: bool,
+    /// Two numbers differ, in one field (`2, 40`) or two.
+    differ: bool,
+    /// A value is no number (a sign, letters, empty, too long).
+    bad: bool,
+}
+
+impl Lengths {
+    /// Takes in one `Content-Length` field's value.
+    pub(super) fn read(&mut self, value: &[u8]) {
+        self.present = true;
+        self.differ |= lengths_disagree(value);
+        match content_length(value) {
+            Some(n) => {
+                self.differ |= self.number.is_some_and(|first| first != n);
+                self.number.get_or_insert(n);
+            }
+            None => self.bad = true,
+        }
+    }
+
+    /// Whether the answer has a `Content-Length` field.
+    pub(super) fn present(&self) -> bool {
+        self.present
+    }
+
+    /// The length that frames the body, if one does. Lengths that differ are refused
+    /// whatever the answer (which one the client believes cannot be known); one that is no
+    /// number only when it would frame the body: not beside a transfer coding (`coded`,
+    /// which frames the body instead: the length is dropped, RFC 9112 6.3), nor on an
+    /// answer without a body (`bodyless`: to a `HEAD`, 204, 304).
+    pub(super) fn judge(&self, coded: bool, bodyless: bool) -> Result<Option<u64>, BadAnswer> {
+        if self.differ {
+            Err(BadAnswer::TwoLengths)
+        } else if !self.bad {
+            Ok(self.number)
+        } else if coded || bodyless {
+            Ok(None)
+        } else {
+            Err(BadAnswer::BadLength)
+        }
+    }
+}
 
 /// `digits` without its leading zeros.
 fn without_leading_zeros(digits: &[u8]) -> &[u8] {
