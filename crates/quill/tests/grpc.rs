@@ -273,6 +273,40 @@ fn grpc_calls_of_every_kind_pass_through_tls_on_both_sides() {
     expect_cancelled_at(&tls.server);
 }
 
+/// Without `http`: a raw TLS relay told to offer `h2` (`alpn h2`, as HAProxy's `mode tcp`
+/// with `alpn h2`) terminates TLS for a gRPC server that speaks h2c, and over
+/// `upstream_tls` asks a TLS server for `h2` in its turn (gRPC servers insist on it).
+#[test]
+fn grpc_calls_pass_a_raw_tls_relay_that_offers_h2() {
+    if !has_grpc() {
+        return;
+    }
+    let tls = TlsServer::start();
+    let (cert, key) = (&tls.cert, &tls.key);
+    let terminating = |server: &[&str]| {
+        let args = [&["-E", cert, "-K", key, "-O", "alpn h2"], server].concat();
+        Quill::start(&args)
+    };
+    let (plain, port) = grpc_server(None);
+    let q = terminating(&["{port}", &format!("127.0.0.1:{port}")]);
+    run_client(&q.addr().to_string(), Some(&tls.ca));
+    expect_cancelled_at(&plain);
+    let ca = format!("upstream_ca {}", tls.ca);
+    let server = format!("127.0.0.1:{}", tls.port);
+    let q = terminating(&[
+        "-O",
+        "upstream_tls",
+        "-O",
+        &ca,
+        "-O",
+        "upstream_sni localhost",
+        "{port}",
+        &server,
+    ]);
+    run_client(&q.addr().to_string(), Some(&tls.ca));
+    expect_cancelled_at(&tls.server);
+}
+
 /// The gRPC server over TLS, its certificate (for `localhost`) from the test CA.
 struct TlsServer {
     server: Daemon,

@@ -196,20 +196,44 @@ fn alpn_chooses_what_tls_listeners_offer() {
         return;
     };
     assert!(out.ends_with("version 1.1\n"), "{out}");
-    // `h2` is HTTP: without `http` quill refuses to offer it, at start-up.
+}
+
+/// Without `http`, a raw TLS relay offers `h2` when told to (as HAProxy's `mode tcp` with
+/// `alpn h2`): the client's HTTP/2 goes on decrypted to a server that speaks it with
+/// prior knowledge (NGINX's `listen ... http2`). By default it offers `http/1.1` only.
+#[test]
+fn a_raw_tls_relay_offers_h2_for_servers_that_speak_it() {
+    let Some((_nginx, port)) = nginx(
+        " http2",
+        "",
+        "  location /who { default_type text/plain; return 200 \"$server_protocol\\n\"; }",
+        &[],
+    ) else {
+        return;
+    };
+    let dir = TempDir::new("raw-h2");
     let (cert, key) = certificate(dir.path());
-    let (code, stderr) = Quill::start_expect_exit(&[
-        "-E",
-        cert.to_str().unwrap(),
-        "-K",
-        key.to_str().unwrap(),
-        "-O",
-        "alpn h2,http/1.1",
-        "{port}",
-        &format!("127.0.0.1:{port}"),
-    ]);
-    assert_ne!(code, Some(0), "{stderr}");
-    assert!(stderr.contains("alpn h2 needs http"), "{stderr}");
+    let raw = |alpn: &[&str]| {
+        let mut args = vec!["-E", cert.to_str().unwrap(), "-K", key.to_str().unwrap()];
+        args.extend_from_slice(alpn);
+        let server = format!("127.0.0.1:{port}");
+        Quill::start(&[&args[..], &["{port}", &server]].concat())
+    };
+    let q = raw(&["-O", "alpn h2"]);
+    let url = format!("https://127.0.0.1:{}/who", q.port);
+    let Some(out) = curl(&["-k", "--http2", "-w", "version %{http_version}\n", &url]) else {
+        return;
+    };
+    assert_eq!(out, "HTTP/2.0\nversion 2\n");
+    let q = raw(&[]);
+    let url = format!("https://127.0.0.1:{}/who", q.port);
+    let out = Command::new("curl")
+        .args(["-sk", "--http2", "-w", "version %{http_version}\n", &url])
+        .output()
+        .unwrap();
+    // curl's HTTP/1.1, to a server that speaks only HTTP/2: no answer it can read.
+    let said = String::from_utf8_lossy(&out.stdout);
+    assert!(!said.contains("version 2"), "{said}");
 }
 
 #[test]

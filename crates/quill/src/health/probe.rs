@@ -17,7 +17,7 @@ use tokio::io::{AsyncRead, AsyncReadExt, AsyncWrite, AsyncWriteExt};
 use super::grpc::{self, ServingStatus};
 use crate::command::{Host, Probe, Word};
 use crate::net::connect::{connect, SocketOptions};
-use crate::tls::UpstreamTls;
+use crate::tls::{Offer, UpstreamTls};
 
 /// Most bytes of an answer read to find its status line.
 pub const MAX_HEAD: usize = 8192;
@@ -124,7 +124,7 @@ async fn run(target: &Target, timeout: Duration) -> Result<(), ProbeError> {
         (Probe::Http { path, status }, Some(tls)) => {
             let stream = tls
                 .conf
-                .connect(stream, tls.host.as_ref(), ip, timeout, false)
+                .connect(stream, tls.host.as_ref(), ip, timeout, Offer::Nothing)
                 .await
                 .map_err(ProbeError::Tls)?;
             http_get(stream, target, path, *status).await
@@ -134,7 +134,7 @@ async fn run(target: &Target, timeout: Duration) -> Result<(), ProbeError> {
         (Probe::Grpc { service }, Some(tls)) => {
             let stream = tls
                 .conf
-                .connect(stream, tls.host.as_ref(), ip, timeout, true)
+                .connect(stream, tls.host.as_ref(), ip, timeout, Offer::H2First)
                 .await
                 .map_err(ProbeError::Tls)?;
             if stream.get_ref().1.alpn_protocol() != Some(b"h2") {

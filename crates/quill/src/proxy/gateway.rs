@@ -50,6 +50,7 @@ use crate::command::Hsts;
 use crate::net::connect::{is_local_failure, SocketOptions};
 use crate::settings::Settings;
 use crate::state::State;
+use crate::tls::Offer;
 
 /// The server a request goes to; its state lives as long as the process.
 type To<'a> = Candidate<'a, 'static>;
@@ -1207,7 +1208,7 @@ async fn connect(
         to.host,
         peer.preamble,
         peer.opts,
-        h2,
+        if h2 { Offer::H2First } else { Offer::Nothing },
     )
     .await?;
     server.total.fetch_add(1, Relaxed);

@@ -41,6 +41,7 @@ use crate::balance::ServerState;
 use crate::net::connect::is_local_failure;
 use crate::settings::Settings;
 use crate::state::State;
+use crate::tls::Offer;
 
 /// The answers quill gives itself (status, bytes), after which the connection closes (the
 /// request's body, if any, was not read to its end).
@@ -508,7 +509,7 @@ pub(super) async fn connect(
         to.host,
         peer.preamble,
         peer.opts,
-        false,
+        Offer::Nothing,
     ))
     .await?;
     to.server.total.fetch_add(1, Relaxed);

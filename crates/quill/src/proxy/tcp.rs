@@ -45,7 +45,7 @@ use crate::net::connect::{apply_options, connect, is_local_failure, source_for, 
 use crate::net::Listener;
 use crate::settings::Settings;
 use crate::state::State;
-use crate::tls::{ClientTlsStream, ServerTls, ServerTlsStream};
+use crate::tls::{ClientTlsStream, Offer, ServerTls, ServerTlsStream};
 
 /// The address Unix-domain clients are treated as having, for ACLs and tracking.
 const UNIX_CLIENT: SocketAddr = SocketAddr::new(IpAddr::V4(Ipv4Addr::LOCALHOST), 0);
@@ -973,8 +973,16 @@ async fn open<C: ClientStream>(
     if !permitted {
         tracing::debug!(%peer, "denied by client_acl {}: sent to the abuse server", settings.client_acl);
     }
+    // A raw relay's client that chose HTTP/2 (`alpn h2` without `http`) speaks it to the
+    // server, which TLS must then ask for (a gRPC server insists on it).
+    let offer = match &client {
+        Client::Tls(c) if http.is_none() && c.get_ref().1.alpn_protocol() == Some(b"h2") => {
+            Offer::H2Only
+        }
+        _ => Offer::Nothing,
+    };
     let upstream = Box::pin(choose_and_connect(
-        state, &settings, preamble, opts, permitted,
+        state, &settings, preamble, opts, permitted, offer,
     ))
     .await;
     // The access log's lines of a connection relayed whole (request by request, the
@@ -1325,7 +1333,7 @@ pub(super) fn proxy_version(settings: &Settings, index: Option<usize>) -> Option
 /// Connects to an upstream, sends the PROXY header if one is configured, and with
 /// `upstream_tls` runs the TLS handshake (verifying the server's certificate). The PROXY
 /// header goes first, in clear, as PROXY-aware TLS servers expect. Any failure is the
-/// server's: the caller blacklists it and fails over. `offer_h2`: TLS offers ALPN `h2`
+/// server's: the caller blacklists it and fails over. `offer`: what TLS offers in ALPN
 /// (`Server::picked_h2` tells what the server picked).
 #[allow(clippy::too_many_arguments)]
 pub(super) async fn open_upstream(
@@ -1336,7 +1344,7 @@ pub(super) async fn open_upstream(
     host: Option<&Host>,
     preamble: Preamble,
     opts: SocketOptions,
-    offer_h2: bool,
+    offer: Offer,
 ) -> io::Result<Server> {
     let mut stream = connect(
         addr,
@@ -1353,7 +1361,7 @@ pub(super) async fn open_upstream(
     match &settings.tls_built.upstream {
         None => Ok(Server::Plain(stream)),
         Some(tls) => match tls
-            .connect(stream, host, addr.ip(), timeout(settings), offer_h2)
+            .connect(stream, host, addr.ip(), timeout(settings), offer)
             .await
         {
             Ok(s) => Ok(Server::Tls(Box::new(s))),
@@ -1385,13 +1393,15 @@ fn timeout(settings: &Settings) -> Duration {
 }
 
 /// Selection with transparent failover, then the emergency server as a last resort; for
-/// a client the ACL denies (`permitted` false), the abuse server.
+/// a client the ACL denies (`permitted` false), the abuse server. `offer`: what TLS to the
+/// server offers in ALPN.
 async fn choose_and_connect<'s>(
     state: &'s State,
     settings: &Settings,
     preamble: Preamble,
     opts: SocketOptions,
     permitted: bool,
+    offer: Offer,
 ) -> Option<(Server, Lease<'s>)> {
     let peer = preamble.peer;
     // The accept loop keeps this near `pending_max`; a burst accepted before the limit
@@ -1404,7 +1414,7 @@ async fn choose_and_connect<'s>(
             index: c.index,
         };
         match open_upstream(
-            state, settings, c.addr, c.index, c.host, preamble, opts, false,
+            state, settings, c.addr, c.index, c.host, preamble, opts, offer,
         )
         .await
         {

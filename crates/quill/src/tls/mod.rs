@@ -76,8 +76,6 @@ pub enum TlsError {
         item: String,
         supported: String,
     },
-    #[error("alpn h2 needs http (-H): quill speaks HTTP/2 only where it serves HTTP")]
-    H2NeedsHttp,
     #[error("ssl_ciphers '{list}' leaves no suite for {what}")]
     NoSuites { list: String, what: String },
     #[error("no protocol version left: ssl_protocol tls1.2 with ssl_option no_tlsv1.2")]
@@ -302,12 +300,26 @@ impl ServerTls {
     }
 }
 
+/// What a TLS connection to a server offers in ALPN.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Offer {
+    /// Nothing: the server speaks what it speaks (raw relays, HTTP/1.1 pools).
+    Nothing,
+    /// `h2`, then `http/1.1` (`upstream_h2`: a server that picks neither, or has no ALPN,
+    /// gets HTTP/1.1).
+    H2First,
+    /// `h2` alone: for a raw relay whose client chose `h2` (`alpn h2` without `http`), whose
+    /// bytes only a server speaking HTTP/2 understands (gRPC servers insist on the ALPN).
+    H2Only,
+}
+
 /// TLS to upstream servers.
 pub struct UpstreamTls {
     connector: tokio_rustls::TlsConnector,
-    /// The same configuration (and session cache) offering ALPN `h2` and `http/1.1`, for
-    /// `upstream_h2`: a server that picks neither, or has no ALPN, gets HTTP/1.1.
+    /// The same configuration (and session cache) offering ALPN `h2` and `http/1.1`
+    /// ([`Offer::H2First`]), and `h2` alone ([`Offer::H2Only`]).
     connector_h2: tokio_rustls::TlsConnector,
+    connector_h2_only: tokio_rustls::TlsConnector,
     /// `upstream_sni`: overrides the name taken from the server's address.
     sni: Option<ServerName<'static>>,
 }
@@ -324,20 +336,20 @@ impl UpstreamTls {
     }
 
     /// Runs the client side of the handshake over an established connection, verifying
-    /// the server's certificate, within `limit`; offers ALPN `h2` first when `offer_h2`.
+    /// the server's certificate, within `limit`; offers in ALPN what `offer` says.
     pub async fn connect<IO: AsyncRead + AsyncWrite + Unpin>(
         &self,
         io: IO,
         host: Option<&Host>,
         ip: IpAddr,
         limit: Duration,
-        offer_h2: bool,
+        offer: Offer,
     ) -> io::Result<ClientTlsStream<IO>> {
         let name = self.name_for(host, ip);
-        let connector = if offer_h2 {
-            &self.connector_h2
-        } else {
-            &self.connector
+        let connector = match offer {
+            Offer::Nothing => &self.connector,
+            Offer::H2First => &self.connector_h2,
+            Offer::H2Only => &self.connector_h2_only,
         };
         match tokio::time::timeout(limit, connector.connect(name, io)).await {
             Err(_) => Err(io::Error::new(
@@ -439,7 +451,7 @@ fn build_server(
     previous: Option<&ServerTls>,
 ) -> Result<ServerTls, TlsError> {
     let (provider, versions) = provider_and_versions(conf)?;
-    let alpn = alpn_protocols(conf)?;
+    let alpn = alpn_protocols(conf);
     let cert_path = PathBuf::from(cert.as_str());
     let key_path = conf
         .key
@@ -562,23 +574,21 @@ struct Shared<'a> {
 }
 
 /// What TLS listeners offer: `alpn` as given, else `h2` (only with `http`) and `http/1.1`.
-fn alpn_protocols(conf: &TlsConf) -> Result<Vec<Vec<u8>>, TlsError> {
+/// A raw relay offers `h2` only when told to: its servers must then speak HTTP/2 (h2c, or
+/// TLS with ALPN `h2`, which quill offers them for such a client).
+fn alpn_protocols(conf: &TlsConf) -> Vec<Vec<u8>> {
     let default = if conf.http {
         vec![Alpn::H2, Alpn::Http11]
     } else {
         vec![Alpn::Http11]
     };
     let list = conf.alpn.as_ref().unwrap_or(&default);
-    if list.contains(&Alpn::H2) && !conf.http {
-        return Err(TlsError::H2NeedsHttp);
-    }
-    Ok(list
-        .iter()
+    list.iter()
         .map(|p| match p {
             Alpn::H2 => ALPN_H2.to_vec(),
             Alpn::Http11 => ALPN_HTTP11.to_vec(),
         })
-        .collect())
+        .collect()
 }
 
 impl Shared<'_> {
@@ -652,10 +662,13 @@ fn build_upstream(conf: &TlsConf) -> Result<UpstreamTls, TlsError> {
     };
     // A clone shares the session store, so a resumed session serves either connector.
     let mut config_h2 = config.clone();
-    config_h2.alpn_protocols = vec![b"h2".to_vec(), b"http/1.1".to_vec()];
+    config_h2.alpn_protocols = vec![ALPN_H2.to_vec(), ALPN_HTTP11.to_vec()];
+    let mut config_h2_only = config.clone();
+    config_h2_only.alpn_protocols = vec![ALPN_H2.to_vec()];
     Ok(UpstreamTls {
         connector: tokio_rustls::TlsConnector::from(Arc::new(config)),
         connector_h2: tokio_rustls::TlsConnector::from(Arc::new(config_h2)),
+        connector_h2_only: tokio_rustls::TlsConnector::from(Arc::new(config_h2_only)),
         sni,
     })
 }
