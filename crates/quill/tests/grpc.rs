@@ -379,7 +379,7 @@ fn a_call_quill_answers_itself_gets_a_grpc_status() {
     // Nothing listens on the server's port.
     let q = quill_h2c(free_port());
     let out = one_call(&q.addr().to_string());
-    assert_eq!(out.trim(), "UNAVAILABLE Service unavailable", "{out}");
+    assert_eq!(out.trim(), "UNAVAILABLE Service Unavailable", "{out}");
 }
 
 /// A server that vanishes in the middle of its answer (its process gone, the connection

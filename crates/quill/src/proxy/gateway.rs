@@ -759,7 +759,7 @@ async fn route(
             Sent::Unsent(_, e) if is_local_failure(&e) => {
                 tracing::warn!(peer = %peer.addr, "cannot connect to {c}: {e}");
                 state.counters.no_server.fetch_add(1, Relaxed);
-                return answer(StatusCode::SERVICE_UNAVAILABLE, "Service unavailable\n");
+                return answer(StatusCode::SERVICE_UNAVAILABLE, "Service Unavailable\n");
             }
             Sent::Unsent(back, e) => {
                 candidates.failed(&c, &e);
@@ -769,7 +769,7 @@ async fn route(
                 tracing::info!("{c} refused a request's stream: {e}");
                 // Not processed, so not a bad gateway: unavailable for now, and the
                 // client may send it again.
-                let mut refused = answer(StatusCode::SERVICE_UNAVAILABLE, "Service unavailable\n");
+                let mut refused = answer(StatusCode::SERVICE_UNAVAILABLE, "Service Unavailable\n");
                 refused
                     .headers_mut()
                     .insert(header::RETRY_AFTER, HeaderValue::from_static("1"));
@@ -781,7 +781,7 @@ async fn route(
                     Some(why) => super::tcp::bad_answer(state, c, why),
                     None => candidates::lost(&c, &e),
                 }
-                return answer(StatusCode::BAD_GATEWAY, "Bad gateway\n");
+                return answer(StatusCode::BAD_GATEWAY, "Bad Gateway\n");
             }
             Sent::Failed(e) => {
                 match bad_answer(&e) {
@@ -789,12 +789,12 @@ async fn route(
                     Some(why) => super::tcp::bad_answer(state, c, why),
                     None => tracing::debug!(peer = %peer.addr, "{c} failed a request: {e}"),
                 }
-                return answer(StatusCode::BAD_GATEWAY, "Bad gateway\n");
+                return answer(StatusCode::BAD_GATEWAY, "Bad Gateway\n");
             }
         }
     }
     state.counters.no_server.fetch_add(1, Relaxed);
-    answer(StatusCode::SERVICE_UNAVAILABLE, "Service unavailable\n")
+    answer(StatusCode::SERVICE_UNAVAILABLE, "Service Unavailable\n")
 }
 
 /// How a request is sent: the pool's rules, whether it asks for a tunnel (then a new
@@ -1460,10 +1460,8 @@ fn answer(status: StatusCode, text: &'static str) -> Reply {
         text.as_bytes(),
     ))));
     *resp.status_mut() = status;
-    resp.headers_mut().insert(
-        header::CONTENT_TYPE,
-        HeaderValue::from_static("text/plain; charset=utf-8"),
-    );
+    resp.headers_mut()
+        .insert(header::CONTENT_TYPE, HeaderValue::from_static("text/plain"));
     resp.extensions_mut().insert(Own(text));
     resp
 }

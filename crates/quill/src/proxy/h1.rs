@@ -20,6 +20,7 @@ use hyper_util::rt::{TokioIo, TokioTimer};
 use tokio::io::{AsyncRead, AsyncWrite, AsyncWriteExt, ReadBuf};
 
 use super::gateway::{self, Activity, Ended, Graceful, HeadTimeout, Peer, Timers};
+use super::http::Refusal;
 use crate::state::State;
 
 /// A client connection that can be served without hyper for a while: its socket waited on
@@ -211,8 +212,7 @@ struct Reads {
 
 /// The `408` quill answers to a head that did not come whole in time, as the byte pump
 /// does.
-const REQUEST_TIMEOUT: &[u8] =
-    b"HTTP/1.1 408 Request Timeout\r\nConnection: close\r\nContent-Length: 0\r\n\r\n";
+const REQUEST_TIMEOUT: &[u8] = Refusal::Timeout.response();
 
 impl Reads {
     /// Whether the client sent bytes (part of a head) after the answer that ended at

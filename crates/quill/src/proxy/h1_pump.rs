@@ -31,6 +31,7 @@ use tokio::io::{AsyncRead, AsyncWriteExt, ReadBuf};
 use super::candidates::{self, Candidate, Candidates};
 use super::gateway::{secs, Lease, Peer};
 use super::h1::Parkable;
+use super::http;
 use super::pool::{self, Limits, Pool, Pooled};
 use super::pump::{self, Http};
 use super::relay::{End, RelayOptions};
@@ -45,14 +46,8 @@ use crate::tls::Offer;
 
 /// The answers quill gives itself (status, bytes), after which the connection closes (the
 /// request's body, if any, was not read to its end).
-const BAD_GATEWAY: (u16, &[u8]) = (
-    502,
-    b"HTTP/1.1 502 Bad Gateway\r\nConnection: close\r\nContent-Length: 0\r\n\r\n",
-);
-const UNAVAILABLE: (u16, &[u8]) = (
-    503,
-    b"HTTP/1.1 503 Service Unavailable\r\nConnection: close\r\nContent-Length: 0\r\n\r\n",
-);
+const BAD_GATEWAY: (u16, &[u8]) = (502, http::BAD_GATEWAY);
+const UNAVAILABLE: (u16, &[u8]) = (503, http::UNAVAILABLE);
 
 /// A kept-alive connection to a server, as a stream the byte pump relays over; counted in
 /// the server's `pool_open` while it exists.

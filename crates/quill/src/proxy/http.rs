@@ -79,7 +79,7 @@ pub enum Refusal {
 
 impl Refusal {
     /// The whole response sent to the client.
-    pub fn response(self) -> &'static [u8] {
+    pub const fn response(self) -> &'static [u8] {
         match self {
             Refusal::BadRequest => b"HTTP/1.1 400 Bad Request\r\nContent-Type: text/plain\r\nContent-Length: 12\r\nConnection: close\r\n\r\nBad Request\n",
             Refusal::TooLarge => b"HTTP/1.1 431 Request Header Fields Too Large\r\nContent-Type: text/plain\r\nContent-Length: 32\r\nConnection: close\r\n\r\nRequest Header Fields Too Large\n",
@@ -1553,9 +1553,14 @@ struct Own {
     drop_length: bool,
 }
 
-/// quill's answer in place of a server's that cannot be framed.
-const BAD_GATEWAY: &[u8] =
+/// quill's answer in place of a server's that cannot be framed, or that failed (the same
+/// words on every path: the byte pump, `h1_pump`, and `gateway` for HTTP/2 clients).
+pub(super) const BAD_GATEWAY: &[u8] =
     b"HTTP/1.1 502 Bad Gateway\r\nContent-Type: text/plain\r\nContent-Length: 12\r\nConnection: close\r\n\r\nBad Gateway\n";
+
+/// quill's answer when no server could take a request.
+pub(super) const UNAVAILABLE: &[u8] =
+    b"HTTP/1.1 503 Service Unavailable\r\nContent-Type: text/plain\r\nContent-Length: 20\r\nConnection: close\r\n\r\nService Unavailable\n";
 
 /// The `Content-Length` fields of one answer, judged by the rules of both paths that read
 /// HTTP/1.1 answers (the byte pump's `Exchange`, and `h1_client` for HTTP/2 clients), so
