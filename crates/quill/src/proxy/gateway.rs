@@ -1516,8 +1516,6 @@ fn ambiguous_host<B>(req: &Request<B>) -> Option<&'static str> {
         return None;
     }
     let target = req.uri().authority()?.as_str();
-    // Its user information left out, as `http::Exchange` does.
-    let target = target.rsplit_once('@').map_or(target, |(_, host)| host);
     let default_port: &[u8] = if req.uri().scheme() == Some(&hyper::http::uri::Scheme::HTTPS) {
         b"443"
     } else {

@@ -1421,8 +1421,8 @@ pub(super) fn is_http2_token(protocol: &[u8]) -> bool {
     name.eq_ignore_ascii_case(b"h2c") || name.eq_ignore_ascii_case(b"h2")
 }
 
-/// The authority of an absolute-form `http` or `https` target (its user information left
-/// out) and the port its scheme implies; `None` for any other form.
+/// The authority of an absolute-form `http` or `https` target and the port its scheme
+/// implies; `None` for any other form.
 fn absolute_authority(target: &str) -> Option<(&[u8], &'static [u8])> {
     let t = target.as_bytes();
     let (rest, port): (&[u8], &'static [u8]) =
@@ -1437,12 +1437,7 @@ fn absolute_authority(target: &str) -> Option<(&[u8], &'static [u8])> {
         .iter()
         .position(|&b| matches!(b, b'/' | b'?' | b'#'))
         .unwrap_or(rest.len());
-    let authority = &rest[..end];
-    let host = match authority.iter().rposition(|&b| b == b'@') {
-        Some(at) => &authority[at + 1..],
-        None => authority,
-    };
-    Some((host, port))
+    Some((&rest[..end], port))
 }
 
 /// Writes the field `name` with the comma-separated `items`; nothing if there are none.
@@ -1463,8 +1458,13 @@ fn write_list<'a>(out: &mut Vec<u8>, name: &[u8], items: impl Iterator<Item = &'
 }
 
 /// Whether a `Host` value names the authority of an absolute-form target: the same host
-/// (case aside) and port, a missing port being the scheme's.
+/// (case aside) and port, a missing port being the scheme's; the target's user
+/// information (`user@`), which `Host` never carries, left out.
 pub(super) fn same_authority((target, default_port): (&[u8], &[u8]), host: &[u8]) -> bool {
+    let target = match target.iter().rposition(|&b| b == b'@') {
+        Some(at) => &target[at + 1..],
+        None => target,
+    };
     let (th, tp) = host_and_port(target);
     let (hh, hp) = host_and_port(host.trim_ascii());
     th.eq_ignore_ascii_case(hh) && tp.unwrap_or(default_port) == hp.unwrap_or(default_port)
