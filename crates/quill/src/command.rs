@@ -139,9 +139,9 @@ pub enum Command {
     Recent(Option<u64>),
     /// `connection N`: one open connection.
     Connection(u64),
-    /// `connections` (extension): every open connection, oldest first, one `connection N`
-    /// line each (Pen lists them on its status page).
-    Connections,
+    /// `connections [N]` (extension): the open connections, oldest first (the oldest N),
+    /// one `connection N` line each (Pen lists them on its status page).
+    Connections(Option<u64>),
     /// `close N`: close an open connection.
     Close(u64),
     /// `control`: where the control socket listens.
@@ -577,7 +577,7 @@ impl Command {
                 | Command::Mode
                 | Command::Recent(_)
                 | Command::Connection(_)
-                | Command::Connections
+                | Command::Connections(_)
                 | Command::Close(_)
                 | Command::Control
                 | Command::Pid
@@ -1369,7 +1369,7 @@ fn parse_positive(command: &'static str, w: &mut Words<'_>) -> Result<Command, P
         "mode" => Command::Mode,
         "recent" => Command::Recent(w.optional_number("number of seconds")?),
         "connection" => Command::Connection(w.number("a connection number")?),
-        "connections" => Command::Connections,
+        "connections" => Command::Connections(w.optional_number("number of connections")?),
         "close" => Command::Close(w.number("a connection number")?),
         "control" => Command::Control,
         "pid" => Command::Pid,
@@ -1882,7 +1882,7 @@ impl fmt::Display for Command {
             Command::Mode => f.write_str("mode"),
             Command::Recent(n) => with_optional(f, "recent", n),
             Command::Connection(n) => write!(f, "connection {n}"),
-            Command::Connections => f.write_str("connections"),
+            Command::Connections(n) => with_optional(f, "connections", n),
             Command::Close(n) => write!(f, "close {n}"),
             Command::Control => f.write_str("control"),
             Command::Pid => f.write_str("pid"),
@@ -2289,7 +2289,7 @@ mod roundtrip {
             Just(Command::Mode),
             any::<Option<u64>>().prop_map(Command::Recent),
             any::<u64>().prop_map(Command::Connection),
-            Just(Command::Connections),
+            any::<Option<u64>>().prop_map(Command::Connections),
             any::<u64>().prop_map(Command::Close),
             Just(Command::Control),
             Just(Command::Pid),

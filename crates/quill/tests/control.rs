@@ -727,6 +727,11 @@ fn connection_and_close_act_on_live_connections() {
         two.local_addr().unwrap()
     );
     assert!(lines[1].starts_with(&second), "{listed:?}");
+    // `connections N`: the oldest N, and how many more (a table of 20,000 connections is
+    // 1.3 MB of lines).
+    let oldest = ctl_ok(&ctl, "connections 1");
+    assert_eq!(oldest, format!("{}\nand 1 more\n", lines[0]));
+    assert_eq!(ctl_ok(&ctl, "connections 5"), listed);
     let page = ctl_ok(&ctl, "status");
     assert!(
         page.contains("<h2>Connections</h2>") && page.contains(&second),

@@ -49,12 +49,13 @@ pub fn execute(ctx: &Context, cmd: &Command) -> Result<String, String> {
                 .ok_or_else(|| format!("no connection {id}"))?;
             Ok(report::connection(&c, clock::now_ms()))
         }
-        Command::Connections => {
+        Command::Connections(limit) => {
             let registry = state
                 .registry
                 .as_ref()
                 .ok_or("connections are not tracked")?;
-            Ok(report::connections(registry, None))
+            let limit = limit.map(|n| usize::try_from(n).unwrap_or(usize::MAX));
+            Ok(report::connections(registry, limit))
         }
         Command::Close(id) => {
             let registry = state
