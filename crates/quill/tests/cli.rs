@@ -271,13 +271,14 @@ fn term_signal_lets_established_connections_finish() {
 
 #[test]
 fn server_port_defaults_to_the_listening_port() {
-    // The server listens on 127.0.0.2:P (a port free there: other tests' clients use
-    // 127.0.0.2 too); quill listens on 127.0.0.1:P and is given the server as a bare host.
-    let a = IdentityBackend::start_on("same-port", "127.0.0.2:0");
-    let listen = format!("127.0.0.1:{}", a.port());
+    // The server listens on 127.0.0.2:P and quill on 127.0.0.1:P, given the server as a
+    // bare host. P comes from below the ephemeral range (`free_port`): a port the kernel
+    // picked for 127.0.0.2 could be a parallel test's connection's on 127.0.0.1.
+    let port = free_port();
+    let a = IdentityBackend::start_on("same-port", &format!("127.0.0.2:{port}"));
+    let listen = format!("127.0.0.1:{port}");
     let target = Target::Tcp(listen.parse().unwrap());
-    let q = Quill::start_on(&[&listen, "127.0.0.2"], target)
-        .unwrap_or_else(|e| panic!("{e} (port {} may be taken on 127.0.0.1)", a.port()));
+    let q = Quill::start_on(&[&listen, "127.0.0.2"], target).unwrap_or_else(|e| panic!("{e}"));
     let (name, _) = q.name_from("127.0.0.1");
     assert_eq!(name, a.name());
 }
