@@ -94,8 +94,9 @@ struct Shared<'a> {
     server_failed: bool,
     /// Request by request: the server closed its connection between requests.
     server_left: bool,
-    /// Request by request: the client closed its side (or failed) while its request's
-    /// answer was awaited. Its EOF went on to the server, which may answer or give up.
+    /// Request by request: the client closed its side while its request's answer was
+    /// awaited. Its EOF went on to the server, which may answer or give up. (A client's
+    /// failure ends the relay at once: the server's connection is dropped.)
     client_left: bool,
 }
 
@@ -229,7 +230,6 @@ impl Flow {
                     Poll::Pending => return Poll::Pending,
                     Poll::Ready(Err(e)) => {
                         shared.server_failed = dir == Dir::Down;
-                        shared.client_left |= ahead;
                         return Poll::Ready(Err(e));
                     }
                     Poll::Ready(Ok(())) => {}
