@@ -1563,7 +1563,9 @@ fn one_server_connection_per_client_logs_each_request_as_its_answer_ends() {
         lines().len() == 4
     });
     drop(client);
-    // No server to take the connection: its request is logged unanswered, with `-`.
+    // No server to take the connection: its first request is answered 503 (as request by
+    // request; Pen closes the connection unanswered), the one pipelined behind it not at
+    // all (the 503 says `Connection: close`), and the line has `503` and `-`.
     let q2 = Quill::start(&[
         "-H",
         "-O",
@@ -1575,22 +1577,42 @@ fn one_server_connection_per_client_logs_each_request_as_its_answer_ends() {
     ]);
     let mut client = q2.connect();
     client.set_read_timeout(Some(IO_TIMEOUT)).unwrap();
-    client.write_all(b"GET /x HTTP/1.1\r\n\r\n").unwrap();
+    client
+        .write_all(b"GET /x HTTP/1.1\r\n\r\nGET /y HTTP/1.1\r\n\r\n")
+        .unwrap();
+    let resp = read_response(&mut client).expect("an answer");
+    assert_eq!(resp.status, 503, "{}", resp.head);
+    assert_eq!(resp.field("connection").as_deref(), Some("close"));
+    assert_eq!(resp.body, b"Service Unavailable\n");
     let mut rest = Vec::new();
     let _ = client.read_to_end(&mut rest);
+    assert!(rest.is_empty(), "{}", String::from_utf8_lossy(&rest));
     let log2 = q2.dir().join("access.log");
-    wait_until(
-        Duration::from_secs(10),
-        "the unanswered request's line",
-        || std::fs::read_to_string(&log2).is_ok_and(|t| t.lines().count() == 1),
-    );
+    wait_until(Duration::from_secs(10), "the 503's line", || {
+        std::fs::read_to_string(&log2).is_ok_and(|t| t.lines().count() == 2)
+    });
     let text = std::fs::read_to_string(&log2).unwrap();
-    let fields: Vec<&str> = text.trim_end().split(' ').collect();
+    let fields: Vec<Vec<&str>> = text.lines().map(|l| l.split(' ').collect()).collect();
     assert_eq!(
-        (fields[2], fields[3], fields[4], fields[6], fields[10]),
-        ("GET", "-", "/x", "0", "-"),
+        (
+            fields[0][2],
+            fields[0][3],
+            fields[0][4],
+            fields[0][6],
+            fields[0][10]
+        ),
+        ("GET", "-", "/x", "503", "-"),
         "{text}"
     );
+    assert_eq!((fields[1][4], fields[1][6]), ("/y", "0"), "{text}");
+    // A first head that is refused gets its refusal, server or none.
+    let mut client = q2.connect();
+    client.set_read_timeout(Some(IO_TIMEOUT)).unwrap();
+    client
+        .write_all(b"GET /x HTTP/1.1\r\nHost: a\r\nHost: b\r\n\r\n")
+        .unwrap();
+    let resp = read_response(&mut client).expect("an answer");
+    assert_eq!(resp.status, 400, "{}", resp.head);
 }
 
 /// A server that drains (or leaves the configuration) keeps no idle pooled connection: the

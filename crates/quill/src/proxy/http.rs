@@ -1349,6 +1349,21 @@ impl Exchange {
         Some(self.own_answer(refusal.response()))
     }
 
+    /// What the client is sent when no server could take its connection (one server
+    /// connection per client connection, chosen after the first head): its refusal if that
+    /// head was refused (a `400` needs no server), else quill's 503 for the first request
+    /// (its access log status). Requests pipelined behind it go unanswered, as the answer's
+    /// `Connection: close` tells the client.
+    pub fn unserved(&mut self) -> Cow<'static, [u8]> {
+        if let Some(refusal) = self.take_refusal() {
+            return refusal;
+        }
+        if let Some(l) = self.logged_out() {
+            l.status = 503;
+        }
+        self.own_answer(UNAVAILABLE)
+    }
+
     /// One of quill's own answers (head and body in one) as this connection sends it:
     /// with `Strict-Transport-Security` over TLS when `hsts` is set, as every answer.
     pub fn own_answer(&self, answer: &'static [u8]) -> Cow<'static, [u8]> {

@@ -23,7 +23,7 @@ use std::sync::Arc;
 use std::task::{Context, Poll};
 use std::time::{Duration, Instant};
 
-use tokio::io::{AsyncRead, AsyncWrite};
+use tokio::io::{AsyncRead, AsyncWrite, AsyncWriteExt};
 use tokio::net::{TcpListener, TcpStream, UnixListener};
 use tokio::sync::{mpsc, watch};
 
@@ -992,14 +992,17 @@ async fn open<C: ClientStream>(
         if let Some(log) = &log {
             log.record(ip, started_unix, None, b"");
         }
-        if let (Some(http), Some(log)) = (&mut http, access_log) {
-            // The request that came is logged, unanswered, with no server.
-            http.lines = Some(pump::Lines {
-                log,
-                client: ip,
-                server: None,
-            });
-            http.log_the_rest();
+        if let Some(http) = &mut http {
+            // The client's request came whole: it is answered (a 503, as request by
+            // request does), not left with a connection closed in silence.
+            if let Some(log) = access_log {
+                http.lines = Some(pump::Lines {
+                    log,
+                    client: ip,
+                    server: None,
+                });
+            }
+            Box::pin(answer_unserved(&mut client, http)).await;
         }
         return None;
     };
@@ -1287,6 +1290,27 @@ impl AsyncWrite for Server {
             Server::Tls(s) => Pin::new(&mut **s).poll_shutdown(cx),
         }
     }
+}
+
+/// Answers the request whose head `http` holds when no server could take it
+/// ([`Exchange::unserved`]), writes its access log lines, and shuts the client's side. A
+/// client that does not read gets a second at most.
+async fn answer_unserved<C: ClientStream>(client: &mut Client<C>, http: &mut Http) {
+    let answer = http.exchange.unserved();
+    http.log_the_rest();
+    let _ = tokio::time::timeout(Duration::from_secs(1), async {
+        match client {
+            Client::Plain(c) => {
+                c.write_all(&answer).await?;
+                c.shutdown().await
+            }
+            Client::Tls(c) => {
+                c.write_all(&answer).await?;
+                c.shutdown().await
+            }
+        }
+    })
+    .await;
 }
 
 /// Who the client is and where it connected to, for the PROXY header sent to a server.
