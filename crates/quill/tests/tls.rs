@@ -785,6 +785,68 @@ fn curl_gets_http_over_tls_with_alpn_http11() {
     );
 }
 
+/// A client whose ALPN list names none of quill's protocols is served without ALPN, as by
+/// HAProxy (and NGINX for `http/1.0`), not refused with `no_application_protocol` (rustls's
+/// own answer): curl's `--http1.0` offers `http/1.0` alone, and a raw relay's client may
+/// name its own protocol.
+#[test]
+fn a_client_offering_none_of_quills_alpn_protocols_is_served_without_alpn() {
+    use support::http_echo::EchoServer;
+    let (_dir, ca, leaf) = tls_fixture();
+    let echo = EchoServer::start();
+    let q = Quill::start(&[
+        "-H",
+        "-E",
+        s(&leaf.cert),
+        "-K",
+        s(&leaf.key),
+        "{port}",
+        &echo.spec(),
+    ]);
+    let out = Command::new("curl")
+        .args([
+            "-sS",
+            "-v",
+            "--http1.0",
+            "--max-time",
+            "10",
+            "--cacert",
+            s(&ca.cert),
+        ])
+        .args(["-o", "/dev/null", "-w", "%{http_code}"])
+        .arg("--resolve")
+        .arg(format!("localhost:{}:127.0.0.1", q.port))
+        .arg(format!("https://localhost:{}/old", q.port))
+        .output()
+        .expect("curl (install curl)");
+    let verbose = String::from_utf8_lossy(&out.stderr);
+    assert!(out.status.success(), "{verbose}");
+    assert_eq!(String::from_utf8_lossy(&out.stdout), "200", "{verbose}");
+    assert!(verbose.contains("ALPN: offers http/1.0"), "{verbose}");
+    assert!(!verbose.contains("server accepted"), "{verbose}");
+
+    // A raw relay (offering `http/1.1` by default) and a client that asks for `imap`.
+    let backend = IdentityBackend::start("b0");
+    let q = Quill::start(&[
+        "-E",
+        s(&leaf.cert),
+        "-K",
+        s(&leaf.key),
+        "{port}",
+        &backend.spec(),
+    ]);
+    let mut config = (*client_config(&ca.cert, None)).clone();
+    config.alpn_protocols = vec![b"imap".to_vec()];
+    let mut tls = tls_connect(q.addr(), "localhost", &Arc::new(config)).unwrap();
+    assert_eq!(tls.conn.alpn_protocol(), None);
+    assert_eq!(backend_over_tls(&mut tls).unwrap(), "b0");
+    // One of quill's among others is still chosen.
+    let mut config = (*client_config(&ca.cert, None)).clone();
+    config.alpn_protocols = vec![b"imap".to_vec(), b"http/1.1".to_vec()];
+    let tls = tls_connect(q.addr(), "localhost", &Arc::new(config)).unwrap();
+    assert_eq!(tls.conn.alpn_protocol(), Some(&b"http/1.1"[..]));
+}
+
 /// quill in front of a TLS backend (another quill terminating TLS with the dummy server):
 /// plain and TLS clients reach it when its certificate verifies, and nothing does with the
 /// wrong CA.

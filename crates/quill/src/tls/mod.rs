@@ -39,7 +39,6 @@ pub use tokio_rustls::server::TlsStream as ServerTlsStream;
 /// TLS sessions remembered for resumption by session id (TLS 1.2 clients without tickets).
 const SESSION_CACHE: usize = 20_480;
 
-/// ALPN protocol offered by default: quill relays HTTP/1.1 (or any non-ALPN protocol).
 /// The ALPN protocol names (RFC 7301 registry).
 const ALPN_HTTP11: &[u8] = b"http/1.1";
 const ALPN_H2: &[u8] = b"h2";
@@ -232,8 +231,8 @@ impl fmt::Debug for Built {
 
 /// TLS termination: the default configuration and one per `ssl_sni_path` name.
 pub struct ServerTls {
-    default: Arc<ServerConfig>,
-    by_name: HashMap<String, Arc<ServerConfig>>,
+    default: Site,
+    by_name: HashMap<String, Site>,
     sessions: Arc<dyn StoresServerSessions>,
     ticketer: Arc<dyn ProducesTickets>,
     /// The certificates served, default first, as read when this was built (metrics).
@@ -267,17 +266,17 @@ impl ServerTls {
         &self.certificates
     }
 
-    /// The configuration for the name the client asked for (SNI), or the default one.
-    fn config_for(&self, name: Option<&str>) -> Arc<ServerConfig> {
+    /// The configurations for the name the client asked for (SNI), or the default ones.
+    fn site_for(&self, name: Option<&str>) -> &Site {
         if !self.by_name.is_empty() {
             if let Some(name) = name {
                 let key = name.trim_end_matches('.').to_ascii_lowercase();
-                if let Some(c) = self.by_name.get(&key) {
-                    return Arc::clone(c);
+                if let Some(site) = self.by_name.get(&key) {
+                    return site;
                 }
             }
         }
-        Arc::clone(&self.default)
+        &self.default
     }
 
     /// Runs the server side of the handshake on `io`, within `limit`.
@@ -290,7 +289,8 @@ impl ServerTls {
             let start =
                 tokio_rustls::LazyConfigAcceptor::new(rustls::server::Acceptor::default(), io)
                     .await?;
-            let config = self.config_for(start.client_hello().server_name());
+            let hello = start.client_hello();
+            let config = self.site_for(hello.server_name()).config_for(hello.alpn());
             start.into_stream(config).await
         };
         match tokio::time::timeout(limit, handshake).await {
@@ -596,7 +596,7 @@ impl Shared<'_> {
         &self,
         verifier: Arc<dyn ClientCertVerifier>,
         key: Arc<CertifiedKey>,
-    ) -> Result<Arc<ServerConfig>, TlsError> {
+    ) -> Result<Site, TlsError> {
         let mut config = ServerConfig::builder_with_provider(Arc::clone(self.provider))
             .with_protocol_versions(self.versions)
             .map_err(TlsError::Rustls)?
@@ -606,7 +606,40 @@ impl Shared<'_> {
         config.ticketer = Arc::clone(self.ticketer);
         config.alpn_protocols = self.alpn.clone();
         config.ignore_client_order = !self.client_order;
-        Ok(Arc::new(config))
+        Ok(Site::new(config))
+    }
+}
+
+/// One certificate's configuration, twice: offering quill's ALPN protocols, and offering
+/// none, for a client whose ALPN list names none of them. rustls would end such a
+/// handshake with `no_application_protocol`; HAProxy and NGINX (for `http/1.0`, what curl's
+/// `--http1.0` sends) go on without ALPN, and so does quill: the client then speaks what it
+/// speaks, HTTP/1.x or a raw relay's protocol.
+struct Site {
+    offering: Arc<ServerConfig>,
+    silent: Arc<ServerConfig>,
+}
+
+impl Site {
+    fn new(config: ServerConfig) -> Site {
+        let mut silent = config.clone();
+        silent.alpn_protocols = Vec::new();
+        Site {
+            offering: Arc::new(config),
+            silent: Arc::new(silent),
+        }
+    }
+
+    /// The configuration for a client that offered `alpn` (`None`: no ALPN at all).
+    fn config_for<'a>(&self, alpn: Option<impl Iterator<Item = &'a [u8]>>) -> Arc<ServerConfig> {
+        let ours = &self.offering.alpn_protocols;
+        let none_of_ours = alpn
+            .is_some_and(|mut offered| !offered.any(|p| ours.iter().any(|o| o.as_slice() == p)));
+        Arc::clone(if none_of_ours {
+            &self.silent
+        } else {
+            &self.offering
+        })
     }
 }
 
