@@ -786,9 +786,9 @@ fn curl_gets_http_over_tls_with_alpn_http11() {
 }
 
 /// A client whose ALPN list names none of quill's protocols is served without ALPN, as by
-/// HAProxy (and NGINX for `http/1.0`), not refused with `no_application_protocol` (rustls's
-/// own answer): curl's `--http1.0` offers `http/1.0` alone, and a raw relay's client may
-/// name its own protocol.
+/// HAProxy, not refused with `no_application_protocol` (rustls's own answer): curl's
+/// `--http1.0` offers `http/1.0` alone (which NGINX offers too), and a raw relay's client
+/// may name its own protocol.
 #[test]
 fn a_client_offering_none_of_quills_alpn_protocols_is_served_without_alpn() {
     use support::http_echo::EchoServer;

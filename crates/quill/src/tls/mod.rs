@@ -612,9 +612,9 @@ impl Shared<'_> {
 
 /// One certificate's configuration, twice: offering quill's ALPN protocols, and offering
 /// none, for a client whose ALPN list names none of them. rustls would end such a
-/// handshake with `no_application_protocol`; HAProxy and NGINX (for `http/1.0`, what curl's
-/// `--http1.0` sends) go on without ALPN, and so does quill: the client then speaks what it
-/// speaks, HTTP/1.x or a raw relay's protocol.
+/// handshake with `no_application_protocol`; HAProxy goes on without ALPN, and so does
+/// quill: the client then speaks what it speaks, HTTP/1.x (curl's `--http1.0` offers
+/// `http/1.0` alone, which NGINX offers too) or a raw relay's protocol.
 struct Site {
     offering: Arc<ServerConfig>,
     silent: Arc<ServerConfig>,
