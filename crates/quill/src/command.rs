@@ -19,6 +19,12 @@ use crate::acl::{AclAction, AclId, AclMatch, AclRule};
 /// of runtime counters so that the data plane never reallocates it.
 pub const MAX_SERVERS: usize = 1024;
 
+/// Smallest `http_header_max` accepted: a request line and a few headers must fit.
+pub const MIN_HEADER_MAX: usize = 256;
+/// The most `poll_before_sleep` accepts: beyond a few milliseconds a loop would poll
+/// through most pauses of any load, which is `proxy::polling`'s busy polling, not this.
+pub const MAX_POLL_BEFORE_SLEEP_MICROS: u32 = 10_000;
+
 /// One line of the command language.
 #[derive(Debug, Clone, PartialEq, Eq)]
 #[non_exhaustive]
@@ -80,7 +86,7 @@ pub enum Command {
     IdlePark(u64),
     /// `poll_before_sleep N` (extension): microseconds an event loop that has just worked
     /// keeps polling for events before it sleeps (0 = sleep at once, the default; at most
-    /// `proxy::poll_before_sleep::MAX_MICROS`): lower latency for more CPU.
+    /// `MAX_POLL_BEFORE_SLEEP_MICROS`): lower latency for more CPU.
     PollBeforeSleep(u32),
     /// `pending_max N`: upstream connects allowed in progress at once.
     PendingMax(usize),
@@ -1283,7 +1289,7 @@ fn parse_positive(command: &'static str, w: &mut Words<'_>) -> Result<Command, P
         "idle_park" => Command::IdlePark(w.number("number of seconds")?),
         "poll_before_sleep" => {
             let what = "number of microseconds";
-            let max = crate::proxy::poll_before_sleep::MAX_MICROS;
+            let max = MAX_POLL_BEFORE_SLEEP_MICROS;
             Command::PollBeforeSleep(at_most(command, what, w.number(what)?, max)?)
         }
         "defer_accept" => Command::DeferAccept(match w.next("auto or a number of seconds")? {
@@ -1473,7 +1479,7 @@ fn parse_positive(command: &'static str, w: &mut Words<'_>) -> Result<Command, P
         "http" => Command::Http(true),
         "http_header_max" => {
             let n = w.optional_number::<usize>("number of bytes")?;
-            if n.is_some_and(|n| n < crate::proxy::http::MIN_HEADER_MAX) {
+            if n.is_some_and(|n| n < MIN_HEADER_MAX) {
                 return Err(ParseError::Invalid {
                     command,
                     what: "size (at least 256 bytes)",
@@ -2240,7 +2246,7 @@ mod roundtrip {
             any::<bool>().prop_map(Command::Keepalive),
             proptest::option::of(any::<u64>()).prop_map(Command::IdleTimeout),
             any::<u64>().prop_map(Command::IdlePark),
-            (0..=crate::proxy::poll_before_sleep::MAX_MICROS).prop_map(Command::PollBeforeSleep),
+            (0..=MAX_POLL_BEFORE_SLEEP_MICROS).prop_map(Command::PollBeforeSleep),
             prop_oneof![
                 Just(DeferAccept::Auto),
                 (0..=DeferAccept::MAX_SECONDS).prop_map(DeferAccept::Seconds)

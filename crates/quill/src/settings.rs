@@ -281,6 +281,26 @@ pub const DEFAULT_SHUTDOWN_GRACE: u64 = 10;
 /// Default `udp_idle_timeout`: as long as Linux conntrack keeps an unreplied UDP flow.
 pub const DEFAULT_UDP_IDLE_TIMEOUT: u64 = 30;
 
+/// Default limit of a request head (`http_header_max`), as large as NGINX's buffers.
+pub const DEFAULT_HEADER_MAX: usize = 16 * 1024;
+/// Default `http_request_timeout` in seconds: the time a client has to send a whole
+/// request head, the `timeout http-request 10s` of HAProxy's example configurations
+/// (Apache's mod_reqtimeout allows 20 to 40, NGINX's `client_header_timeout` 60).
+pub const DEFAULT_REQUEST_TIMEOUT: u64 = 10;
+/// Default `h2_max_streams`: concurrent streams per client connection (what NGINX and
+/// most servers advertise).
+pub const DEFAULT_MAX_STREAMS: u32 = 100;
+/// Default `upstream_keepalive`: idle connections per server (NGINX's examples use 32).
+pub const DEFAULT_KEEPALIVE: u32 = 32;
+/// Default `upstream_idle_timeout` in seconds (NGINX's `keepalive_timeout` upstream: 60).
+pub const DEFAULT_IDLE_TIMEOUT: u64 = 60;
+/// Default `upstream_max_requests`. A bound, so that no server connection lives forever,
+/// but ten times NGINX's `keepalive_requests` (1000): each retirement costs a new
+/// connection, with `upstream_tls` a handshake with the server (≈ 1.2 k instructions a
+/// request at 1000, 3 % of an HTTPS request's user-space work); HAProxy and Envoy set no
+/// limit.
+pub const DEFAULT_MAX_REQUESTS: u64 = 10_000;
+
 /// Connections a process can hold with its file-descriptor limit: two descriptors per
 /// proxied connection, with some kept back for listeners, logs and the control socket.
 pub fn default_conn_max() -> usize {
@@ -375,16 +395,16 @@ impl Default for Settings {
             tls: TlsConf::default(),
             tls_built: tls::Built::default(),
             http: false,
-            http_header_max: crate::proxy::http::DEFAULT_HEADER_MAX,
-            http_request_timeout: crate::proxy::http::DEFAULT_REQUEST_TIMEOUT,
+            http_header_max: DEFAULT_HEADER_MAX,
+            http_request_timeout: DEFAULT_REQUEST_TIMEOUT,
             hsts: None,
             h2c: false,
-            h2_max_streams: crate::proxy::h2::DEFAULT_MAX_STREAMS,
-            upstream_keepalive: crate::proxy::pool::DEFAULT_KEEPALIVE,
-            upstream_idle_timeout: crate::proxy::pool::DEFAULT_IDLE_TIMEOUT,
+            h2_max_streams: DEFAULT_MAX_STREAMS,
+            upstream_keepalive: DEFAULT_KEEPALIVE,
+            upstream_idle_timeout: DEFAULT_IDLE_TIMEOUT,
             queue_timeout: 0,
             queue_max: 0,
-            upstream_max_requests: crate::proxy::pool::DEFAULT_MAX_REQUESTS,
+            upstream_max_requests: DEFAULT_MAX_REQUESTS,
             upstream_h2: false,
             proxy_protocol: None,
             accept_proxy: false,

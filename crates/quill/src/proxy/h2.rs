@@ -16,10 +16,6 @@ use super::coalesce;
 use super::gateway::{self, Activity, Ended, Graceful, LocalExec, Peer, Timers};
 use crate::state::State;
 
-/// Default `h2_max_streams`: concurrent streams per client connection (what NGINX and
-/// most servers advertise).
-pub const DEFAULT_MAX_STREAMS: u32 = 100;
-
 /// The first bytes of every HTTP/2 connection (RFC 9113 3.4).
 pub const PREFACE: &[u8] = b"PRI * HTTP/2.0\r\n\r\nSM\r\n\r\n";
 

@@ -16,14 +16,6 @@ use std::net::IpAddr;
 use crate::accesslog::Arrival;
 use crate::command::Hsts;
 
-/// Default limit of a request head (`http_header_max`), as large as NGINX's buffers.
-pub const DEFAULT_HEADER_MAX: usize = 16 * 1024;
-/// Default `http_request_timeout` in seconds: the time a client has to send a whole
-/// request head, the `timeout http-request 10s` of HAProxy's example configurations
-/// (Apache's mod_reqtimeout allows 20 to 40, NGINX's `client_header_timeout` 60).
-pub const DEFAULT_REQUEST_TIMEOUT: u64 = 10;
-/// Smallest `http_header_max` accepted: a request line and a few headers must fit.
-pub const MIN_HEADER_MAX: usize = 256;
 /// Header fields per request; more is answered with 431.
 const MAX_HEADERS: usize = 128;
 /// What a rewritten request head may add beyond the client's head and address: the

@@ -21,9 +21,7 @@ use std::sync::atomic::{AtomicU64, Ordering::Relaxed};
 use std::task::{Poll, Waker};
 use std::time::{Duration, Instant};
 
-/// The most `poll_before_sleep` accepts: beyond a few milliseconds a loop would poll
-/// through most pauses of any load, which is `proxy::polling`'s busy polling, not this.
-pub const MAX_MICROS: u32 = 10_000;
+use crate::command::MAX_POLL_BEFORE_SLEEP_MICROS;
 
 /// What the windows found, for the metrics.
 pub(crate) struct Stats {
@@ -133,7 +131,8 @@ pub(crate) fn before_park(micros: u32, opens: Opens) {
         Opens::AfterWork => busy,
     };
     if worked {
-        w.until = Some(now + Duration::from_micros(u64::from(micros.min(MAX_MICROS))));
+        w.until =
+            Some(now + Duration::from_micros(u64::from(micros.min(MAX_POLL_BEFORE_SLEEP_MICROS))));
         w.caught = false;
     }
     w.polling = match w.until {

@@ -30,17 +30,6 @@ use super::gateway::RequestBody;
 use crate::balance::ServerState;
 use crate::state::State;
 
-/// Default `upstream_keepalive`: idle connections per server (NGINX's examples use 32).
-pub const DEFAULT_KEEPALIVE: u32 = 32;
-/// Default `upstream_idle_timeout` in seconds (NGINX's `keepalive_timeout` upstream: 60).
-pub const DEFAULT_IDLE_TIMEOUT: u64 = 60;
-/// Default `upstream_max_requests`. A bound, so that no server connection lives forever,
-/// but ten times NGINX's `keepalive_requests` (1000): each retirement costs a new
-/// connection, with `upstream_tls` a handshake with the server (≈ 1.2 k instructions a
-/// request at 1000, 3 % of an HTTPS request's user-space work); HAProxy and Envoy set no
-/// limit.
-pub const DEFAULT_MAX_REQUESTS: u64 = 10_000;
-
 /// How long idle connections beyond a loop's share of `upstream_keepalive` are kept.
 const TRIM_AFTER: Duration = Duration::from_secs(1);
 
