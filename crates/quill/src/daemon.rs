@@ -13,11 +13,10 @@
 
 use std::io;
 use std::path::PathBuf;
-use std::sync::atomic::{AtomicU8, Ordering::Relaxed};
+use std::sync::atomic::Ordering::Relaxed;
 
 use std::sync::Arc;
 use std::time::{Duration, Instant};
-use tracing_subscriber::Layer as _;
 
 use tokio::sync::{mpsc, watch, Notify};
 
@@ -26,6 +25,7 @@ use crate::command::Command;
 use crate::config::{self, ConfigError};
 use crate::control::upgrade::{self, UpgradeError};
 use crate::control::{self, Context, ControlAddr, ControlListener};
+use crate::logging;
 use crate::net::{listen, ListenAddr};
 use crate::privileges;
 use crate::settings::{Action, Settings};
@@ -141,52 +141,6 @@ fn worker_count(settings: &Settings) -> usize {
     std::thread::available_parallelism().map_or(1, |n| n.get())
 }
 
-/// The current log level: `-d` and `debug N` change it at any time.
-static LOG_LEVEL: AtomicU8 = AtomicU8::new(0);
-
-/// Sets the log level from Pen's debug number (0 = warnings and errors only).
-pub fn set_log_level(debug: u32) {
-    let level = u8::try_from(debug).unwrap_or(u8::MAX);
-    if LOG_LEVEL.swap(level, Relaxed) != level {
-        // tracing caches per call site whether it is enabled; make it ask again.
-        tracing::callsite::rebuild_interest_cache();
-    }
-}
-
-fn level_enabled(level: &tracing::Level) -> bool {
-    let wanted = match LOG_LEVEL.load(Relaxed) {
-        0 => tracing::Level::WARN,
-        1 => tracing::Level::INFO,
-        2 => tracing::Level::DEBUG,
-        _ => tracing::Level::TRACE,
-    };
-    *level <= wanted
-}
-
-/// Logs go to stderr in the foreground and to syslog (facility user, as Pen) for a daemon.
-/// The syslog socket is connected here, before any chroot can hide /dev/log.
-pub fn init_logging(foreground: bool) {
-    use tracing_subscriber::layer::SubscriberExt;
-    use tracing_subscriber::util::SubscriberInitExt;
-    let filter = tracing_subscriber::filter::filter_fn(|meta| level_enabled(meta.level()));
-    if foreground {
-        // Colours only for a terminal: journald, a file or a log shipper would keep the
-        // escape sequences as part of every line.
-        let layer = tracing_subscriber::fmt::layer()
-            .with_ansi(io::IsTerminal::is_terminal(&io::stderr()))
-            .with_writer(crate::logfile::StderrLines)
-            .with_target(false);
-        let _ = tracing_subscriber::registry()
-            .with(layer.with_filter(filter))
-            .try_init();
-    } else {
-        let syslog = crate::syslog::Syslog::new(crate::syslog::Facility::User);
-        let _ = tracing_subscriber::registry()
-            .with(crate::syslog::layer(syslog).with_filter(filter))
-            .try_init();
-    }
-}
-
 fn chown(path: &std::path::Path, account: &privileges::Account) -> io::Result<()> {
     nix::unistd::chown(
         path,
@@ -217,7 +171,7 @@ impl Drop for Cleanup {
 /// Runs the balancer until it is told to stop.
 pub fn run(inv: Invocation) -> Result<(), StartError> {
     // Logging first: syslog's socket must be connected before a chroot hides /dev/log.
-    init_logging(inv.foreground);
+    logging::init(inv.foreground);
     // Look the account up (in the jail's user database), then enter the jail while still
     // root: from here on, start-up and every reload read the same files, the ones inside
     // the jail, as with Pen. The user is dropped to only after binding.
@@ -244,7 +198,7 @@ pub fn run(inv: Invocation) -> Result<(), StartError> {
         privileges::enter_jail(jail).map_err(|e| StartError::Privileges(e.to_string()))?;
     }
     let (settings, actions) = build_settings(&inv)?;
-    set_log_level(settings.debug);
+    logging::set_level(settings.debug);
     let listen_addr = settings.listen.clone().ok_or(StartError::NoListen)?;
     let control_addr = control_address(&inv)?;
 

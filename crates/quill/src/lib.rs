@@ -21,6 +21,7 @@ pub mod dsr;
 pub mod geoip;
 pub mod health;
 pub mod logfile;
+pub mod logging;
 pub mod memory;
 pub mod net;
 pub mod privileges;

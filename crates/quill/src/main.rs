@@ -43,7 +43,7 @@ fn main() -> ExitCode {
 /// `quill --check ...`: every problem on its own line (`FILE:LINE: reason` for the files),
 /// then a verdict; exit status 0 when a start would go ahead, 2 otherwise.
 fn check(inv: &cli::Invocation, errors: Vec<cli::CliError>) -> ExitCode {
-    quill::daemon::init_logging(true);
+    quill::logging::init(true);
     let problems = quill::check::run(inv, errors);
     if problems.is_empty() {
         println!("quill: configuration ok");

@@ -172,7 +172,7 @@ pub fn execute(ctx: &Context, cmd: &Command) -> Result<String, String> {
 fn publish(ctx: &Context, cmd: &Command) -> Result<String, String> {
     let (reply, actions) = ctx.state.execute(cmd).map_err(|e| e.to_string())?;
     if let Command::Debug(Some(level)) = cmd {
-        crate::daemon::set_log_level(*level);
+        crate::logging::set_level(*level);
     }
     ctx.carry_out(actions);
     Ok(match reply {

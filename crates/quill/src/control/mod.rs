@@ -161,7 +161,7 @@ impl Context {
             )
         };
         actions.push(Action::ReopenLog);
-        crate::daemon::set_log_level(settings.debug);
+        crate::logging::set_level(settings.debug);
         let rest = self.state.replace(settings, actions);
         self.state.recycle();
         if let Some(listeners) = new_listeners {
