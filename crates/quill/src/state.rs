@@ -7,7 +7,7 @@
 
 use std::fmt;
 use std::sync::atomic::{
-    AtomicU64, AtomicUsize,
+    AtomicBool, AtomicU64, AtomicUsize,
     Ordering::{Acquire, Relaxed, SeqCst},
 };
 use std::sync::{Arc, Mutex};
@@ -88,6 +88,37 @@ pub struct Counters {
     pub h2_requests: AtomicU64,
 }
 
+/// What the DSR plane (`dsr_if`) did, for status reports and tests (monotonic counters).
+#[derive(Debug, Default)]
+pub struct DsrCounters {
+    /// Frames forwarded to a backend (by either path).
+    pub forwarded: AtomicU64,
+    /// Of those, frames the XDP program forwarded.
+    pub xdp_forwarded: AtomicU64,
+    /// Frames for the VIP dropped because no backend was up.
+    pub no_backend: AtomicU64,
+    /// ARP replies sent for the VIP or a tarpitted address.
+    pub arp_replies: AtomicU64,
+    /// SYN+ACKs sent by the tarpit.
+    pub tarpit_synack: AtomicU64,
+    /// Other frames to tarpitted addresses, dropped.
+    pub tarpit_dropped: AtomicU64,
+    /// Sends that failed (buffer full, interface down...).
+    pub send_errors: AtomicU64,
+    /// Flows in the flow table now (a gauge, updated every tick).
+    pub flows: AtomicU64,
+    /// New flows the full flow table could not record (served by Maglev's choice alone).
+    pub flows_unrecorded: AtomicU64,
+    /// How the XDP program is attached: 2 native, 1 generic, 0 none (the packet socket
+    /// forwards).
+    pub xdp_mode: AtomicU64,
+    /// Backends the plane can forward to now (answering ARP, not blacklisted): what
+    /// `announce::can_serve` asks in DSR mode. Set after the plane's first tick.
+    pub backends_up: AtomicU64,
+    /// The plane has made its first decision about the backends.
+    pub started: AtomicBool,
+}
+
 /// Shared state of one quill process.
 #[derive(Debug)]
 pub struct State {
@@ -121,7 +152,7 @@ pub struct State {
     /// Process start, for uptime in status reports.
     pub started: std::time::Instant,
     /// The DSR plane's counters, once it runs (`dsr_if`), for the metrics.
-    pub dsr: std::sync::OnceLock<Arc<crate::dsr::DsrCounters>>,
+    pub dsr: std::sync::OnceLock<Arc<DsrCounters>>,
     /// Bumped each time new settings are published (the health checks re-plan on it).
     pub generation: tokio::sync::watch::Sender<u64>,
     /// Set once when quill stops: HTTP/2 connections send GOAWAY and finish their streams.

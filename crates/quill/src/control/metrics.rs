@@ -19,9 +19,8 @@ use prometheus_client::registry::{Registry, Unit};
 use super::report;
 use crate::balance::servers::Condition;
 use crate::balance::{clock, ServerState};
-use crate::dsr::DsrCounters;
 use crate::proxy::{poll_before_sleep, polling};
-use crate::state::State;
+use crate::state::{DsrCounters, State};
 use crate::tls::Certificate;
 
 /// The content type of [`encode`]'s output (OpenMetrics text, which Prometheus asks for).

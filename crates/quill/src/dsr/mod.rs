@@ -30,9 +30,7 @@ use tokio::sync::watch;
 use crate::command::DsrPath;
 use crate::net::ListenAddr;
 use crate::settings::Settings;
-use crate::state::State;
-
-pub use plane::DsrCounters;
+use crate::state::{DsrCounters, State};
 
 /// Why the DSR plane cannot start. Each variant says what to change.
 #[derive(Debug, thiserror::Error)]

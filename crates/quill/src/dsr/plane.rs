@@ -10,7 +10,7 @@
 //! looked at, and our own frames never come back (PACKET_IGNORE_OUTGOING).
 
 use std::net::{IpAddr, Ipv4Addr};
-use std::sync::atomic::{AtomicU64, Ordering::Relaxed};
+use std::sync::atomic::Ordering::Relaxed;
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
@@ -30,7 +30,7 @@ use crate::acl::AclAction;
 use crate::balance::clock;
 use crate::command::DsrPath;
 use crate::settings::Settings;
-use crate::state::State;
+use crate::state::{DsrCounters, State};
 
 /// How often settings, ARP and the backend set are looked at.
 const TICK: Duration = Duration::from_millis(100);
@@ -59,37 +59,6 @@ enum Reader {
     Blocks(RxRing),
     /// One `recv` per frame, into one buffer.
     Recv(Vec<u8>),
-}
-
-/// What the plane did, for status reports and tests (monotonic counters).
-#[derive(Debug, Default)]
-pub struct DsrCounters {
-    /// Frames forwarded to a backend (by either path).
-    pub forwarded: AtomicU64,
-    /// Of those, frames the XDP program forwarded.
-    pub xdp_forwarded: AtomicU64,
-    /// Frames for the VIP dropped because no backend was up.
-    pub no_backend: AtomicU64,
-    /// ARP replies sent for the VIP or a tarpitted address.
-    pub arp_replies: AtomicU64,
-    /// SYN+ACKs sent by the tarpit.
-    pub tarpit_synack: AtomicU64,
-    /// Other frames to tarpitted addresses, dropped.
-    pub tarpit_dropped: AtomicU64,
-    /// Sends that failed (buffer full, interface down...).
-    pub send_errors: AtomicU64,
-    /// Flows in the flow table now (a gauge, updated every tick).
-    pub flows: AtomicU64,
-    /// New flows the full flow table could not record (served by Maglev's choice alone).
-    pub flows_unrecorded: AtomicU64,
-    /// How the XDP program is attached: 2 native, 1 generic, 0 none (the packet socket
-    /// forwards).
-    pub xdp_mode: AtomicU64,
-    /// Backends the plane can forward to now (answering ARP, not blacklisted): what
-    /// `announce::can_serve` asks in DSR mode. Set after the plane's first tick.
-    pub backends_up: AtomicU64,
-    /// The plane has made its first decision about the backends.
-    pub started: std::sync::atomic::AtomicBool,
 }
 
 /// One backend that can be chosen: server number, address, MAC.

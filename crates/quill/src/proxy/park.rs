@@ -21,7 +21,7 @@ use std::io;
 use std::os::fd::{BorrowedFd, OwnedFd};
 use std::rc::Rc;
 use std::sync::atomic::{AtomicUsize, Ordering::Relaxed};
-use std::sync::{Arc, Mutex};
+use std::sync::Arc;
 use std::time::Duration;
 
 use rustix::event::epoll::{self, CreateFlags, EventData, EventFlags, EventVec};
@@ -30,7 +30,7 @@ use tokio::io::unix::AsyncFd;
 use tokio::sync::Notify;
 use tokio::time::Instant;
 
-use super::registry::ConnInfo;
+use super::registry::{ConnInfo, ParkedCloses, Ticket};
 
 /// Events taken from the epoll set per system call.
 const EVENTS: usize = 256;
@@ -76,33 +76,6 @@ pub(crate) trait Parked {
     fn expire(self: Box<Self>);
 }
 
-/// The part of a lot that other threads reach: `close N` for a parked connection.
-#[derive(Debug, Default)]
-pub struct Remote {
-    /// (slab key, connection number) of each session to close.
-    closing: Mutex<Vec<(usize, u64)>>,
-    wake: Notify,
-}
-
-/// Where a parked connection waits, for `close N`.
-#[derive(Debug, Clone)]
-pub struct Ticket {
-    remote: Arc<Remote>,
-    key: usize,
-}
-
-impl Ticket {
-    /// Asks the lot to close connection `id` (which is parked at this ticket's key).
-    pub fn close(&self, id: u64) {
-        self.remote
-            .closing
-            .lock()
-            .unwrap_or_else(|p| p.into_inner())
-            .push((self.key, id));
-        self.remote.wake.notify_one();
-    }
-}
-
 /// One parked session.
 struct Slot {
     session: Box<dyn Parked>,
@@ -119,7 +92,7 @@ struct Lot {
     next_ticket: Cell<u64>,
     /// Wakes `serve` to look at the deadlines again after a park.
     parked: Notify,
-    remote: Arc<Remote>,
+    closes: Arc<ParkedCloses>,
     /// Parked sessions of every loop (`State::parked`).
     gauge: &'static AtomicUsize,
 }
@@ -157,7 +130,7 @@ pub(crate) fn install(set: EpollSet, gauge: &'static AtomicUsize) -> io::Result<
         deadlines: RefCell::new(BinaryHeap::new()),
         next_ticket: Cell::new(0),
         parked: Notify::new(),
-        remote: Arc::new(Remote::default()),
+        closes: Arc::default(),
         gauge,
     });
     tokio::task::spawn_local(Rc::clone(&lot).serve());
@@ -185,10 +158,7 @@ impl Lot {
     fn park(&self, session: Box<dyn Parked>) {
         let key = self.slots.borrow().vacant_key();
         if let Some(info) = session.info() {
-            let ticket = Ticket {
-                remote: Arc::clone(&self.remote),
-                key,
-            };
+            let ticket = Ticket::new(&self.closes, key);
             if !info.park_at(ticket) {
                 return; // `close N` came first: dropping the session closes it.
             }
@@ -302,7 +272,7 @@ impl Lot {
                         return;
                     }
                 },
-                () = self.remote.wake.notified() => self.close_requested(),
+                () = self.closes.requested() => self.close_requested(),
                 () = self.parked.notified() => {} // a new deadline
                 () = timer => self.expire_due(),
             }
@@ -310,14 +280,7 @@ impl Lot {
     }
 
     fn close_requested(&self) {
-        let requests = std::mem::take(
-            &mut *self
-                .remote
-                .closing
-                .lock()
-                .unwrap_or_else(|p| p.into_inner()),
-        );
-        for (key, id) in requests {
+        for (key, id) in self.closes.take() {
             let same = self
                 .slots
                 .borrow()

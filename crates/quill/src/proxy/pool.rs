@@ -27,6 +27,7 @@ use std::time::{Duration, Instant};
 use hyper::client::conn::http1::SendRequest;
 
 use super::gateway::RequestBody;
+use super::registry::Upstream;
 use crate::balance::ServerState;
 use crate::state::State;
 
@@ -47,6 +48,16 @@ pub enum Target {
     Server(usize),
     Emergency,
     Abuse,
+}
+
+impl From<Target> for Upstream {
+    fn from(target: Target) -> Self {
+        match target {
+            Target::Server(i) => Upstream::Server(i),
+            Target::Emergency => Upstream::Emergency,
+            Target::Abuse => Upstream::Abuse,
+        }
+    }
 }
 
 /// A map keyed by [`Target`]: a few small integers quill makes itself, so SipHash's keyed

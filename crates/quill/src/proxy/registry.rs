@@ -6,18 +6,17 @@
 //! when it is aborted by `close N`), so the registry never outgrows the open connections.
 //!
 //! `close N` reaches a connection through its [`Closer`]: the task serving it, or the lot
-//! where it is parked (`idle_park`). A close that comes while the connection moves between
-//! the two is remembered, and the move ends the connection instead.
+//! where it is parked (`idle_park`: its [`Ticket`] into the lot's [`ParkedCloses`]). A
+//! close that comes while the connection moves between the two is remembered, and the
+//! move ends the connection instead.
 
 use std::collections::HashMap;
 use std::net::SocketAddr;
 use std::sync::atomic::{AtomicU64, AtomicUsize, Ordering::Relaxed};
 use std::sync::{Arc, Mutex, MutexGuard, OnceLock};
 
+use tokio::sync::Notify;
 use tokio::task::AbortHandle;
-
-use super::park::Ticket;
-use super::pool::Target;
 
 const SHARDS: usize = 16;
 
@@ -30,16 +29,6 @@ pub enum Upstream {
     Server(usize),
     Emergency,
     Abuse,
-}
-
-impl From<Target> for Upstream {
-    fn from(target: Target) -> Self {
-        match target {
-            Target::Server(i) => Upstream::Server(i),
-            Target::Emergency => Upstream::Emergency,
-            Target::Abuse => Upstream::Abuse,
-        }
-    }
 }
 
 const NONE: usize = usize::MAX;
@@ -61,6 +50,54 @@ pub struct ConnInfo {
     pub bytes_up: AtomicU64,
     pub bytes_down: AtomicU64,
     closer: Mutex<Closer>,
+}
+
+/// The part of an event loop's lot of parked connections (`proxy::park`) that other
+/// threads reach: the `close N` requests for its connections.
+#[derive(Debug, Default)]
+pub struct ParkedCloses {
+    /// (slot key, connection number) of each connection to close.
+    closing: Mutex<Vec<(usize, u64)>>,
+    wake: Notify,
+}
+
+impl ParkedCloses {
+    /// Ready once a close was asked for since the last [`ParkedCloses::take`] (a request
+    /// made while nobody waits is kept for the next wait).
+    pub async fn requested(&self) {
+        self.wake.notified().await;
+    }
+
+    /// The requests made so far.
+    pub fn take(&self) -> Vec<(usize, u64)> {
+        std::mem::take(&mut *self.closing.lock().unwrap_or_else(|p| p.into_inner()))
+    }
+}
+
+/// Where a parked connection waits, for `close N`: its lot's requests and its slot there.
+#[derive(Debug, Clone)]
+pub struct Ticket {
+    closes: Arc<ParkedCloses>,
+    key: usize,
+}
+
+impl Ticket {
+    pub fn new(closes: &Arc<ParkedCloses>, key: usize) -> Ticket {
+        Ticket {
+            closes: Arc::clone(closes),
+            key,
+        }
+    }
+
+    /// Asks the lot to close connection `id` (which is parked at this ticket's key).
+    fn close(&self, id: u64) {
+        self.closes
+            .closing
+            .lock()
+            .unwrap_or_else(|p| p.into_inner())
+            .push((self.key, id));
+        self.closes.wake.notify_one();
+    }
 }
 
 /// How `close N` reaches one connection.
