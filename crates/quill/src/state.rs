@@ -6,6 +6,7 @@
 //! copy atomically, so a reader sees either the old or the new configuration, never a mix.
 
 use std::fmt;
+use std::net::IpAddr;
 use std::sync::atomic::{
     AtomicBool, AtomicU64, AtomicUsize,
     Ordering::{Acquire, Relaxed, SeqCst},
@@ -19,7 +20,7 @@ use crate::proxy::registry::Registry;
 
 use crate::balance::{clock, ClientTable, ServerState, ServerTable};
 use crate::command::Command;
-use crate::settings::{Action, ApplyError, Reply, Settings};
+use crate::settings::{Action, ApplyError, Reply, ServerConf, Settings};
 
 /// A reading of [`State::asked`]: whether quill stops, and how many reloads and drains
 /// asked connections to move on so far (compare two readings to see one in between).
@@ -238,6 +239,18 @@ impl State {
     /// The current settings snapshot.
     pub fn settings(&self) -> Arc<Settings> {
         self.settings.load_full()
+    }
+
+    /// The servers of `settings` in use (those with an address), with their runtime state.
+    pub fn servers_in_use<'a>(
+        &'a self,
+        settings: &'a Settings,
+    ) -> impl Iterator<Item = (usize, &'a ServerConf, IpAddr, &'a ServerState)> + 'a {
+        settings
+            .servers
+            .iter()
+            .enumerate()
+            .filter_map(|(i, s)| Some((i, s, s.ip?, self.servers.get(i)?)))
     }
 
     /// Applies one command: on success the new settings are published and the actions on

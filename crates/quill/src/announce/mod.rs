@@ -55,7 +55,8 @@ pub fn can_serve(settings: &Settings, state: &State) -> Result<(), Unservable> {
         return Err(Unservable::Draining);
     }
     let now = clock::now_ms();
-    let up = crate::control::report::in_use(settings, state)
+    let up = state
+        .servers_in_use(settings)
         .any(|(_, _, _, rt)| rt.condition(now) == Condition::Up);
     // In DSR mode a server is up for the plane only once it answers ARP: a node whose
     // servers all went silent cannot forward, whatever their health checks last said.

@@ -16,7 +16,6 @@ use prometheus_client::metrics::gauge::ConstGauge;
 use prometheus_client::metrics::MetricType;
 use prometheus_client::registry::{Registry, Unit};
 
-use super::report;
 use crate::balance::servers::Condition;
 use crate::balance::{clock, ServerState};
 use crate::proxy::{poll_before_sleep, polling};
@@ -581,7 +580,8 @@ impl Collector for Metrics {
         let settings = state.settings();
         let now = clock::now_ms();
         // The labels of every server in use, built once per scrape.
-        let servers: Vec<(Labels, &ServerState)> = report::in_use(&settings, state)
+        let servers: Vec<(Labels, &ServerState)> = state
+            .servers_in_use(&settings)
             .map(|(i, conf, ip, rt)| {
                 let address = std::net::SocketAddr::new(ip, conf.port).to_string();
                 let labels = vec![

@@ -3,35 +3,22 @@
 //! runtime counters; nothing here changes anything.
 
 use std::fmt::Write as _;
-use std::net::IpAddr;
 use std::sync::atomic::Ordering::Relaxed;
 
 use serde_json::json;
 
 use super::Context;
-use crate::balance::{clock, ServerState};
+use crate::balance::clock;
 use crate::proxy::registry::{ConnInfo, Registry, Upstream};
-use crate::settings::{ServerConf, Settings};
+use crate::settings::Settings;
 use crate::state::State;
-
-/// The servers in use (those with an address), with their runtime state.
-pub fn in_use<'a>(
-    settings: &'a Settings,
-    state: &'a State,
-) -> impl Iterator<Item = (usize, &'a ServerConf, IpAddr, &'a ServerState)> + 'a {
-    settings
-        .servers
-        .iter()
-        .enumerate()
-        .filter_map(|(i, s)| Some((i, s, s.ip?, state.servers.get(i)?)))
-}
 
 /// Pen's `servers` format: one line per configured server.
 pub fn servers(state: &State) -> String {
     let settings = state.settings();
     let now = clock::now_ms();
     let mut out = String::new();
-    for (i, s, ip, rt) in in_use(&settings, state) {
+    for (i, s, ip, rt) in state.servers_in_use(&settings) {
         let _ = writeln!(
             out,
             "{i} addr {ip} port {} conn {} max {} hard {} weight {} prio {} sx {} rx {} state {} health {}",
@@ -180,7 +167,7 @@ pub fn html(ctx: &Context) -> String {
         mode(&settings),
     );
     out.push_str("<table border=\"1\">\n<tr><th>server</th><th>address</th><th>port</th><th>state</th><th>conn</th><th>max</th><th>hard</th><th>weight</th><th>prio</th><th>total</th><th>failures</th><th>sent</th><th>received</th></tr>\n");
-    for (i, s, ip, rt) in in_use(&settings, state) {
+    for (i, s, ip, rt) in state.servers_in_use(&settings) {
         let up = match rt.state_word(now) {
             "blacklisted" => format!("blacklisted {} s", rt.blacklist_left(now)),
             word => word.to_string(),
@@ -217,7 +204,7 @@ pub fn json(ctx: &Context) -> String {
     let state = &ctx.state;
     let settings = state.settings();
     let now = clock::now_ms();
-    let servers: Vec<_> = in_use(&settings, state)
+    let servers: Vec<_> = state.servers_in_use(&settings)
         .map(|(i, s, ip, rt)| {
             json!({
                 "index": i,

@@ -133,7 +133,7 @@ impl History {
         let state = &ctx.state;
         let settings = state.settings();
         let (mut sent, mut received) = (0u64, 0u64);
-        for (_, _, _, rt) in report::in_use(&settings, state) {
+        for (_, _, _, rt) in state.servers_in_use(&settings) {
             sent = sent.wrapping_add(rt.bytes_to.load(Relaxed));
             received = received.wrapping_add(rt.bytes_from.load(Relaxed));
         }
