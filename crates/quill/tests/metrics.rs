@@ -779,3 +779,104 @@ fn an_exposed_listener_without_a_control_acl_is_warned_about() {
         403
     );
 }
+
+/// A keep-alive HTTP/1.1 server that answers `GET /NNN` with status NNN and an empty body,
+/// and closes without an answer on `GET /close`.
+struct StatusServer {
+    addr: SocketAddr,
+}
+
+impl StatusServer {
+    fn start() -> StatusServer {
+        let listener = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
+        let addr = listener.local_addr().unwrap();
+        thread::spawn(move || {
+            for conn in listener.incoming().flatten() {
+                thread::spawn(move || StatusServer::serve(conn));
+            }
+        });
+        StatusServer { addr }
+    }
+
+    fn serve(mut conn: TcpStream) {
+        let mut head = Vec::new();
+        let mut byte = [0u8; 1];
+        while conn.read(&mut byte).is_ok_and(|n| n == 1) {
+            head.push(byte[0]);
+            if !head.ends_with(b"\r\n\r\n") {
+                continue;
+            }
+            let text = String::from_utf8_lossy(&head).into_owned();
+            head.clear();
+            let path = text.split(' ').nth(1).unwrap_or_default();
+            let Ok(code) = path.trim_start_matches('/').parse::<u16>() else {
+                return; // `/close`: no answer.
+            };
+            let answer = format!("HTTP/1.1 {code} Status\r\nContent-Length: 0\r\n\r\n");
+            if conn.write_all(answer.as_bytes()).is_err() {
+                return;
+            }
+        }
+    }
+}
+
+/// Each server's final answers are counted by status class, however its requests came:
+/// HTTP/1.1 clients over the pool, HTTP/2 clients, one server connection per client. The
+/// 502 quill gives in place of an answer that never came is quill's, not the server's.
+#[test]
+fn http_answers_are_counted_per_server_by_status_class() {
+    let server = StatusServer::start();
+    let spec = server.addr.to_string();
+    let paths = ["200", "204", "302", "404", "503", "600", "close"];
+    for (how, quill_args, curl_args) in [
+        ("HTTP/1.1, pooled", &[][..], &["--http1.1"][..]),
+        (
+            "HTTP/2",
+            &["-O", "h2c"][..],
+            &["--http2-prior-knowledge"][..],
+        ),
+        (
+            "one server connection per client",
+            &["-O", "upstream_keepalive 0"][..],
+            &["--http1.1"][..],
+        ),
+    ] {
+        let mut args = vec!["-H", "-O", "metrics_listen 127.0.0.1:{metrics}"];
+        args.extend_from_slice(quill_args);
+        args.extend(["{port}", &spec]);
+        let (q, m) = start_with_metrics(&args);
+        let mut statuses = Vec::new();
+        for path in paths {
+            // A connection each: curl 7.88 does not reuse an h2c connection it knew
+            // beforehand (its second request on it gets nothing, whatever the server).
+            let url = format!("http://127.0.0.1:{}/{path}", q.port);
+            let mut curl = vec!["-s", "-o", "/dev/null", "-w", "%{http_code}", &url];
+            curl.extend_from_slice(curl_args);
+            let Some(out) = tool("curl", &curl) else {
+                return;
+            };
+            statuses.push(out);
+        }
+        assert_eq!(statuses.join(" "), "200 204 302 404 503 600 502", "{how}");
+
+        let text = get(m, "/metrics").text();
+        let answers = |code: &str| {
+            let line = format!(
+                "quill_server_http_responses_total{{server=\"0\",address=\"{spec}\",code=\"{code}\"}} "
+            );
+            text.lines()
+                .find_map(|l| l.strip_prefix(&line)?.parse::<u64>().ok())
+                .unwrap_or_else(|| panic!("no {line} in:\n{text}"))
+        };
+        let counted: Vec<u64> = ["1xx", "2xx", "3xx", "4xx", "5xx", "other"]
+            .into_iter()
+            .map(answers)
+            .collect();
+        assert_eq!(counted, [0, 2, 1, 1, 1, 1], "{how}");
+        let json = &status(m)["servers"][0]["responses"];
+        assert_eq!(
+            (json["2xx"].as_u64(), json["other"].as_u64()),
+            (Some(2), Some(1))
+        );
+    }
+}

@@ -44,10 +44,13 @@ pub struct ServerState {
     /// `clock::now_ms()` when the health check last brought the server back (0 = never):
     /// the start of its slow-start ramp.
     pub up_since: AtomicU64,
-    /// Requests sent to this server one by one (request-level proxying: HTTP/2 clients).
+    /// Requests sent to this server one by one (request-level proxying: HTTP/1.x clients
+    /// over the pool, HTTP/2 clients' streams).
     pub requests: AtomicU64,
     /// Of those, the ones sent over a pooled connection an earlier request had used.
     pub reused: AtomicU64,
+    /// Final answers of the server to HTTP requests (`http`), by status class.
+    pub answers: Answers,
     /// Pooled (request-level) connections open to this server, busy or idle.
     pub pool_open: AtomicU32,
     /// Of those, the ones idle in the pool.
@@ -74,6 +77,63 @@ pub struct ServerState {
     /// never): at most one such try a [`PROBE_EVERY_MS`], so that while every server is
     /// down a flood of clients does not become a flood of connects to them.
     pub probed_at: AtomicU64,
+}
+
+/// A server's final answers to HTTP requests, by status class (`1xx` is a `101` switch to
+/// another protocol: interim answers are not counted). Answers quill gives itself (its
+/// 502 in place of one it could not frame, 503, 504) are not the server's and are not here.
+#[derive(Debug, Default)]
+pub struct Answers([AtomicU64; 6]);
+
+impl Answers {
+    /// The classes' names, in the order [`Answers::get`] numbers them; `other` is a status
+    /// outside 100–599.
+    pub const CLASSES: [&'static str; 6] = ["1xx", "2xx", "3xx", "4xx", "5xx", "other"];
+
+    /// Counts one answer with status `code`.
+    pub fn count(&self, code: u16) {
+        self.add(&Tally::of(code));
+    }
+
+    /// Adds what a connection tallied.
+    pub fn add(&self, tally: &Tally) {
+        for (total, n) in self.0.iter().zip(tally.0) {
+            if n > 0 {
+                total.fetch_add(u64::from(n), Relaxed);
+            }
+        }
+    }
+
+    /// Answers of class `class` (an index into [`Answers::CLASSES`]).
+    pub fn get(&self, class: usize) -> u64 {
+        self.0.get(class).map_or(0, |n| n.load(Relaxed))
+    }
+}
+
+/// Answers counted on one connection before they are added to their server's
+/// [`Answers`]: plain numbers, for code that shares nothing.
+#[derive(Debug, Default, Clone, Copy, PartialEq, Eq)]
+pub struct Tally([u32; 6]);
+
+impl Tally {
+    /// One answer with status `code`.
+    pub fn of(code: u16) -> Tally {
+        let mut t = Tally::default();
+        t.count(code);
+        t
+    }
+
+    pub fn count(&mut self, code: u16) {
+        let class = match code {
+            100..=599 => usize::from(code / 100 - 1),
+            _ => 5,
+        };
+        self.0[class] = self.0[class].saturating_add(1);
+    }
+
+    pub fn is_empty(&self) -> bool {
+        self.0.iter().all(|&n| n == 0)
+    }
 }
 
 /// How often a blacklisted server is tried anyway by a client with no other server left.
@@ -439,6 +499,24 @@ mod tests {
         s.stop_waiting();
         assert_eq!((conns(&s), s.waiting()), (0, 0));
         assert!(Place::claim(&s, 1).is_some());
+    }
+
+    #[test]
+    fn answers_are_counted_by_status_class() {
+        let mut tally = Tally::default();
+        assert!(tally.is_empty());
+        for code in [101, 200, 204, 299, 301, 404, 500, 599, 600, 0, 99] {
+            tally.count(code);
+        }
+        let answers = Answers::default();
+        answers.add(&tally);
+        answers.count(503);
+        let counts: Vec<u64> = (0..Answers::CLASSES.len())
+            .map(|c| answers.get(c))
+            .collect();
+        assert_eq!(counts, [1, 3, 1, 1, 3, 3]);
+        assert_eq!(Answers::CLASSES[5], "other");
+        assert_eq!(answers.get(6), 0, "no class beyond the last");
     }
 
     #[test]

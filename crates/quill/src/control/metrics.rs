@@ -16,7 +16,7 @@ use prometheus_client::metrics::gauge::ConstGauge;
 use prometheus_client::metrics::MetricType;
 use prometheus_client::registry::{Registry, Unit};
 
-use crate::balance::servers::Condition;
+use crate::balance::servers::{Answers, Condition};
 use crate::balance::{clock, ServerState};
 use crate::proxy::{poll_before_sleep, polling};
 use crate::state::{DsrCounters, State};
@@ -105,6 +105,9 @@ pub enum Source {
     },
     /// One value per server in use, labelled `server` (its number) and `address`.
     PerServer(fn(&ServerState) -> u64),
+    /// With `http` only: one value per server in use and answer status class, labelled
+    /// `server`, `address` and `code` (`2xx`...).
+    PerServerAnswers,
     /// One value for the process, from a part that may not run (e.g. the DSR plane): the
     /// family is left out when the reader gives `None`.
     IfRunning(fn(&State) -> Option<u64>),
@@ -386,7 +389,8 @@ pub static FAMILIES: &[Family] = &[
     },
     Family {
         name: "server_requests",
-        help: "Requests sent to the server one by one (HTTP/2 clients' streams).",
+        help: "Requests sent to the server one by one (http: HTTP/1.x clients' requests \
+               over the pool, HTTP/2 clients' streams).",
         unit: None,
         kind: Kind::Counter,
         source: Source::PerServer(|s| load(&s.requests)),
@@ -398,6 +402,15 @@ pub static FAMILIES: &[Family] = &[
         unit: None,
         kind: Kind::Counter,
         source: Source::PerServer(|s| load(&s.reused)),
+    },
+    Family {
+        name: "server_http_responses",
+        help: "Final answers of the server to HTTP requests (http, -H), by status class \
+               (1xx: a 101 switching protocols; other: a status outside 100-599). quill's \
+               own answers (502 for an answer it could not frame, 503, 504) are not counted.",
+        unit: None,
+        kind: Kind::Counter,
+        source: Source::PerServerAnswers,
     },
     Family {
         name: "server_pool_connections",
@@ -625,6 +638,7 @@ impl Collector for Metrics {
                     Some(v) => Some(v),
                     None => continue,
                 },
+                Source::PerServerAnswers if !settings.http => continue,
                 _ => None,
             };
             let mut family =
@@ -641,6 +655,16 @@ impl Collector for Metrics {
                 Source::PerServer(read) => {
                     for (labels, rt) in &servers {
                         write_value(family.encode_family(labels)?, f.kind, read(rt))?;
+                    }
+                }
+                Source::PerServerAnswers => {
+                    for (labels, rt) in &servers {
+                        for (class, code) in Answers::CLASSES.iter().enumerate() {
+                            let mut with_code = labels.clone();
+                            with_code.push(("code", Cow::Borrowed(*code)));
+                            let v = rt.answers.get(class);
+                            write_value(family.encode_family(&with_code)?, f.kind, v)?;
+                        }
                     }
                 }
                 Source::PerCertificate(read) => {

@@ -237,6 +237,12 @@ pub fn json(ctx: &Context) -> String {
                 // reused a kept-alive connection, and the pool's connections to it.
                 "requests": rt.requests.load(Relaxed),
                 "requests_reused": rt.reused.load(Relaxed),
+                // Its final answers by status class: `{"2xx": 10, ...}`.
+                "responses": crate::balance::servers::Answers::CLASSES
+                    .iter()
+                    .enumerate()
+                    .map(|(class, code)| (code.to_string(), json!(rt.answers.get(class))))
+                    .collect::<serde_json::Map<_, _>>(),
                 "pool_open": rt.pool_open.load(Relaxed),
                 "pool_idle": rt.pool_idle.load(Relaxed),
             })

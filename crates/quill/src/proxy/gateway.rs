@@ -926,7 +926,7 @@ async fn send(
                 }
             }
         };
-        answered(to, record.as_deref(), reused);
+        answered(to, record.as_deref(), reused, resp.status());
         return Sent::Answer(Answered {
             resp,
             conn: Some(conn),
@@ -1000,12 +1000,13 @@ fn h2_failed(
     }
 }
 
-/// Counts a request the server `to` answered.
-fn answered(to: &To<'_>, record: Option<&Record>, reused: bool) {
+/// Counts a request the server `to` answered with `status`.
+fn answered(to: &To<'_>, record: Option<&Record>, reused: bool, status: StatusCode) {
     if let Some(r) = record {
         r.server.set(Some(to.addr));
     }
     to.server.requests.fetch_add(1, Relaxed);
+    to.server.answers.count(status.as_u16());
     if reused {
         to.server.reused.fetch_add(1, Relaxed);
     }
@@ -1067,7 +1068,7 @@ async fn send_own(
         };
         match h1_client::exchange(link, o, back).await {
             Ok(resp) => {
-                answered(to, record.as_deref(), reused);
+                answered(to, record.as_deref(), reused, resp.status());
                 return Sent::Answer(Answered {
                     resp: resp.map(Answer::Own),
                     conn: None,

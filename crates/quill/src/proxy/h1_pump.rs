@@ -421,6 +421,7 @@ async fn send<C: Parkable>(
             to.server.reused.fetch_add(1, Relaxed);
         }
         http.exchange.new_server(reused);
+        http.answers = Some(&to.server.answers);
         let lease = early.take().unwrap_or_else(|| Lease::take(to.server));
         // Boxed: between requests the connection's task keeps none of the relay's state.
         let outcome = match &mut link.stream {

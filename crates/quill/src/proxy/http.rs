@@ -14,6 +14,7 @@ use std::io::Write;
 use std::net::IpAddr;
 
 use crate::accesslog::Arrival;
+use crate::balance::servers::Tally;
 use crate::command::Hsts;
 
 /// Header fields per request; more is answered with 431.
@@ -214,6 +215,9 @@ pub struct Exchange {
     refusal_sent: bool,
     /// Final answers (or switches) the server has sent whole; saturating.
     answers: u32,
+    /// The statuses of the server's final answers (and switches) whose heads were
+    /// forwarded since the driver last took them ([`Exchange::take_statuses`]).
+    statuses: Tally,
     /// The connection is to end after an answer that leaves no request pending (a reload,
     /// a drain, quill stopping): that answer says `Connection: close`.
     closing: bool,
@@ -324,6 +328,7 @@ impl Exchange {
             head_alone: false,
             refusal_sent: false,
             answers: 0,
+            statuses: Tally::default(),
             closing: false,
             last: false,
             one_at_a_time: false,
@@ -390,6 +395,12 @@ impl Exchange {
     /// The request being answered.
     fn logged_out(&mut self) -> Option<&mut Logged> {
         self.log.as_mut()?.open.front_mut()
+    }
+
+    /// The statuses of the server's answers forwarded since the last call: for the driver,
+    /// which knows the server, to count (quill's own answers are not among them).
+    pub fn take_statuses(&mut self) -> Tally {
+        std::mem::take(&mut self.statuses)
     }
 
     /// Why an answer was replaced by quill's 502 since the last call, if one was: for the
@@ -1125,6 +1136,7 @@ impl Exchange {
             out.extend_from_slice(head);
             if code == 101 {
                 // Switching protocols: a tunnel from here on, both ways.
+                self.statuses.count(code);
                 self.pending.pop_front();
                 self.enter_tunnel();
             } else {
@@ -1144,6 +1156,7 @@ impl Exchange {
                 return Some(HeadEnd::Complete(n));
             }
         };
+        self.statuses.count(code);
         let hsts = match self.params.hsts {
             Some(h) if self.params.scheme == Scheme::Https && !has_hsts => Some(h),
             _ => None,
@@ -1223,15 +1236,30 @@ impl Exchange {
         Some(HeadEnd::Complete(n))
     }
 
-    /// The server closed its side: a body delimited by the close is complete, and the
-    /// start of a response head still held back is appended to `out` (the client gets
-    /// every byte the server sent).
+    /// The server closed its side: a body delimited by the close is complete. A request
+    /// still waiting for its answer's head (none of it forwarded, or only interim ones)
+    /// gets quill's 502 in `out`, as HAProxy's and NGINX's clients get theirs, rather than
+    /// a connection closed in silence; a head cut short is dropped with it.
     pub fn server_closed(&mut self, out: &mut Vec<u8>) {
+        // Only a close that ends no answer of its own: after a close-delimited body, what
+        // follows would read as more of that body.
+        let unanswered = self.resp == Resp::Head && !self.pending.is_empty();
         if self.resp == Resp::UntilClose {
             self.response_done();
         }
-        out.append(&mut self.resp_head);
-        self.resp_head = Vec::new();
+        if unanswered {
+            if let Some(l) = self.logged_out() {
+                l.status = 502;
+            }
+            out.extend_from_slice(&self.own_answer(BAD_GATEWAY));
+            self.response_done();
+            self.pending.clear();
+            self.discard();
+        } else {
+            // Bytes no request asked for: the client gets every byte the server sent.
+            out.append(&mut self.resp_head);
+            self.resp_head = Vec::new();
+        }
     }
 
     /// quill's 502 in place of an answer that cannot be framed; the server's bytes are
@@ -2406,9 +2434,47 @@ mod tests {
                 1,
                 "the close-delimited answer is still open"
             );
-            ex2.server_closed(&mut Vec::new());
+            let mut after = Vec::new();
+            ex2.server_closed(&mut after);
             assert!(ex2.pending.is_empty());
+            assert!(
+                after.is_empty(),
+                "the close ends the body: nothing follows it"
+            );
         }
+    }
+
+    #[test]
+    fn a_server_that_closes_before_answering_leaves_the_client_quills_502() {
+        // Nothing of an answer yet, or an interim one, or a head cut short: the client
+        // gets the 502 (and `Connection: close`), logged as such, and the statuses tally
+        // none of the server's.
+        for sent in [
+            &b""[..],
+            b"HTTP/1.1 100 Continue\r\n\r\n",
+            b"HTTP/1.1 200 OK\r\nContent-",
+        ] {
+            let mut ex = exchange();
+            ex.log_requests(true);
+            client(&mut ex, b"GET /a HTTP/1.1\r\nHost: x\r\n\r\n", 1000);
+            server(&mut ex, sent);
+            let mut out = Vec::new();
+            ex.server_closed(&mut out);
+            let answer = String::from_utf8_lossy(&out);
+            assert!(answer.starts_with("HTTP/1.1 502 "), "{sent:?}: {answer}");
+            assert!(answer.contains("Connection: close"), "{answer}");
+            assert!(ex.finished());
+            assert_eq!(ex.take_logged().map(|l| l.status), Some(502));
+            assert_eq!(ex.take_statuses(), Tally::default(), "{sent:?}");
+        }
+        // Between requests, a close leaves nothing to answer.
+        let mut ex = exchange();
+        client(&mut ex, b"GET /a HTTP/1.1\r\n\r\n", 1000);
+        server(&mut ex, b"HTTP/1.1 204 No Content\r\n\r\n");
+        let mut out = Vec::new();
+        ex.server_closed(&mut out);
+        assert!(out.is_empty());
+        assert_eq!(ex.take_statuses(), Tally::of(204));
     }
 
     #[test]

@@ -34,6 +34,7 @@ use super::relay::{
 };
 use super::signals::NEXT_REQUEST_AT_STOP;
 use crate::accesslog::{AccessLog, Arrival, Record};
+use crate::balance::servers::Answers;
 
 /// After a refusal (400/431), how long the client's remaining bytes are read and dropped
 /// so that closing does not reset the connection before the client has read the answer.
@@ -79,6 +80,8 @@ struct Shared<'a> {
     exchange: Option<&'a mut Exchange>,
     /// Where the exchange's requests are logged as their answers end.
     lines: Option<&'a Lines>,
+    /// Where the server's answers are counted as they are forwarded.
+    answers: Option<&'a Answers>,
     /// The server's last bytes brought an answer's head and not all of its body: their
     /// acknowledgement is sent at once, so that a server whose rest waits for it (Nagle's
     /// algorithm) does not wait for the kernel's delayed one.
@@ -364,8 +367,13 @@ impl Flow {
         if written < data.len() {
             self.out.extend_from_slice(&data[written..]);
         }
-        if let (Some(ex), Some(lines), Dir::Down) = (shared.exchange.as_mut(), shared.lines, dir) {
-            lines.write(ex, false);
+        if let (Some(ex), Dir::Down) = (shared.exchange.as_mut(), dir) {
+            if let Some(answers) = shared.answers {
+                count_answers(ex, answers);
+            }
+            if let Some(lines) = shared.lines {
+                lines.write(ex, false);
+            }
         }
         Ok(())
     }
@@ -407,6 +415,9 @@ pub struct Http {
     /// The access log, when the relay writes its lines (one server connection for the
     /// client's; request by request `h1_pump` writes them).
     pub lines: Option<Lines>,
+    /// The answers of the server being relayed to, where its answers are counted (set by
+    /// the driver as it chooses the server).
+    pub answers: Option<&'static Answers>,
 }
 
 impl Http {
@@ -416,6 +427,7 @@ impl Http {
             preread: Preread::default(),
             head_limit,
             lines: None,
+            answers: None,
         }
     }
 
@@ -475,6 +487,14 @@ impl Lines {
             tally(&r, &l);
             r.server.set(self.server);
         }
+    }
+}
+
+/// Adds the statuses of the answers the exchange forwarded to their server's count.
+fn count_answers(ex: &mut Exchange, answers: &Answers) {
+    let statuses = ex.take_statuses();
+    if !statuses.is_empty() {
+        answers.add(&statuses);
     }
 }
 
@@ -717,9 +737,14 @@ where
         None => (Preread::default(), None),
     };
     let mut no_held = Vec::new();
-    let (mut exchange, preread_held, lines) = match http {
-        Some(h) => (Some(&mut h.exchange), &mut h.preread.held, h.lines.as_ref()),
-        None => (None, &mut no_held, None),
+    let (mut exchange, preread_held, lines, answers) = match http {
+        Some(h) => (
+            Some(&mut h.exchange),
+            &mut h.preread.held,
+            h.lines.as_ref(),
+            h.answers,
+        ),
+        None => (None, &mut no_held, None, None),
     };
     let one_request = exchange
         .as_ref()
@@ -755,6 +780,7 @@ where
         let mut shared = Shared {
             exchange: exchange.as_deref_mut(),
             lines,
+            answers,
             acknowledge: false,
             active,
             refusing,
@@ -964,6 +990,11 @@ where
         turn_end(fast, up.done && down.done, &mut idle, cx, &mut active)
     })
     .await;
+    if let (Some(ex), Some(answers)) = (exchange.as_deref_mut(), answers) {
+        // An answer whose bytes could not all be written (the client failed) was counted
+        // by the exchange all the same: the server gave it.
+        count_answers(ex, answers);
+    }
     let end = match end {
         // The linger after an asked-for end reports as a refusal's does.
         End::Refused if ending => End::Closed,

@@ -1018,6 +1018,9 @@ async fn open<C: ClientStream>(
             server: server_addr,
         });
     }
+    if let Some(http) = &mut http {
+        http.answers = Some(&lease.place.server().answers);
+    }
     if let (Some(http), Some(log)) = (&http, &log) {
         // The head came before the server was chosen: penlogd hears of it now.
         log.tell(ip, server_addr.map(|a| a.ip()), http.first_bytes_kept());
