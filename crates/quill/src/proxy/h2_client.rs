@@ -44,6 +44,10 @@ const MAX_HEADER_LIST: u32 = 16 * 1024;
 /// recommended least).
 const INITIAL_STREAMS: usize = 100;
 
+/// How long the head of a refusal that came while the client was still uploading (an early
+/// 413) waits for the start of its body before it goes on without it ([`Answer::ready`]).
+const EARLY_REFUSAL_BODY_WAIT: Duration = Duration::from_millis(50);
+
 /// A new connection, ready for requests.
 pub struct Connected {
     pub sender: SendRequest<Bytes>,
@@ -184,18 +188,24 @@ pub async fn send(
         Pin::new(&mut response).poll(cx)
     })
     .await;
+    let early = pipe.is_some();
     if let Some(rest) = pipe {
         // The server answered before the body's end (an early 413, or a stream it answers
         // as it reads): the body goes on beside the answer, as long as the server takes it.
         tokio::task::spawn_local(rest);
     }
-    match answered {
-        Ok(resp) => Ok(resp.map(|recv| Answer {
+    let mut resp = match answered {
+        Ok(resp) => resp.map(|recv| Answer {
             recv,
+            first: None,
             data_done: false,
-        })),
-        Err(e) => Err(failure(e)),
+        }),
+        Err(e) => return Err(failure(e)),
+    };
+    if early && resp.status().as_u16() >= 300 {
+        resp.body_mut().ready(EARLY_REFUSAL_BODY_WAIT).await;
     }
+    Ok(resp)
 }
 
 /// Sorts a stream's error: refused before processing, reset by quill, or broken.
@@ -326,7 +336,30 @@ impl Future for Pipe {
 /// A server's response body on a stream: data, then trailers if any.
 pub struct Answer {
     recv: RecvStream,
+    /// Data read before the head was handed on ([`Answer::ready`]).
+    first: Option<Bytes>,
     data_done: bool,
+}
+
+impl Answer {
+    /// Reads the body's first data (or its end) before the head goes to the client, for
+    /// at most `wait`. For a refusal given while the client still uploads: curl 7.88 then
+    /// ends its request stream short of its `Content-Length`, which the h2 crate answers
+    /// with a reset (PROTOCOL_ERROR, RFC 9113 §8.1.1) that drops whatever of the answer it
+    /// has not written yet. A head and body handed on together leave in one write, before
+    /// the client has seen the head and cut its upload short.
+    async fn ready(&mut self, wait: Duration) {
+        let first = std::future::poll_fn(|cx| self.recv.poll_data(cx));
+        match tokio::time::timeout(wait, first).await {
+            Ok(Some(Ok(data))) => {
+                let _ = self.recv.flow_control().release_capacity(data.len());
+                self.first = Some(data);
+            }
+            Ok(None) => self.data_done = true,
+            // An error comes again at the next read; a slow body goes on without waiting.
+            Ok(Some(Err(_))) | Err(_) => {}
+        }
+    }
 }
 
 impl Body for Answer {
@@ -337,6 +370,9 @@ impl Body for Answer {
         mut self: Pin<&mut Self>,
         cx: &mut Context<'_>,
     ) -> Poll<Option<Result<Frame<Bytes>, h2::Error>>> {
+        if let Some(data) = self.first.take() {
+            return Poll::Ready(Some(Ok(Frame::data(data))));
+        }
         if !self.data_done {
             match self.recv.poll_data(cx) {
                 Poll::Pending => return Poll::Pending,
@@ -358,11 +394,11 @@ impl Body for Answer {
     }
 
     fn is_end_stream(&self) -> bool {
-        self.recv.is_end_stream()
+        self.first.is_none() && self.recv.is_end_stream()
     }
 
     fn size_hint(&self) -> SizeHint {
-        if self.recv.is_end_stream() {
+        if self.is_end_stream() {
             SizeHint::with_exact(0)
         } else {
             SizeHint::default()
