@@ -1241,9 +1241,10 @@ impl Exchange {
     /// gets quill's 502 in `out`, as HAProxy's and NGINX's clients get theirs, rather than
     /// a connection closed in silence; a head cut short is dropped with it.
     pub fn server_closed(&mut self, out: &mut Vec<u8>) {
-        // Only a close that ends no answer of its own: after a close-delimited body, what
-        // follows would read as more of that body.
-        let unanswered = self.resp == Resp::Head && !self.pending.is_empty();
+        // Only a close that ends no answer of its own (after a close-delimited body, what
+        // follows would read as more of that body), and not after an answer that told the
+        // client the connection ends (the requests it pipelined go unanswered, as it knows).
+        let unanswered = self.resp == Resp::Head && !self.pending.is_empty() && self.client_keep;
         if self.resp == Resp::UntilClose {
             self.response_done();
         }
@@ -2467,6 +2468,21 @@ mod tests {
             assert_eq!(ex.take_logged().map(|l| l.status), Some(502));
             assert_eq!(ex.take_statuses(), Tally::default(), "{sent:?}");
         }
+        // After an answer that said `Connection: close`, the requests pipelined behind it
+        // go unanswered, as the client was told.
+        let mut ex = exchange();
+        client(
+            &mut ex,
+            b"GET /a HTTP/1.1\r\n\r\nGET /b HTTP/1.1\r\n\r\n",
+            1000,
+        );
+        server(
+            &mut ex,
+            b"HTTP/1.1 200 OK\r\nContent-Length: 0\r\nConnection: close\r\n\r\n",
+        );
+        let mut out = Vec::new();
+        ex.server_closed(&mut out);
+        assert!(out.is_empty(), "{}", String::from_utf8_lossy(&out));
         // Between requests, a close leaves nothing to answer.
         let mut ex = exchange();
         client(&mut ex, b"GET /a HTTP/1.1\r\n\r\n", 1000);
