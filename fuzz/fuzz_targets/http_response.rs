@@ -4,7 +4,8 @@
 //! with the connection asked to close after its last answer (a reload, a drain, a stop:
 //! `Connection: close` written into that answer) or not. A server that says nothing of
 //! connections and frames its answers, one per request, gets its bytes through exactly
-//! (without HSTS).
+//! (without HSTS); when it closes with requests unanswered, quill's 502 follows its
+//! answers.
 #![no_main]
 
 use libfuzzer_sys::fuzz_target;
@@ -19,7 +20,8 @@ const REQUESTS: [&[u8]; 5] = [
     b"POST / HTTP/1.1\r\nContent-Length: 2\r\n\r\nok",
 ];
 
-fn run(data: &[u8], split: bool, hsts: bool, closing: bool) -> Vec<u8> {
+/// The bytes for the client while the server sends, and those its close adds.
+fn run(data: &[u8], split: bool, hsts: bool, closing: bool) -> (Vec<u8>, Vec<u8>) {
     let mut ex = Exchange::new(HttpParams {
         client: "192.0.2.1".parse().unwrap(),
         scheme: Scheme::Https,
@@ -56,17 +58,23 @@ fn run(data: &[u8], split: bool, hsts: bool, closing: bool) -> Vec<u8> {
         }
         let _ = ex.take_refusal();
     }
-    ex.server_closed(&mut out);
-    out
+    let mut at_close = Vec::new();
+    ex.server_closed(&mut at_close);
+    (out, at_close)
 }
 
 fuzz_target!(|data: &[u8]| {
     let server = &data[data.len().min(4)..];
+    // What the client gets in all, at the server's close included.
+    let whole = |(mut out, at_close): (Vec<u8>, Vec<u8>)| {
+        out.extend(at_close);
+        out
+    };
     for hsts in [false, true] {
         for closing in [false, true] {
             assert_eq!(
-                run(data, false, hsts, closing),
-                run(data, true, hsts, closing)
+                whole(run(data, false, hsts, closing)),
+                whole(run(data, true, hsts, closing))
             );
         }
     }
@@ -77,7 +85,17 @@ fuzz_target!(|data: &[u8]| {
         .position(|&r| matches!(usize::from(r) % REQUESTS.len(), 2 | 3))
         .map_or(data.len().min(4), |switch| switch + 1);
     if says_nothing_of_connections(server, sent) {
-        assert_eq!(run(data, false, false, false), server);
+        let (mut out, at_close) = run(data, false, false, false);
+        if at_close.starts_with(b"HTTP/1.1 502 ") {
+            // The server closed with requests unanswered: its answers went through, and
+            // what followed them (the start of a head, cut short) gave way to quill's 502.
+            assert!(server.starts_with(&out));
+            let rest = &server[out.len()..];
+            assert!(!rest.windows(4).any(|w| w == b"\r\n\r\n"), "{rest:?}");
+        } else {
+            out.extend(at_close);
+            assert_eq!(out, server);
+        }
     }
 });
 
@@ -100,7 +118,10 @@ fn says_nothing_of_connections(server: &[u8], requests: usize) -> bool {
         .iter()
         .enumerate()
         .any(|(i, &b)| b == b'\n' && (i == 0 || lower[i - 1] != b'\r'));
-    if bare_lf || !lower.ends_with(b"\r\n\r\n") {
+    // A line folded onto the one before it (obs-fold) belongs to that field: a
+    // `Content-Length` continued so is no number, and quill's 502 replaces the answer.
+    let folded = count(&lower, b"\r\n ") + count(&lower, b"\r\n\t") > 0;
+    if bare_lf || folded || !lower.ends_with(b"\r\n\r\n") {
         return false;
     }
     // The heads, each without its empty line.

@@ -1078,10 +1078,7 @@ impl Exchange {
     fn parse_response(&mut self, buf: &[u8], out: &mut Vec<u8>) -> Option<HeadEnd> {
         let mut headers = [httparse::EMPTY_HEADER; MAX_HEADERS];
         let mut resp = httparse::Response::new(&mut headers);
-        let parsed = httparse::ParserConfig::default()
-            .allow_obsolete_multiline_headers_in_responses(true)
-            .allow_spaces_after_header_name_in_responses(true)
-            .parse_response(&mut resp, buf);
+        let parsed = response_parser().parse_response(&mut resp, buf);
         let n = match parsed {
             Ok(httparse::Status::Complete(n)) => n,
             Ok(httparse::Status::Partial) => return Some(HeadEnd::Partial),
@@ -1244,7 +1241,12 @@ impl Exchange {
         // Only a close that ends no answer of its own (after a close-delimited body, what
         // follows would read as more of that body), and not after an answer that told the
         // client the connection ends (the requests it pipelined go unanswered, as it knows).
-        let unanswered = self.resp == Resp::Head && !self.pending.is_empty() && self.client_keep;
+        // A head held back that cannot be an answer's is passed raw, as it would have been
+        // had the rest of it come (and had it not been, on a reused connection).
+        let unanswered = self.resp == Resp::Head
+            && !self.pending.is_empty()
+            && self.client_keep
+            && ((self.one_at_a_time && self.server_reused) || !broken_head(&self.resp_head));
         if self.resp == Resp::UntilClose {
             self.response_done();
         }
@@ -1748,6 +1750,22 @@ fn worth_parsing(buf: &[u8], before: usize, scan_from: usize) -> bool {
         || buf.len() <= 16
         || find_head_end(buf, scan_from).is_some()
         || (new.contains(&b'\n') && !old.contains(&b'\n'))
+}
+
+/// Whether a response head cut short is already no answer (what [`Exchange`] passes raw).
+fn broken_head(buf: &[u8]) -> bool {
+    let mut headers = [httparse::EMPTY_HEADER; MAX_HEADERS];
+    let mut resp = httparse::Response::new(&mut headers);
+    response_parser().parse_response(&mut resp, buf).is_err()
+}
+
+/// How response heads are parsed: as leniently as RFC 9112 lets a recipient be.
+fn response_parser() -> httparse::ParserConfig {
+    let mut config = httparse::ParserConfig::default();
+    config
+        .allow_obsolete_multiline_headers_in_responses(true)
+        .allow_spaces_after_header_name_in_responses(true);
+    config
 }
 
 /// Where the empty line ending a head could be: a complete head contains `\n\n` or
