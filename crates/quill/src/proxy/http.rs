@@ -1251,15 +1251,9 @@ impl Exchange {
             self.response_done();
         }
         if unanswered {
-            if let Some(l) = self.logged_out() {
-                l.status = 502;
-            }
-            out.extend_from_slice(&self.own_answer(BAD_GATEWAY));
-            self.response_done();
-            self.pending.clear();
-            self.discard();
+            self.answer_bad_gateway(out);
         } else {
-            // Bytes no request asked for: the client gets every byte the server sent.
+            // Otherwise the client gets every byte the server sent.
             out.append(&mut self.resp_head);
             self.resp_head = Vec::new();
         }
@@ -1271,6 +1265,12 @@ impl Exchange {
     /// its `Connection: close` tells the client.
     fn bad_gateway(&mut self, why: BadAnswer, out: &mut Vec<u8>) {
         self.bad_answer = Some(why);
+        self.answer_bad_gateway(out);
+    }
+
+    /// quill's 502 for the request being answered (logged so); the requests after it go
+    /// unanswered, and neither connection is used again.
+    fn answer_bad_gateway(&mut self, out: &mut Vec<u8>) {
         if let Some(l) = self.logged_out() {
             l.status = 502;
         }
