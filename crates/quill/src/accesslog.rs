@@ -6,10 +6,14 @@
 //! UNIX_TIME is when the request arrived (seconds, three decimals), BYTES_IN and BYTES_OUT
 //! count body bytes (client to server, server to client), MS is the time until the answer
 //! ended, SERVER is `ADDRESS:PORT` or `-` (quill answered itself); a missing AUTHORITY is
-//! `-`. Fields a client sends are cut at the first space or control byte, so that every
-//! line splits into exactly eleven fields. Like the connection log it is opened in append
-//! mode, reopened on SIGHUP, and its lines are written whole, in batches, by the file's own
-//! thread (`logfile`): an event loop never waits for the disk.
+//! `-`. STATUS is the final answer's; [`CLIENT_CLOSED_REQUEST`] (499) when the client left
+//! before an answer's head reached it; 0 when the connection ended otherwise without an
+//! answer (quill's idle timeout). An answer the client cut short in its body keeps its
+//! status (BYTES_OUT tells how much of it went). Fields a client sends are cut at the
+//! first space or control byte, so that every line splits into exactly eleven fields. Like
+//! the connection log it is opened in append mode, reopened on SIGHUP, and its lines are
+//! written whole, in batches, by the file's own thread (`logfile`): an event loop never
+//! waits for the disk.
 
 use std::cell::Cell;
 use std::io;
@@ -20,6 +24,10 @@ use std::time::{Duration, Instant, SystemTime, UNIX_EPOCH};
 
 use crate::logfile::LogFile;
 use crate::net::text;
+
+/// The status logged for a request whose client left before an answer's head reached it
+/// (NGINX's, which log tools already know).
+pub const CLIENT_CLOSED_REQUEST: u16 = 499;
 
 /// An open access log.
 #[derive(Debug)]

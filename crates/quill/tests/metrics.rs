@@ -780,8 +780,87 @@ fn an_exposed_listener_without_a_control_acl_is_warned_about() {
     );
 }
 
+/// A client that leaves before its answer has ended (curl giving up after a second: `-m`)
+/// abandoned its request: counted for the server it waited on, and logged 499 when no
+/// answer's head had reached it, or with the answer's status and the bytes it got when it
+/// left in the body; HTTP/1.1 over the pool, HTTP/2, one server connection per client.
+#[test]
+fn requests_whose_clients_leave_are_counted_and_logged() {
+    if tool("curl", &["--version"]).is_none() {
+        return;
+    }
+    let server = StatusServer::start();
+    let spec = server.addr.to_string();
+    for (how, quill_args, curl_args, version) in [
+        ("HTTP/1.1, pooled", &[][..], &["--http1.1"][..], "HTTP/1.1"),
+        (
+            "HTTP/2",
+            &["-O", "h2c"][..],
+            &["--http2-prior-knowledge"][..],
+            "HTTP/2.0",
+        ),
+        (
+            "one server connection per client",
+            &["-O", "upstream_keepalive 0"][..],
+            &["--http1.1"][..],
+            "HTTP/1.1",
+        ),
+    ] {
+        let mut args = vec![
+            "-H",
+            "-O",
+            "metrics_listen 127.0.0.1:{metrics}",
+            "-O",
+            "access_log {dir}/access.log",
+        ];
+        args.extend_from_slice(quill_args);
+        args.extend(["{port}", &spec]);
+        let (q, m) = start_with_metrics(&args);
+        for path in ["200", "hold-head", "hold-body"] {
+            let url = format!("http://127.0.0.1:{}/{path}", q.port);
+            let out = Command::new("curl")
+                .args(["-s", "-o", "/dev/null", "-m", "2", &url])
+                .args(curl_args)
+                .output()
+                .unwrap();
+            // 28: curl gave up waiting.
+            let expected = if path == "200" { 0 } else { 28 };
+            assert_eq!(out.status.code(), Some(expected), "{how}: /{path}");
+        }
+        let aborts =
+            format!("quill_server_client_aborts_total{{server=\"0\",address=\"{spec}\"}} 2");
+        wait_until(DEADLINE, format!("{how}: {aborts}"), || {
+            get(m, "/metrics").text().lines().any(|l| l == aborts)
+        });
+        assert_eq!(status(m)["servers"][0]["client_aborts"].as_u64(), Some(2));
+        let log = q.dir().join("access.log");
+        wait_until(DEADLINE, format!("{how}: three lines logged"), || {
+            std::fs::read_to_string(&log).is_ok_and(|t| t.lines().count() == 3)
+        });
+        let text = std::fs::read_to_string(&log).unwrap();
+        let logged: Vec<String> = text
+            .lines()
+            .map(|l| {
+                let f: Vec<&str> = l.split(' ').collect();
+                [f[4], f[5], f[6], f[8], f[10]].join(" ")
+            })
+            .collect();
+        assert_eq!(
+            logged,
+            [
+                format!("/200 {version} 200 0 {spec}"),
+                format!("/hold-head {version} 499 0 {spec}"),
+                format!("/hold-body {version} 200 10 {spec}"),
+            ],
+            "{how}:\n{text}"
+        );
+    }
+}
+
 /// A keep-alive HTTP/1.1 server that answers `GET /NNN` with status NNN and an empty body,
-/// and closes without an answer on `GET /close`.
+/// and closes without an answer on `GET /close`. On `GET /hold-head` it answers nothing,
+/// and on `GET /hold-body` only a head and 10 of 1,000 bytes, until quill closes the
+/// connection (or 20 s pass).
 struct StatusServer {
     addr: SocketAddr,
 }
@@ -809,6 +888,16 @@ impl StatusServer {
             let text = String::from_utf8_lossy(&head).into_owned();
             head.clear();
             let path = text.split(' ').nth(1).unwrap_or_default();
+            if path.starts_with("/hold-") {
+                if path == "/hold-body" {
+                    let head = "HTTP/1.1 200 OK\r\nContent-Length: 1000\r\n\r\n";
+                    let _ = conn.write_all(format!("{head}0123456789").as_bytes());
+                }
+                conn.set_read_timeout(Some(Duration::from_secs(20)))
+                    .unwrap();
+                let _ = conn.read_to_end(&mut Vec::new());
+                return;
+            }
             let Ok(code) = path.trim_start_matches('/').parse::<u16>() else {
                 return; // `/close`: no answer.
             };

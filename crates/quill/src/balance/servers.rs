@@ -80,10 +80,18 @@ pub struct ServerState {
 }
 
 /// A server's final answers to HTTP requests, by status class (`1xx` is a `101` switch to
-/// another protocol: interim answers are not counted). Answers quill gives itself (its
-/// 502 in place of one it could not frame, 503, 504) are not the server's and are not here.
+/// another protocol: interim answers are not counted), and the requests whose clients left
+/// before their answers had ended. Answers quill gives itself (its 502 in place of one it
+/// could not frame, 503, 504) are not the server's and are not here.
 #[derive(Debug, Default)]
-pub struct Answers([AtomicU64; 6]);
+pub struct Answers {
+    classes: [AtomicU64; 6],
+    /// Requests given to the server whose clients left (closed or reset their connection,
+    /// or an HTTP/2 stream) before the answer had ended: before its head, or in its body.
+    /// Counted apart from the classes: an answer whose body was cut also has its status
+    /// counted there.
+    abandoned: AtomicU64,
+}
 
 impl Answers {
     /// The classes' names, in the order [`Answers::get`] numbers them; `other` is a status
@@ -92,12 +100,12 @@ impl Answers {
 
     /// Counts one answer with status `code`.
     pub fn count(&self, code: u16) {
-        self.0[class(code)].fetch_add(1, Relaxed);
+        self.classes[class(code)].fetch_add(1, Relaxed);
     }
 
     /// Adds what a connection tallied.
     pub fn add(&self, tally: &Tally) {
-        for (total, n) in self.0.iter().zip(tally.0) {
+        for (total, n) in self.classes.iter().zip(tally.0) {
             if n > 0 {
                 total.fetch_add(u64::from(n), Relaxed);
             }
@@ -106,7 +114,19 @@ impl Answers {
 
     /// Answers of class `class` (an index into [`Answers::CLASSES`]).
     pub fn get(&self, class: usize) -> u64 {
-        self.0.get(class).map_or(0, |n| n.load(Relaxed))
+        self.classes.get(class).map_or(0, |n| n.load(Relaxed))
+    }
+
+    /// Counts `n` requests whose clients left before their answers had ended.
+    pub fn abandon(&self, n: u64) {
+        if n > 0 {
+            self.abandoned.fetch_add(n, Relaxed);
+        }
+    }
+
+    /// Requests whose clients left before their answers had ended.
+    pub fn abandoned(&self) -> u64 {
+        self.abandoned.load(Relaxed)
     }
 }
 

@@ -108,6 +108,8 @@ pub enum Source {
     /// With `http` only: one value per server in use and answer status class, labelled
     /// `server`, `address` and `code` (`2xx`...).
     PerServerAnswers,
+    /// With `http` only: as `PerServer`.
+    PerServerHttp(fn(&ServerState) -> u64),
     /// One value for the process, from a part that may not run (e.g. the DSR plane): the
     /// family is left out when the reader gives `None`.
     IfRunning(fn(&State) -> Option<u64>),
@@ -413,6 +415,15 @@ pub static FAMILIES: &[Family] = &[
         source: Source::PerServerAnswers,
     },
     Family {
+        name: "server_client_aborts",
+        help: "Requests given to the server (http, -H) whose client left (closed or reset \
+               its connection or HTTP/2 stream) before the answer had ended: before its \
+               head (logged 499) or in its body (logged with the answer's status).",
+        unit: None,
+        kind: Kind::Counter,
+        source: Source::PerServerHttp(|s| s.answers.abandoned()),
+    },
+    Family {
         name: "server_pool_connections",
         help: "Kept-alive connections to the server open now, busy or idle.",
         unit: None,
@@ -638,7 +649,7 @@ impl Collector for Metrics {
                     Some(v) => Some(v),
                     None => continue,
                 },
-                Source::PerServerAnswers if !settings.http => continue,
+                Source::PerServerAnswers | Source::PerServerHttp(_) if !settings.http => continue,
                 _ => None,
             };
             let mut family =
@@ -652,7 +663,7 @@ impl Collector for Metrics {
                         write_value(family.encode_family(&labels)?, f.kind, read(state))?;
                     }
                 }
-                Source::PerServer(read) => {
+                Source::PerServer(read) | Source::PerServerHttp(read) => {
                     for (labels, rt) in &servers {
                         write_value(family.encode_family(labels)?, f.kind, read(rt))?;
                     }

@@ -243,6 +243,8 @@ pub fn json(ctx: &Context) -> String {
                     .enumerate()
                     .map(|(class, code)| (code.to_string(), json!(rt.answers.get(class))))
                     .collect::<serde_json::Map<_, _>>(),
+                // Requests whose client left before their answer had ended.
+                "client_aborts": rt.answers.abandoned(),
                 "pool_open": rt.pool_open.load(Relaxed),
                 "pool_idle": rt.pool_idle.load(Relaxed),
             })

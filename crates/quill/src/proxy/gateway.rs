@@ -44,7 +44,7 @@ use super::quickack;
 use super::registry::ConnInfo;
 use super::signals::NEXT_REQUEST_AT_STOP;
 use super::tcp::{open_upstream, Preamble, Server};
-use crate::accesslog::{AccessLog, Record};
+use crate::accesslog::{AccessLog, Record, CLIENT_CLOSED_REQUEST};
 use crate::balance::{Place, ServerState};
 use crate::command::Hsts;
 use crate::net::connect::{is_local_failure, SocketOptions};
@@ -157,6 +157,8 @@ pub struct ResponseBody {
     grpc: bool,
     /// Those trailers were sent: the body has ended.
     broken_off: bool,
+    /// The body ended, or failed on the server's side.
+    ended: bool,
 }
 
 /// A server's answer body: read by hyper's client, or by quill's own (`h1_client`,
@@ -211,6 +213,9 @@ impl Body for ResponseBody {
             return Poll::Ready(None);
         }
         let polled = Pin::new(&mut self.inner).poll_frame(cx);
+        if let Poll::Ready(None | Some(Err(_))) = &polled {
+            self.ended = true;
+        }
         if let Poll::Ready(Some(Err(e))) = &polled {
             if self.grpc {
                 tracing::debug!("a gRPC call's answer broke off: {e}");
@@ -244,6 +249,17 @@ impl Body for ResponseBody {
     }
 }
 
+/// hyper drops an answer's body before its end when the client left (it reset the stream,
+/// closed or failed the connection): the request was abandoned in its answer's body.
+impl Drop for ResponseBody {
+    fn drop(&mut self) {
+        let ended = self.ended || self.broken_off || self.inner.is_end_stream();
+        if !ended && !self.stream.activity.quill_ends.get() {
+            self.server.answers.abandon(1);
+        }
+    }
+}
+
 pub(super) type Reply = Response<Either<ResponseBody, Full<Bytes>>>;
 
 /// A request's place on its server (counted as a request in flight for `max`, `servers`
@@ -267,6 +283,9 @@ pub(super) struct Activity {
     /// (one request at a time there; HTTP/2 streams set it too, but it is read only for
     /// HTTP/1.x connections).
     uploading: Cell<bool>,
+    /// quill ends the connection (its watchdog, or its task aborted): the requests dropped
+    /// with it were not abandoned by their client.
+    quill_ends: Cell<bool>,
 }
 
 impl Activity {
@@ -277,6 +296,68 @@ impl Activity {
     /// When a request last started, moved body bytes or ended.
     pub(super) fn last(&self) -> Option<Instant> {
         self.last.get()
+    }
+}
+
+/// Ends a connection's requests as quill's doing, not their clients': when dropped before
+/// [`QuillEnds::disarm`] (the connection's task aborted: `close N`, a stop's last moment),
+/// and declared after the connection, so that it drops first.
+pub(super) struct QuillEnds<'a>(Option<&'a Activity>);
+
+impl<'a> QuillEnds<'a> {
+    pub(super) fn new(activity: &'a Activity) -> QuillEnds<'a> {
+        QuillEnds(Some(activity))
+    }
+
+    /// The connection ended by itself (its client left, or it was closed gracefully).
+    pub(super) fn disarm(mut self) {
+        self.0 = None;
+    }
+}
+
+impl Drop for QuillEnds<'_> {
+    fn drop(&mut self) {
+        if let Some(a) = self.0 {
+            a.quill_ends.set(true);
+        }
+    }
+}
+
+/// A request until its answer's head is ready (quill's own, or a server's). hyper drops
+/// the request's future when its client resets the stream or leaves: the request was
+/// abandoned, waiting on the server chosen for it if one was (logged 499 with it).
+struct Awaiting {
+    activity: Rc<Activity>,
+    record: Option<Rc<Record>>,
+    server: Cell<Option<(&'static ServerState, SocketAddr)>>,
+    answered: bool,
+}
+
+impl Awaiting {
+    /// The request goes to `to` now.
+    fn going_to(&self, to: &To<'_>) {
+        self.server.set(Some((to.server, to.addr)));
+    }
+}
+
+impl Drop for Awaiting {
+    fn drop(&mut self) {
+        if self.answered {
+            return;
+        }
+        let server = self.server.get();
+        // Ended by quill (its watchdog found the server silent): logged with status 0, at
+        // the server it waited on.
+        let abandoned = !self.activity.quill_ends.get();
+        if let Some(r) = self.record.as_deref().filter(|r| r.status.get() == 0) {
+            r.server.set(server.map(|(_, addr)| addr));
+            if abandoned {
+                r.status.set(CLIENT_CLOSED_REQUEST);
+            }
+        }
+        if let Some((s, _)) = server.filter(|_| abandoned) {
+            s.answers.abandon(1);
+        }
     }
 }
 
@@ -440,6 +521,8 @@ pub(super) async fn supervise<G: Graceful>(
                 let quiet = last.unwrap_or(started).elapsed();
                 if activity.in_flight.get() > 0 {
                     if timers.stalled.is_some_and(|l| quiet >= l) {
+                        // The requests in flight end with the connection: quill's doing.
+                        activity.quill_ends.set(true);
                         return Ended::Closed(timed_out);
                     }
                     continue;
@@ -607,7 +690,14 @@ pub(super) async fn forward(
         .map(|log| Rc::new(record(log, &peer, &req)));
     stream.record = record.clone();
     let grpc = grpc::is_call(req.version(), req.headers());
-    let mut reply = route(state, &peer, req, stream).await;
+    let mut awaiting = Awaiting {
+        activity: Rc::clone(&stream.activity),
+        record: record.clone(),
+        server: Cell::new(None),
+        answered: false,
+    };
+    let mut reply = route(state, &peer, req, stream, &awaiting).await;
+    awaiting.answered = true;
     // The line is written when the last holder lets go: here for quill's own answers and
     // tunnels, at the end of the body for a server's response. A gRPC call's own answer
     // is logged with the HTTP status it stands for.
@@ -665,6 +755,7 @@ async fn route(
     peer: &Peer,
     mut req: Request<Incoming>,
     stream: InFlight,
+    awaiting: &Awaiting,
 ) -> Reply {
     let settings = state.settings();
     let version = req.version();
@@ -746,6 +837,7 @@ async fn route(
     let mut candidates = Candidates::new(state, &settings, peer.addr, peer.permitted);
     while let Some((c, place)) = candidates.next().await {
         peer.going_to(c.target);
+        awaiting.going_to(&c);
         if let Some((log, line)) = &penlogd {
             log.tell(peer.addr.ip(), Some(c.addr.ip()), line.as_bytes());
         }
@@ -1373,6 +1465,7 @@ fn reply(
         _h2: h2,
         grpc: false,
         broken_off: false,
+        ended: false,
     };
     Response::from_parts(parts, Either::Left(body))
 }

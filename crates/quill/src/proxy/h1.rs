@@ -108,6 +108,8 @@ pub(super) async fn serve<IO: Parkable>(state: &'static State, io: IO, peer: Pee
         let mut conn = builder
             .serve_connection(TokioIo::new(io), service)
             .with_upgrades();
+        // After `conn`: dropped first when the task is aborted.
+        let quill_ends = gateway::QuillEnds::new(&activity);
         let ended = gateway::supervise(
             state,
             Pin::new(&mut conn),
@@ -117,6 +119,7 @@ pub(super) async fn serve<IO: Parkable>(state: &'static State, io: IO, peer: Pee
             &parkable,
         )
         .await;
+        quill_ends.disarm();
         if let Ended::Closed(timed_out) = ended {
             if let Some(t) = timed_out {
                 t.count(state);

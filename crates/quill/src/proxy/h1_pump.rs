@@ -436,7 +436,11 @@ async fn send<C: Parkable>(
         }
         to.server.bytes_to.fetch_add(outcome.up, Relaxed);
         to.server.bytes_from.fetch_add(outcome.down, Relaxed);
-        if let Some(r) = record.filter(|_| outcome.down > 0) {
+        // The server that answered, or that the request waited on until the client left
+        // or the idle timeout; not one that failed before answering (the request goes
+        // again, or quill answers).
+        let waited = !matches!(outcome.end, End::ServerError(_));
+        if let Some(r) = record.filter(|_| outcome.down > 0 || waited) {
             r.server.set(Some(to.addr));
         }
         return Tried::Served(match outcome.end {

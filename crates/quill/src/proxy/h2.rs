@@ -62,6 +62,8 @@ where
     let (io, drain) = coalesce::gather(io);
     let conn = coalesce::Flushing::new(builder.serve_connection(TokioIo::new(io), service), drain);
     tokio::pin!(conn);
+    // After `conn`: dropped first when the task is aborted.
+    let quill_ends = gateway::QuillEnds::new(&activity);
     let timers = Timers {
         first: gateway::secs(settings.http_request_timeout),
         between: gateway::secs(settings.idle_timeout),
@@ -71,9 +73,9 @@ where
         park: None,
     };
     let never = |_| false;
-    if let Ended::Closed(Some(t)) =
-        gateway::supervise(state, conn, &activity, timers, &never, &never).await
-    {
+    let ended = gateway::supervise(state, conn, &activity, timers, &never, &never).await;
+    quill_ends.disarm();
+    if let Ended::Closed(Some(t)) = ended {
         t.count(state);
     }
 }

@@ -13,7 +13,7 @@ use std::collections::VecDeque;
 use std::io::Write;
 use std::net::IpAddr;
 
-use crate::accesslog::Arrival;
+use crate::accesslog::{Arrival, CLIENT_CLOSED_REQUEST};
 use crate::balance::servers::Tally;
 use crate::command::Hsts;
 
@@ -241,6 +241,10 @@ pub struct Exchange {
     server_keep: bool,
     /// The server closed its connection between requests.
     server_left: bool,
+    /// The client closed its side (its EOF went on to the server): a server that then
+    /// closes without answering was told its client had gone, and quill answers nothing in
+    /// its place.
+    client_closed: bool,
     /// Request by request: the server connection carrying the request carried others
     /// before (a pooled one, possibly for another client).
     server_reused: bool,
@@ -336,6 +340,7 @@ impl Exchange {
             client_keep: true,
             server_keep: true,
             server_left: false,
+            client_closed: false,
             server_reused: false,
             bad_answer: None,
             replayable: false,
@@ -523,6 +528,34 @@ impl Exchange {
             && self.resp == Resp::Head
             && self.resp_head.is_empty()
             && matches!(self.req, Req::Head | Req::Body(_) | Req::Chunked(_))
+    }
+
+    /// Whether a request forwarded to the server still waits for its answer, or for the
+    /// rest of it (not in a tunnel, nor once the server's bytes pass raw or are dropped:
+    /// quill no longer knows what they answer).
+    pub fn answer_due(&self) -> bool {
+        !self.pending.is_empty() && !matches!(self.resp, Resp::Tunnel | Resp::Raw | Resp::Discard)
+    }
+
+    /// The client left (closed or failed) before the server did, with answers due: the
+    /// requests still waiting for an answer's head are logged with
+    /// [`CLIENT_CLOSED_REQUEST`] (an answer cut in its body keeps its status). Returns how
+    /// many requests were abandoned.
+    pub fn client_left(&mut self) -> u64 {
+        if !self.answer_due() {
+            return 0;
+        }
+        if let Some(book) = &mut self.log {
+            for l in book.open.iter_mut().filter(|l| l.status == 0) {
+                l.status = CLIENT_CLOSED_REQUEST;
+            }
+        }
+        self.pending.len() as u64
+    }
+
+    /// The client closed its side of the connection (the driver read its EOF).
+    pub fn client_closed(&mut self) {
+        self.client_closed = true;
     }
 
     /// Whether the answer in hand is one that the server's close ends: a body delimited by
@@ -1246,6 +1279,7 @@ impl Exchange {
         let unanswered = self.resp == Resp::Head
             && !self.pending.is_empty()
             && self.client_keep
+            && !self.client_closed
             && ((self.one_at_a_time && self.server_reused) || !broken_head(&self.resp_head));
         if self.resp == Resp::UntilClose {
             self.response_done();
@@ -2461,6 +2495,55 @@ mod tests {
                 "the close ends the body: nothing follows it"
             );
         }
+    }
+
+    #[test]
+    fn a_client_that_leaves_abandons_the_requests_still_waiting_for_answers() {
+        // Two pipelined requests; the first's answer begun, the second's not: both are
+        // abandoned, the first logged with its status, the second 499.
+        let mut ex = exchange();
+        ex.log_requests(true);
+        client(
+            &mut ex,
+            b"GET /a HTTP/1.1\r\n\r\nGET /b HTTP/1.1\r\n\r\n",
+            1000,
+        );
+        server(
+            &mut ex,
+            b"HTTP/1.1 200 OK\r\nContent-Length: 10\r\n\r\n01234",
+        );
+        assert!(ex.answer_due());
+        ex.client_closed();
+        assert_eq!(ex.client_left(), 2);
+        let statuses: Vec<u16> =
+            std::iter::from_fn(|| ex.take_logged().map(|l| l.status)).collect();
+        assert_eq!(statuses, [200, CLIENT_CLOSED_REQUEST]);
+        // The server, told of it by the client's EOF, closes without answering: quill
+        // answers nothing in its place.
+        let mut ex = exchange();
+        client(&mut ex, b"GET /a HTTP/1.1\r\n\r\n", 1000);
+        ex.client_closed();
+        let mut out = Vec::new();
+        ex.server_closed(&mut out);
+        assert!(out.is_empty(), "{}", String::from_utf8_lossy(&out));
+        // Every answer given: nothing is abandoned.
+        let mut ex = exchange();
+        client(&mut ex, b"GET /a HTTP/1.1\r\n\r\n", 1000);
+        server(&mut ex, b"HTTP/1.1 204 No Content\r\n\r\n");
+        assert!(!ex.answer_due());
+        assert_eq!(ex.client_left(), 0);
+        // Nor in a tunnel, whose end is no request's.
+        let mut ex = exchange();
+        client(
+            &mut ex,
+            b"GET /ws HTTP/1.1\r\nConnection: upgrade\r\nUpgrade: websocket\r\n\r\n",
+            1000,
+        );
+        server(
+            &mut ex,
+            b"HTTP/1.1 101 Switching Protocols\r\nConnection: upgrade\r\nUpgrade: websocket\r\n\r\n",
+        );
+        assert_eq!(ex.client_left(), 0);
     }
 
     #[test]

@@ -68,6 +68,8 @@ struct Flow {
     held: Vec<u8>,
     /// The source reached EOF (or, after a refusal, will not be read again).
     eof: bool,
+    /// The source itself closed (its EOF was read), as opposed to `eof` set by quill.
+    closed: bool,
     /// The EOF has been passed on; this direction is finished.
     done: bool,
     /// The start of the first read, when asked for (connection log).
@@ -241,7 +243,11 @@ impl Flow {
                 if ahead {
                     if input.is_empty() {
                         self.eof = true;
+                        self.closed = true;
                         shared.client_left = true;
+                        if let Some(ex) = shared.exchange.as_mut() {
+                            ex.client_closed();
+                        }
                     } else {
                         self.bytes += input.len() as u64;
                         shared.active = true;
@@ -277,10 +283,12 @@ impl Flow {
                 }
                 if input.is_empty() {
                     self.eof = true;
-                    if dir == Dir::Down {
-                        if let Some(ex) = shared.exchange.as_mut() {
+                    self.closed = true;
+                    if let Some(ex) = shared.exchange.as_mut() {
+                        match dir {
                             // Forwarded before the EOF is passed on.
-                            ex.server_closed(&mut self.out);
+                            Dir::Down => ex.server_closed(&mut self.out),
+                            Dir::Up => ex.client_closed(),
                         }
                     }
                     return Poll::Ready(Ok(()));
@@ -773,6 +781,9 @@ where
     // client finished: its side is still to be shut after the answer.
     let mut up_stopped = false;
     let mut client_left = false;
+    // The client's side ended (closed, or its socket failed) while the server's had not:
+    // the answers still due then were abandoned by the client.
+    let mut client_first = false;
     let end = poll_fn(|cx| {
         if let Some((timer, drained)) = linger.as_mut() {
             return poll_linger(cx, client, timer.as_mut(), drained);
@@ -814,10 +825,12 @@ where
                     up.unflushed = false;
                     server_refused = Some(e);
                 } else {
+                    client_first |= !shared.server_failed && !down.closed;
                     return Poll::Ready(failed(e, &shared, up.done && !up_stopped));
                 }
             }
         }
+        client_first |= up.closed && !down.closed;
         if !down.done && !server_gone {
             if let Poll::Ready(Err(e)) = down.poll(
                 Dir::Down,
@@ -828,6 +841,7 @@ where
                 &mut shared,
             ) {
                 if !shared.failed_after_answering(down.bytes) {
+                    client_first |= !shared.server_failed && !down.closed;
                     return Poll::Ready(failed(e, &shared, up.done && !up_stopped));
                 }
                 server_gone = true;
@@ -990,10 +1004,17 @@ where
         turn_end(fast, up.done && down.done, &mut idle, cx, &mut active)
     })
     .await;
-    if let (Some(ex), Some(answers)) = (exchange.as_deref_mut(), answers) {
-        // An answer whose bytes could not all be written (the client failed) was counted
-        // by the exchange all the same: the server gave it.
-        count_answers(ex, answers);
+    // The client left with answers due (not when quill ended the connection: its idle
+    // timeout, a refusal, an answer that was the last).
+    let client_left = client_first && matches!(end, End::Closed | End::FastClose | End::Error(_));
+    if let Some(ex) = exchange.as_deref_mut() {
+        let abandoned = if client_left { ex.client_left() } else { 0 };
+        if let Some(answers) = answers {
+            // An answer whose bytes could not all be written (the client failed) was
+            // counted by the exchange all the same: the server gave it.
+            count_answers(ex, answers);
+            answers.abandon(abandoned);
+        }
     }
     let end = match end {
         // The linger after an asked-for end reports as a refusal's does.
