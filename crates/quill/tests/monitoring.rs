@@ -16,7 +16,7 @@ use std::path::{Path, PathBuf};
 use std::process::{Command, Stdio};
 
 use rcgen::{CertificateParams, KeyPair};
-use support::http::{get_openmetrics, request_from, Response};
+use support::http::{get, get_openmetrics, request_from, start_with_metrics, Response};
 use support::*;
 
 fn contrib(path: &str) -> PathBuf {
@@ -350,22 +350,44 @@ fn the_rules_and_the_dashboard_use_only_metrics_quill_exports() {
     let lb = Balancer::start(&[&a, &b]);
     let mut c = lb.quill.connect();
     let _ = backend_name(&mut c);
-    let exported: BTreeSet<String> = lb
-        .scrape()
-        .text()
-        .lines()
-        .filter(|l| !l.starts_with('#') && !l.is_empty())
-        .filter_map(|l| l.split(['{', ' ']).next())
-        .map(str::to_string)
-        .collect();
+    // And the families only `http` exports (answers by status class, client aborts).
+    let (_http, http_metrics) = start_with_metrics(&[
+        "-H",
+        "-O",
+        "metrics_listen 127.0.0.1:{metrics}",
+        "{port}",
+        &a.spec(),
+    ]);
+    let families = |text: String| -> BTreeSet<String> {
+        text.lines()
+            .filter(|l| !l.starts_with('#') && !l.is_empty())
+            .filter_map(|l| l.split(['{', ' ']).next())
+            .map(str::to_string)
+            .collect()
+    };
+    let mut exported = families(lb.scrape().text());
     assert!(exported.contains("quill_connections_accepted_total"));
+    exported.extend(families(get(http_metrics, "/metrics").text()));
+    assert!(exported.contains("quill_server_http_responses_total"));
 
     let mut queries: Vec<(String, String)> = Vec::new();
     let rules = fs::read_to_string(contrib("prometheus/quill-alerts.yml")).unwrap();
-    for line in rules.lines() {
-        if let Some(expr) = line.trim().strip_prefix("expr:") {
-            queries.push(("quill-alerts.yml".into(), expr.trim().to_string()));
+    let mut lines = rules.lines().peekable();
+    while let Some(line) = lines.next() {
+        let Some(expr) = line.trim().strip_prefix("expr:") else {
+            continue;
+        };
+        let mut expr = expr.trim().to_string();
+        if expr == "|" {
+            // A block: the lines indented deeper than `expr:`.
+            let indent = |l: &str| l.len() - l.trim_start().len();
+            expr.clear();
+            while let Some(next) = lines.next_if(|l| indent(l) > indent(line)) {
+                expr.push_str(next.trim());
+                expr.push(' ');
+            }
         }
+        queries.push(("quill-alerts.yml".into(), expr));
     }
     let dashboard: serde_json::Value =
         serde_json::from_str(&fs::read_to_string(contrib("grafana/quill-dashboard.json")).unwrap())
