@@ -5,7 +5,8 @@
 //! `Connection: close` written into that answer) or not. A server that says nothing of
 //! connections and frames its answers, one per request, gets its bytes through exactly
 //! (without HSTS); when it closes with requests unanswered, quill's 502 follows its
-//! answers.
+//! answers, unless the client had closed first (its requests are then abandoned, never
+//! more than it sent).
 #![no_main]
 
 use libfuzzer_sys::fuzz_target;
@@ -20,8 +21,10 @@ const REQUESTS: [&[u8]; 5] = [
     b"POST / HTTP/1.1\r\nContent-Length: 2\r\n\r\nok",
 ];
 
-/// The bytes for the client while the server sends, and those its close adds.
-fn run(data: &[u8], split: bool, hsts: bool, closing: bool) -> (Vec<u8>, Vec<u8>) {
+/// The bytes for the client while the server sends, and those its close adds; with
+/// `gone`, the client closed before the server sent anything, and how many of its
+/// requests it abandoned.
+fn run(data: &[u8], split: bool, hsts: bool, closing: bool, gone: bool) -> (Vec<u8>, Vec<u8>, u64) {
     let mut ex = Exchange::new(HttpParams {
         client: "192.0.2.1".parse().unwrap(),
         scheme: Scheme::Https,
@@ -40,6 +43,9 @@ fn run(data: &[u8], split: bool, hsts: bool, closing: bool) -> (Vec<u8>, Vec<u8>
     }
     if closing {
         ex.close_after_answer();
+    }
+    if gone {
+        ex.client_closed();
     }
     let mut out = Vec::new();
     let step = if split {
@@ -60,24 +66,32 @@ fn run(data: &[u8], split: bool, hsts: bool, closing: bool) -> (Vec<u8>, Vec<u8>
     }
     let mut at_close = Vec::new();
     ex.server_closed(&mut at_close);
-    (out, at_close)
+    let abandoned = if gone { ex.client_left() } else { 0 };
+    (out, at_close, abandoned)
 }
 
 fuzz_target!(|data: &[u8]| {
     let server = &data[data.len().min(4)..];
     // What the client gets in all, at the server's close included.
-    let whole = |(mut out, at_close): (Vec<u8>, Vec<u8>)| {
+    let whole = |(mut out, at_close, _): (Vec<u8>, Vec<u8>, u64)| {
         out.extend(at_close);
         out
     };
     for hsts in [false, true] {
         for closing in [false, true] {
             assert_eq!(
-                whole(run(data, false, hsts, closing)),
-                whole(run(data, true, hsts, closing))
+                whole(run(data, false, hsts, closing, false)),
+                whole(run(data, true, hsts, closing, false))
             );
         }
     }
+    // A client that closed first gets what it would have, but for quill's 502 at the
+    // server's close; it abandoned at most the requests it sent.
+    let (out, at_close, _) = run(data, false, false, false, false);
+    let (out_gone, at_close_gone, abandoned) = run(data, false, false, false, true);
+    assert_eq!(out, out_gone);
+    assert!(at_close == at_close_gone || at_close.starts_with(b"HTTP/1.1 502 "));
+    assert!(abandoned <= 4);
     // Each request byte (at most 4) sends one request, those after a CONNECT or an
     // Upgrade only once it is answered: answers beyond the requests sent are dropped.
     let sent = data[..data.len().min(4)]
@@ -85,7 +99,7 @@ fuzz_target!(|data: &[u8]| {
         .position(|&r| matches!(usize::from(r) % REQUESTS.len(), 2 | 3))
         .map_or(data.len().min(4), |switch| switch + 1);
     if says_nothing_of_connections(server, sent) {
-        let (mut out, at_close) = run(data, false, false, false);
+        let (mut out, at_close, _) = run(data, false, false, false, false);
         if at_close.starts_with(b"HTTP/1.1 502 ") {
             // The server closed with requests unanswered: its answers went through, and
             // what followed them (the start of a head, cut short) gave way to quill's 502.
