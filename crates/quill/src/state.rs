@@ -62,6 +62,8 @@ pub struct Counters {
     pub queue_timeouts: AtomicU64,
     /// Clients that found every server full and the queue at `queue_max`: not let wait.
     pub queue_full: AtomicU64,
+    /// Clients (requests, with `http`) that left while they waited in the queue.
+    pub queue_abandoned: AtomicU64,
     /// TLS handshakes completed with clients.
     pub tls_handshakes: AtomicU64,
     /// TLS handshakes with clients that failed (protocol, certificate, timeout, reset).

@@ -780,6 +780,77 @@ fn a_request_waits_for_a_full_server_within_queue_timeout() {
     });
 }
 
+/// A request whose client leaves while it waits in the queue is never sent: the server's
+/// place goes to the next client (NGINX's 499, HAProxy's `abortonclose`), and the queue
+/// counts it. So for an HTTP/1.1 client that closes, and for an HTTP/2 client (curl giving
+/// up after a second) whose stream ends.
+#[test]
+fn a_request_whose_client_leaves_the_queue_is_never_sent() {
+    if skip_on_pen("queue_timeout is a quill extension") {
+        return;
+    }
+    let backend = EchoServer::start();
+    let spec = format!("{}:1", backend.spec());
+    let (q, ctl) = support::ctl::start_with_tcp_control(&[
+        "-H",
+        "-O",
+        "h2c",
+        "-O",
+        "queue_timeout 30",
+        "127.0.0.1:{port}",
+        &spec,
+    ]);
+    let status = || support::ctl::status_json(&ctl)["connections"].clone();
+    let queued = || status()["queued"].as_u64();
+    // The first request is in flight while its body comes: the server is at its max.
+    let mut first = q.connect_from("127.0.0.5");
+    first
+        .write_all(b"POST /first HTTP/1.1\r\nHost: a\r\nContent-Length: 10\r\n\r\n12345")
+        .unwrap();
+    wait_until(
+        Duration::from_secs(5),
+        "the first request at the server",
+        || backend.connections() == 1,
+    );
+    let mut gone = q.connect_from("127.0.0.6");
+    gone.write_all(b"GET /gone HTTP/1.1\r\nHost: a\r\n\r\n")
+        .unwrap();
+    wait_until(Duration::from_secs(5), "the request queued", || {
+        queued() == Some(1)
+    });
+    drop(gone);
+    wait_until(Duration::from_secs(5), "the client's leaving seen", || {
+        queued() == Some(0)
+    });
+    assert_eq!(status()["queue_abandoned"].as_u64(), Some(1));
+    if tool("curl", &["--version"]).is_some() {
+        let url = format!("http://127.0.0.1:{}/gone-h2", q.port);
+        let out = Command::new("curl")
+            .args(["-s", "-m", "1", "--http2-prior-knowledge", &url])
+            .output()
+            .unwrap();
+        assert_eq!(out.status.code(), Some(28), "curl gave up waiting");
+        wait_until(Duration::from_secs(5), "the stream's end seen", || {
+            status()["queue_abandoned"].as_u64() == Some(2)
+        });
+        assert_eq!(queued(), Some(0));
+    }
+    // The first ends, and the next client's request is the server's second.
+    first.write_all(b"67890").unwrap();
+    let one = read_response(&mut first).expect("the first answer");
+    assert_eq!(one.status, 200);
+    let mut next = q.connect_from("127.0.0.7");
+    next.write_all(b"GET /next HTTP/1.1\r\nHost: a\r\n\r\n")
+        .unwrap();
+    let answer = read_response(&mut next).expect("the next answer");
+    assert_eq!(answer.seen().request_line(), "GET /next HTTP/1.1");
+    assert_eq!(
+        backend.requests(),
+        2,
+        "a request of a client that left was sent"
+    );
+}
+
 /// A keep-alive HTTP/1.1 server that takes 20 ms over each bodiless request and records
 /// the most requests it ever had in hand at once.
 struct SlowServer {

@@ -316,6 +316,15 @@ pub static FAMILIES: &[Family] = &[
         source: Source::Global(|s| load(&s.counters.queue_full)),
     },
     Family {
+        name: "queue_abandoned",
+        help: "Requests (http: HTTP/1.x clients' and HTTP/2 streams) whose client left \
+               while they waited in the queue for a server with room (queue_timeout): \
+               never sent to a server.",
+        unit: None,
+        kind: Kind::Counter,
+        source: Source::Global(|s| load(&s.counters.queue_abandoned)),
+    },
+    Family {
         name: "clients_tracked",
         help: "Entries in the client tracking table.",
         unit: None,

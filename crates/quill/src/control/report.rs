@@ -271,6 +271,7 @@ pub fn json(ctx: &Context) -> String {
             "queued": state.counters.queued.load(Relaxed),
             "queue_timeouts": state.counters.queue_timeouts.load(Relaxed),
             "queue_full": state.counters.queue_full.load(Relaxed),
+            "queue_abandoned": state.counters.queue_abandoned.load(Relaxed),
             "refused_proxy_header": state.counters.bad_proxy_header.load(Relaxed),
             "http_refused": state.counters.http_refused.load(Relaxed),
             "http_request_timeouts": state.counters.http_request_timeouts.load(Relaxed),

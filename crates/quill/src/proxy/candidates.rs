@@ -260,6 +260,7 @@ impl<'a, 's: 'a> Candidates<'a, 's> {
         let now = clock::now_ms();
         self.choice = Some(selector.again(now));
         if matches!(self.choice, Some(Choice::Server(_))) {
+            waiting.over = true;
             return true;
         }
         // A blacklisted server's time running out rings nothing: look again then.
@@ -275,6 +276,7 @@ impl<'a, 's: 'a> Candidates<'a, 's> {
             }
         });
         let _ = tokio::time::timeout_at(wake_at, rung_or_back).await;
+        waiting.over = true;
         // A place handed over comes first, even one that came as the time ran out.
         if let Some(handed) = waiting.take_handed() {
             self.handed = Some(handed);
@@ -360,6 +362,8 @@ struct Waiting<'s> {
     state: &'s State,
     /// The servers (index, state) it still waits for.
     servers: Vec<(usize, &'s ServerState)>,
+    /// The wait ended (a place, a ring, the time up); dropped before, the client left.
+    over: bool,
 }
 
 /// Whether a client may join the queue: fewer than `max` wait (0: no limit). Checked
@@ -380,7 +384,11 @@ impl<'s> Waiting<'s> {
         for (_, s) in &servers {
             s.start_waiting();
         }
-        Waiting { state, servers }
+        Waiting {
+            state,
+            servers,
+            over: false,
+        }
     }
 
     /// The server (index) whose place was handed to this client, with the place, if one
@@ -401,6 +409,9 @@ impl Drop for Waiting<'_> {
             s.stop_waiting();
         }
         self.state.counters.queued.fetch_sub(1, Relaxed);
+        if !self.over {
+            self.state.counters.queue_abandoned.fetch_add(1, Relaxed);
+        }
     }
 }
 

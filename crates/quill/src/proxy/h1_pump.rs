@@ -37,7 +37,7 @@ use super::pump::{self, Http};
 use super::relay::{End, RelayOptions};
 use super::signals::{self, Since};
 use super::tcp::{count_http_end, open_upstream, proxy_version, Held, Server};
-use crate::accesslog::Record;
+use crate::accesslog::{Record, CLIENT_CLOSED_REQUEST};
 use crate::balance::ServerState;
 use crate::net::connect::is_local_failure;
 use crate::settings::Settings;
@@ -346,7 +346,23 @@ async fn choose_and_send<C: Parkable>(
 ) -> Served {
     let settings = state.settings();
     let mut candidates = Candidates::new(state, &settings, peer.addr, peer.permitted);
-    while let Some((c, place)) = candidates.next().await {
+    loop {
+        let next = tokio::select! {
+            biased;
+            next = candidates.next() => next,
+            () = leaves(client, http) => {
+                // Gone while its request waited in the queue: never sent (NGINX's 499,
+                // HAProxy's `abortonclose`); the queue counted it.
+                if let Some(r) = record {
+                    r.status.set(CLIENT_CLOSED_REQUEST);
+                    r.server.set(None);
+                }
+                return Served::Over;
+            }
+        };
+        let Some((c, place)) = next else {
+            break;
+        };
         peer.going_to(c.target);
         tell(&c);
         match send(state, &settings, client, http, peer, c, place, ask, record).await {
@@ -368,6 +384,24 @@ async fn choose_and_send<C: Parkable>(
 
 /// Where a request goes.
 type To<'a> = Candidate<'a, 'static>;
+
+/// The client's bytes read ahead while its request waits for a server, at most: beyond,
+/// the client is left to its socket's buffer (and is not watched).
+const READ_AHEAD_MAX: usize = 64 << 10;
+
+/// Reads what the client sends while its request waits for a server (in the queue, with
+/// `queue_timeout`), holding it for the relay: ends when the client closes or fails. A
+/// client that half-closes there is taken as gone: nothing of its request was sent yet.
+async fn leaves<C: Parkable>(client: &mut C, http: &mut Http) {
+    let mut buf = [0u8; 4096];
+    while http.held_len() < READ_AHEAD_MAX {
+        match tokio::io::AsyncReadExt::read(client, &mut buf).await {
+            Ok(0) | Err(_) => return,
+            Ok(n) => http.hold(&buf[..n]),
+        }
+    }
+    std::future::pending().await
+}
 
 /// Relays the request over a pooled connection to `to`, or a new one; a reused connection
 /// that ends without a byte of answer is replaced by a new one for a request that can be

@@ -447,6 +447,17 @@ impl Http {
         }
     }
 
+    /// Keeps bytes read from the client before the relay (they go after the request's).
+    pub fn hold(&mut self, bytes: &[u8]) {
+        self.preread.held.extend_from_slice(bytes);
+        self.preread.bytes += bytes.len() as u64;
+    }
+
+    /// How many bytes of the client's are held for the relay.
+    pub fn held_len(&self) -> usize {
+        self.preread.held.len()
+    }
+
     /// Whether bytes of the client's were read and not taken by the exchange yet.
     pub fn has_held(&self) -> bool {
         !self.preread.held.is_empty()
