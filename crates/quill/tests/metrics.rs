@@ -780,10 +780,12 @@ fn an_exposed_listener_without_a_control_acl_is_warned_about() {
     );
 }
 
-/// A client that leaves before its answer has ended (curl giving up after a second: `-m`)
-/// abandoned its request: counted for the server it waited on, and logged 499 when no
-/// answer's head had reached it, or with the answer's status and the bytes it got when it
-/// left in the body; HTTP/1.1 over the pool, HTTP/2, one server connection per client.
+/// A client that leaves before its answer has ended (curl giving up after two seconds:
+/// `-m`) abandoned its request: counted for the server it waited on, and logged 499 when
+/// no answer's head had reached it, or with the answer's status and the bytes it got when
+/// it left in the body; HTTP/1.1 over the pool, HTTP/2, one server connection per client.
+/// An HTTP/1.1 client's close goes on to the server, which may answer all the same: that
+/// answer passes (and is logged), and the request was abandoned still.
 #[test]
 fn requests_whose_clients_leave_are_counted_and_logged() {
     if tool("curl", &["--version"]).is_none() {
@@ -791,19 +793,27 @@ fn requests_whose_clients_leave_are_counted_and_logged() {
     }
     let server = StatusServer::start();
     let spec = server.addr.to_string();
-    for (how, quill_args, curl_args, version) in [
-        ("HTTP/1.1, pooled", &[][..], &["--http1.1"][..], "HTTP/1.1"),
+    for (how, quill_args, curl_args, version, late) in [
+        (
+            "HTTP/1.1, pooled",
+            &[][..],
+            &["--http1.1"][..],
+            "HTTP/1.1",
+            200,
+        ),
         (
             "HTTP/2",
             &["-O", "h2c"][..],
             &["--http2-prior-knowledge"][..],
             "HTTP/2.0",
+            499,
         ),
         (
             "one server connection per client",
             &["-O", "upstream_keepalive 0"][..],
             &["--http1.1"][..],
             "HTTP/1.1",
+            200,
         ),
     ] {
         let mut args = vec![
@@ -816,7 +826,7 @@ fn requests_whose_clients_leave_are_counted_and_logged() {
         args.extend_from_slice(quill_args);
         args.extend(["{port}", &spec]);
         let (q, m) = start_with_metrics(&args);
-        for path in ["200", "hold-head", "hold-body"] {
+        for path in ["200", "hold-head", "hold-body", "late"] {
             let url = format!("http://127.0.0.1:{}/{path}", q.port);
             let out = Command::new("curl")
                 .args(["-s", "-o", "/dev/null", "-m", "2", &url])
@@ -828,14 +838,14 @@ fn requests_whose_clients_leave_are_counted_and_logged() {
             assert_eq!(out.status.code(), Some(expected), "{how}: /{path}");
         }
         let aborts =
-            format!("quill_server_client_aborts_total{{server=\"0\",address=\"{spec}\"}} 2");
+            format!("quill_server_client_aborts_total{{server=\"0\",address=\"{spec}\"}} 3");
         wait_until(DEADLINE, format!("{how}: {aborts}"), || {
             get(m, "/metrics").text().lines().any(|l| l == aborts)
         });
-        assert_eq!(status(m)["servers"][0]["client_aborts"].as_u64(), Some(2));
+        assert_eq!(status(m)["servers"][0]["client_aborts"].as_u64(), Some(3));
         let log = q.dir().join("access.log");
-        wait_until(DEADLINE, format!("{how}: three lines logged"), || {
-            std::fs::read_to_string(&log).is_ok_and(|t| t.lines().count() == 3)
+        wait_until(DEADLINE, format!("{how}: four lines logged"), || {
+            std::fs::read_to_string(&log).is_ok_and(|t| t.lines().count() == 4)
         });
         let text = std::fs::read_to_string(&log).unwrap();
         let logged: Vec<String> = text
@@ -851,6 +861,7 @@ fn requests_whose_clients_leave_are_counted_and_logged() {
                 format!("/200 {version} 200 0 {spec}"),
                 format!("/hold-head {version} 499 0 {spec}"),
                 format!("/hold-body {version} 200 10 {spec}"),
+                format!("/late {version} {late} 0 {spec}"),
             ],
             "{how}:\n{text}"
         );
@@ -860,7 +871,8 @@ fn requests_whose_clients_leave_are_counted_and_logged() {
 /// A keep-alive HTTP/1.1 server that answers `GET /NNN` with status NNN and an empty body,
 /// and closes without an answer on `GET /close`. On `GET /hold-head` it answers nothing,
 /// and on `GET /hold-body` only a head and 10 of 1,000 bytes, until quill closes the
-/// connection (or 20 s pass).
+/// connection (or 20 s pass); on `GET /late` it answers 200 once quill has closed (or
+/// shut) its side.
 struct StatusServer {
     addr: SocketAddr,
 }
@@ -888,6 +900,13 @@ impl StatusServer {
             let text = String::from_utf8_lossy(&head).into_owned();
             head.clear();
             let path = text.split(' ').nth(1).unwrap_or_default();
+            if path == "/late" {
+                conn.set_read_timeout(Some(Duration::from_secs(20)))
+                    .unwrap();
+                let _ = conn.read_to_end(&mut Vec::new());
+                let _ = conn.write_all(b"HTTP/1.1 200 OK\r\nContent-Length: 0\r\n\r\n");
+                return;
+            }
             if path.starts_with("/hold-") {
                 if path == "/hold-body" {
                     let head = "HTTP/1.1 200 OK\r\nContent-Length: 1000\r\n\r\n";

@@ -245,6 +245,9 @@ pub struct Exchange {
     /// closes without answering was told its client had gone, and quill answers nothing in
     /// its place.
     client_closed: bool,
+    /// Requests the client abandoned ([`Exchange::client_closed`],
+    /// [`Exchange::client_left`]), until the driver takes the count.
+    abandoned: u64,
     /// Request by request: the server connection carrying the request carried others
     /// before (a pooled one, possibly for another client).
     server_reused: bool,
@@ -341,6 +344,7 @@ impl Exchange {
             server_keep: true,
             server_left: false,
             client_closed: false,
+            abandoned: 0,
             server_reused: false,
             bad_answer: None,
             replayable: false,
@@ -539,23 +543,34 @@ impl Exchange {
 
     /// The client left (closed or failed) before the server did, with answers due: the
     /// requests still waiting for an answer's head are logged with
-    /// [`CLIENT_CLOSED_REQUEST`] (an answer cut in its body keeps its status). Returns how
-    /// many requests were abandoned.
-    pub fn client_left(&mut self) -> u64 {
+    /// [`CLIENT_CLOSED_REQUEST`] (an answer cut in its body keeps its status), and counted
+    /// as abandoned ([`Exchange::take_abandoned`]).
+    pub fn client_left(&mut self) {
         if !self.answer_due() {
-            return 0;
+            return;
         }
         if let Some(book) = &mut self.log {
             for l in book.open.iter_mut().filter(|l| l.status == 0) {
                 l.status = CLIENT_CLOSED_REQUEST;
             }
         }
-        self.pending.len() as u64
+        self.abandoned = self.abandoned.max(self.pending.len() as u64);
     }
 
-    /// The client closed its side of the connection (the driver read its EOF).
+    /// The client closed its side of the connection (the driver read its EOF). The
+    /// requests whose answers had not ended are abandoned even if their answers then pass:
+    /// the client's kernel takes them, and only a client that half-closed reads them (few
+    /// HTTP clients do; one that left is seen only when a later write fails, or never).
     pub fn client_closed(&mut self) {
+        if !self.client_closed && self.answer_due() {
+            self.abandoned = self.pending.len() as u64;
+        }
         self.client_closed = true;
+    }
+
+    /// How many requests the client abandoned since the last call.
+    pub fn take_abandoned(&mut self) -> u64 {
+        std::mem::take(&mut self.abandoned)
     }
 
     /// Whether the answer in hand is one that the server's close ends: a body delimited by
@@ -2514,7 +2529,8 @@ mod tests {
         );
         assert!(ex.answer_due());
         ex.client_closed();
-        assert_eq!(ex.client_left(), 2);
+        ex.client_left();
+        assert_eq!(ex.take_abandoned(), 2);
         let statuses: Vec<u16> =
             std::iter::from_fn(|| ex.take_logged().map(|l| l.status)).collect();
         assert_eq!(statuses, [200, CLIENT_CLOSED_REQUEST]);
@@ -2526,12 +2542,24 @@ mod tests {
         let mut out = Vec::new();
         ex.server_closed(&mut out);
         assert!(out.is_empty(), "{}", String::from_utf8_lossy(&out));
+        assert_eq!(ex.take_abandoned(), 1);
+        // Or it answers all the same: the answer passes (logged with its status), and the
+        // request was abandoned all the same (a client that only half-closed reads it).
+        let mut ex = exchange();
+        ex.log_requests(true);
+        client(&mut ex, b"GET /a HTTP/1.1\r\n\r\n", 1000);
+        ex.client_closed();
+        server(&mut ex, b"HTTP/1.1 200 OK\r\nContent-Length: 0\r\n\r\n");
+        assert!(!ex.answer_due());
+        assert_eq!(ex.take_abandoned(), 1);
+        assert_eq!(ex.take_logged().map(|l| l.status), Some(200));
         // Every answer given: nothing is abandoned.
         let mut ex = exchange();
         client(&mut ex, b"GET /a HTTP/1.1\r\n\r\n", 1000);
         server(&mut ex, b"HTTP/1.1 204 No Content\r\n\r\n");
         assert!(!ex.answer_due());
-        assert_eq!(ex.client_left(), 0);
+        ex.client_left();
+        assert_eq!(ex.take_abandoned(), 0);
         // Nor in a tunnel, whose end is no request's.
         let mut ex = exchange();
         client(
@@ -2543,7 +2571,8 @@ mod tests {
             &mut ex,
             b"HTTP/1.1 101 Switching Protocols\r\nConnection: upgrade\r\nUpgrade: websocket\r\n\r\n",
         );
-        assert_eq!(ex.client_left(), 0);
+        ex.client_left();
+        assert_eq!(ex.take_abandoned(), 0);
     }
 
     #[test]

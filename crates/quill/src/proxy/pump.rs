@@ -1019,7 +1019,10 @@ where
     // timeout, a refusal, an answer that was the last).
     let client_left = client_first && matches!(end, End::Closed | End::FastClose | End::Error(_));
     if let Some(ex) = exchange.as_deref_mut() {
-        let abandoned = if client_left { ex.client_left() } else { 0 };
+        if client_left {
+            ex.client_left();
+        }
+        let abandoned = ex.take_abandoned();
         if let Some(answers) = answers {
             // An answer whose bytes could not all be written (the client failed) was
             // counted by the exchange all the same: the server gave it.
