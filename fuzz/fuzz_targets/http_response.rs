@@ -66,7 +66,10 @@ fn run(data: &[u8], split: bool, hsts: bool, closing: bool, gone: bool) -> (Vec<
     }
     let mut at_close = Vec::new();
     ex.server_closed(&mut at_close);
-    let abandoned = if gone { ex.client_left() } else { 0 };
+    if gone {
+        ex.client_left();
+    }
+    let abandoned = ex.take_abandoned();
     (out, at_close, abandoned)
 }
 
