@@ -393,7 +393,9 @@ const READ_AHEAD_MAX: usize = 64 << 10;
 /// `queue_timeout`), holding it for the relay: ends when the client closes or fails. A
 /// client that half-closes there is taken as gone: nothing of its request was sent yet.
 async fn leaves<C: Parkable>(client: &mut C, http: &mut Http) {
-    let mut buf = [0u8; 4096];
+    // On the heap, and only once the wait begins: an array would grow every connection's
+    // task by its size, polled or not.
+    let mut buf = vec![0u8; 4096];
     while http.held_len() < READ_AHEAD_MAX {
         match tokio::io::AsyncReadExt::read(client, &mut buf).await {
             Ok(0) | Err(_) => return,
