@@ -6,7 +6,7 @@
 mod support;
 
 use std::io::{Read, Write};
-use std::net::Shutdown;
+use std::net::{Shutdown, TcpStream};
 use std::process::Command;
 use std::time::Duration;
 
@@ -711,24 +711,16 @@ fn an_http_listener_takes_a_connection_with_its_first_bytes_unless_told_otherwis
     );
 }
 
-/// With `queue_timeout`, a request that finds its server at `max` (requests in flight,
-/// served request by request) waits for the one in flight to end instead of getting 503.
-#[test]
-fn a_request_waits_for_a_full_server_within_queue_timeout() {
-    if skip_on_pen("queue_timeout is a quill extension") {
-        return;
-    }
+/// An echo server with `max 1` behind quill (`-H`, `queue_timeout 30` and `extra`), with a
+/// control socket, and a first client whose request holds the server's one place while
+/// its body comes.
+fn a_server_held_by_one_request(extra: &[&str]) -> (EchoServer, Quill, String, TcpStream) {
     let backend = EchoServer::start();
     let spec = format!("{}:1", backend.spec());
-    let (q, ctl) = support::ctl::start_with_tcp_control(&[
-        "-H",
-        "-O",
-        "queue_timeout 10",
-        "127.0.0.1:{port}",
-        &spec,
-    ]);
-    let queued = || support::ctl::status_json(&ctl)["connections"]["queued"].as_u64();
-    // The first request is in flight while its body comes: the server is at its max.
+    let mut args = vec!["-H", "-O", "queue_timeout 30"];
+    args.extend_from_slice(extra);
+    args.extend(["127.0.0.1:{port}", &spec]);
+    let (q, ctl) = support::ctl::start_with_tcp_control(&args);
     let mut first = q.connect_from("127.0.0.5");
     first
         .write_all(b"POST /first HTTP/1.1\r\nHost: a\r\nContent-Length: 10\r\n\r\n12345")
@@ -738,6 +730,18 @@ fn a_request_waits_for_a_full_server_within_queue_timeout() {
         "the first request at the server",
         || backend.connections() == 1,
     );
+    (backend, q, ctl, first)
+}
+
+/// With `queue_timeout`, a request that finds its server at `max` (requests in flight,
+/// served request by request) waits for the one in flight to end instead of getting 503.
+#[test]
+fn a_request_waits_for_a_full_server_within_queue_timeout() {
+    if skip_on_pen("queue_timeout is a quill extension") {
+        return;
+    }
+    let (_backend, q, ctl, mut first) = a_server_held_by_one_request(&[]);
+    let queued = || support::ctl::status_json(&ctl)["connections"]["queued"].as_u64();
     let mut second = q.connect_from("127.0.0.6");
     second
         .write_all(b"GET /second HTTP/1.1\r\nHost: a\r\n\r\n")
@@ -789,29 +793,9 @@ fn a_request_whose_client_leaves_the_queue_is_never_sent() {
     if skip_on_pen("queue_timeout is a quill extension") {
         return;
     }
-    let backend = EchoServer::start();
-    let spec = format!("{}:1", backend.spec());
-    let (q, ctl) = support::ctl::start_with_tcp_control(&[
-        "-H",
-        "-O",
-        "h2c",
-        "-O",
-        "queue_timeout 30",
-        "127.0.0.1:{port}",
-        &spec,
-    ]);
+    let (backend, q, ctl, mut first) = a_server_held_by_one_request(&["-O", "h2c"]);
     let status = || support::ctl::status_json(&ctl)["connections"].clone();
     let queued = || status()["queued"].as_u64();
-    // The first request is in flight while its body comes: the server is at its max.
-    let mut first = q.connect_from("127.0.0.5");
-    first
-        .write_all(b"POST /first HTTP/1.1\r\nHost: a\r\nContent-Length: 10\r\n\r\n12345")
-        .unwrap();
-    wait_until(
-        Duration::from_secs(5),
-        "the first request at the server",
-        || backend.connections() == 1,
-    );
     let mut gone = q.connect_from("127.0.0.6");
     gone.write_all(b"GET /gone HTTP/1.1\r\nHost: a\r\n\r\n")
         .unwrap();
