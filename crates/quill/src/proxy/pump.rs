@@ -1017,9 +1017,9 @@ where
     .await;
     // The client left with answers due (not when quill ended the connection: its idle
     // timeout, a refusal, an answer that was the last).
-    let client_left = client_first && matches!(end, End::Closed | End::FastClose | End::Error(_));
+    let left_first = client_first && matches!(end, End::Closed | End::FastClose | End::Error(_));
     if let Some(ex) = exchange.as_deref_mut() {
-        if client_left {
+        if left_first {
             ex.client_left();
         }
         let abandoned = ex.take_abandoned();
