@@ -109,6 +109,18 @@ function connectionsCell(s) {
   return td;
 }
 
+// Failed connects, and with http the server's 5xx answers and the requests its clients
+// left before the answer had ended: each shown once there are any.
+function failuresCell(s) {
+  const td = el("td", { class: "num" }, fmtInt(s.failures));
+  const answers = [[s.responses ? s.responses["5xx"] : 0, " 5xx"], [s.client_aborts, " left"]]
+    .filter(([n]) => n > 0);
+  if (answers.length > 0) {
+    td.append(el("div", { class: "bar-label" }, answers.map(([n, what]) => fmtInt(n) + what).join(" · ")));
+  }
+  return td;
+}
+
 function stateCell(s) {
   const td = el("td", { class: "state" }, el("span", { class: "badge " + s.state }, stateLabel(s)));
   if (s.health_check) {
@@ -138,7 +150,7 @@ function renderServers(status) {
       connectionsCell(s),
       el("td", { class: "num rate" }, serverRates.has(s.index) ? fmtRate(serverRates.get(s.index)) : "–"),
       el("td", { class: "num total" }, fmtInt(s.total_connections)),
-      el("td", { class: "num" }, fmtInt(s.failures)),
+      failuresCell(s),
       el("td", { class: "num" }, fmtBytes(s.bytes_to_server)),
       el("td", { class: "num" }, fmtBytes(s.bytes_from_server)),
       actionsCell(s)));
@@ -157,9 +169,10 @@ function hostPort(address, port) {
 function renderSummary(status) {
   const c = status.connections;
   $("c-open").textContent = fmtInt(c.open);
-  // Waiting for a server at its max (queue_timeout), those whose wait ran out, and those
-  // not let wait (queue_max): shown once there are any.
-  const queue = [[c.queued, " waiting"], [c.queue_timeouts, " timed out"], [c.queue_full, " queue full"]];
+  // Waiting for a server at its max (queue_timeout), those whose wait ran out, those not
+  // let wait (queue_max) and those whose client left while waiting: shown once there are any.
+  const queue = [[c.queued, " waiting"], [c.queue_timeouts, " timed out"], [c.queue_full, " queue full"],
+    [c.queue_abandoned, " left"]];
   $("c-open-why").textContent = queue.some(([n]) => n > 0)
     ? queue.map(([n, what]) => fmtInt(n) + what).join(" · ")
     : "";
