@@ -253,7 +253,8 @@ impl Body for ResponseBody {
 /// closed or failed the connection): the request was abandoned in its answer's body.
 impl Drop for ResponseBody {
     fn drop(&mut self) {
-        let ended = self.ended || self.broken_off || self.inner.is_end_stream();
+        // A gRPC answer that broke off (`broken_off`) failed first: `ended` says so.
+        let ended = self.ended || self.inner.is_end_stream();
         if !ended && !self.stream.activity.quill_ends.get() {
             self.server.answers.abandon(1);
         }
