@@ -248,6 +248,85 @@ fn command(cport: u16, line: &str) {
     assert!(!reply.contains("error"), "{line}: {reply}");
 }
 
+/// With a control socket, UDP flows are numbered as TCP connections are (Pen keeps both in
+/// one table): `connections` lists them, `connection N` shows one, and `close N` ends one,
+/// as an expiry would: the client's next datagram starts a new flow, and selection sends
+/// it where it sends any new flow.
+#[test]
+fn connections_lists_the_flows_and_close_ends_one() {
+    if skip_on_pen("quill's connection numbers") {
+        return;
+    }
+    let a = DnsBackend::start(1);
+    let b = DnsBackend::start(2);
+    let c = DnsBackend::start(3);
+    let Some((q, cport)) = with_control(&["-r", "{port}", &a.spec(), &b.spec(), &c.spec()]) else {
+        return;
+    };
+    let one = q.client("127.0.0.2");
+    let two = q.client("127.0.0.3");
+    assert_eq!(one.ask(WAIT), Some(a.ip()));
+    assert_eq!(two.ask(WAIT), Some(b.ip()));
+    let listed = control(cport, "connections").expect("control socket");
+    let first = format!(
+        "connection 1 client {} upstream server 0 age ",
+        one.local_addr()
+    );
+    let second = format!(
+        "connection 2 client {} upstream server 1 age ",
+        two.local_addr()
+    );
+    let lines: Vec<&str> = listed.lines().collect();
+    assert_eq!(lines.len(), 2, "{listed:?}");
+    assert!(lines[0].starts_with(&first), "{listed:?}");
+    assert!(lines[1].starts_with(&second), "{listed:?}");
+    let shown = control(cport, "connection 2").expect("control socket");
+    assert!(shown.starts_with(&second), "{shown:?}");
+
+    // The flow ends: the registry and the server's count of connections let it go.
+    assert_eq!(control(cport, "close 1").expect("control socket"), "");
+    wait_until(
+        Duration::from_secs(5),
+        "the closed flow leaves the list",
+        || {
+            control(cport, "connections")
+                .is_ok_and(|l| l.lines().count() == 1 && l.starts_with("connection 2 "))
+        },
+    );
+    let refused = control(cport, "close 1").expect("control socket");
+    assert!(refused.contains("no connection 1"), "{refused:?}");
+    // Its client's next datagram is a new flow (number 3), which round robin gives to the
+    // next server; the other flow is untouched.
+    assert_eq!(
+        one.ask(WAIT),
+        Some(c.ip()),
+        "a new flow, on the next server"
+    );
+    assert_eq!(two.ask(WAIT), Some(b.ip()), "the other flow stays put");
+    let listed = control(cport, "connections").expect("control socket");
+    let third = format!(
+        "connection 3 client {} upstream server 2 age ",
+        one.local_addr()
+    );
+    assert!(
+        listed.starts_with(&second) && listed.lines().nth(1).is_some_and(|l| l.starts_with(&third)),
+        "{listed:?}"
+    );
+    // A flow that expires leaves the list too (the new timeout applies to new flows).
+    command(cport, "udp_idle_timeout 1");
+    let three = q.client("127.0.0.4");
+    assert!(three.ask(WAIT).is_some());
+    let listed = control(cport, "connections").expect("control socket");
+    assert!(listed.contains("\nconnection 4 client "), "{listed:?}");
+    wait_until(
+        Duration::from_secs(10),
+        "the expired flow leaves the list",
+        || control(cport, "connections").is_ok_and(|l| !l.contains("connection 4 ")),
+    );
+    let listed = control(cport, "connections").expect("control socket");
+    assert_eq!(listed.lines().count(), 2, "{listed:?}");
+}
+
 /// A server with nothing listening answers the first datagram of a flow with ICMP port
 /// unreachable: quill reads that error at once, blacklists the server, and sends the same
 /// datagram on to the next server. So a client that never retries (`dig +tries=1`, each

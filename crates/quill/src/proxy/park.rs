@@ -30,7 +30,7 @@ use tokio::io::unix::AsyncFd;
 use tokio::sync::Notify;
 use tokio::time::Instant;
 
-use super::registry::{ConnInfo, ParkedCloses, Ticket};
+use super::registry::{ConnInfo, LoopCloses, Ticket};
 
 /// Events taken from the epoll set per system call.
 const EVENTS: usize = 256;
@@ -92,7 +92,7 @@ struct Lot {
     next_ticket: Cell<u64>,
     /// Wakes `serve` to look at the deadlines again after a park.
     parked: Notify,
-    closes: Arc<ParkedCloses>,
+    closes: Arc<LoopCloses>,
     /// Parked sessions of every loop (`State::parked`).
     gauge: &'static AtomicUsize,
 }

@@ -2,12 +2,15 @@
 //!
 //! Only kept when a control socket exists (otherwise nobody could ask). Entries live in
 //! shards keyed by connection number, so the event loops rarely wait for each other; an
-//! entry is inserted when a connection is accepted and removed when its task ends (also
-//! when it is aborted by `close N`), so the registry never outgrows the open connections.
+//! entry is inserted when a connection is accepted (a UDP flow: when it starts) and removed
+//! when its task ends, also when it is aborted by `close N` (a UDP flow: when the flow
+//! drops), so the registry never outgrows the open connections and flows.
 //!
-//! `close N` reaches a connection through its [`Closer`]: the task serving it, or the lot
-//! where it is parked (`idle_park`: its [`Ticket`] into the lot's [`ParkedCloses`]). A
-//! close that comes while the connection moves between the two is remembered, and the
+//! `close N` reaches a connection through its [`Closer`]: the task serving it, or the event
+//! loop that holds it without a task of its own (its [`Ticket`] into the loop's
+//! [`LoopCloses`]): the lot where it is parked (`idle_park`), or, for a UDP flow, its event
+//! loop's flow table (a flow's task ending does not take it out of the table). A close
+//! that comes while the connection moves between a task and a loop is remembered, and the
 //! move ends the connection instead.
 
 use std::collections::HashMap;
@@ -52,17 +55,18 @@ pub struct ConnInfo {
     closer: Mutex<Closer>,
 }
 
-/// The part of an event loop's lot of parked connections (`proxy::park`) that other
-/// threads reach: the `close N` requests for its connections.
+/// The part of an event loop that other threads reach to close the connections it holds
+/// (its lot of parked connections, `proxy::park`, or its UDP flows, `proxy::udp`): the
+/// `close N` requests for them.
 #[derive(Debug, Default)]
-pub struct ParkedCloses {
-    /// (slot key, connection number) of each connection to close.
+pub struct LoopCloses {
+    /// (ticket key, connection number) of each connection to close.
     closing: Mutex<Vec<(usize, u64)>>,
     wake: Notify,
 }
 
-impl ParkedCloses {
-    /// Ready once a close was asked for since the last [`ParkedCloses::take`] (a request
+impl LoopCloses {
+    /// Ready once a close was asked for since the last [`LoopCloses::take`] (a request
     /// made while nobody waits is kept for the next wait).
     pub async fn requested(&self) {
         self.wake.notified().await;
@@ -74,22 +78,24 @@ impl ParkedCloses {
     }
 }
 
-/// Where a parked connection waits, for `close N`: its lot's requests and its slot there.
+/// Where an event loop holds a connection, for `close N`: the loop's requests, and a key
+/// of the loop's own (a parked connection's slot in its lot; a UDP loop finds a flow by its
+/// number and leaves it 0).
 #[derive(Debug, Clone)]
 pub struct Ticket {
-    closes: Arc<ParkedCloses>,
+    closes: Arc<LoopCloses>,
     key: usize,
 }
 
 impl Ticket {
-    pub fn new(closes: &Arc<ParkedCloses>, key: usize) -> Ticket {
+    pub fn new(closes: &Arc<LoopCloses>, key: usize) -> Ticket {
         Ticket {
             closes: Arc::clone(closes),
             key,
         }
     }
 
-    /// Asks the lot to close connection `id` (which is parked at this ticket's key).
+    /// Asks the loop to close connection `id` (which it holds at this ticket's key).
     fn close(&self, id: u64) {
         self.closes
             .closing
@@ -111,11 +117,11 @@ struct Closer {
 /// What serves a connection right now.
 #[derive(Debug, Default)]
 enum By {
-    /// Nothing yet (just accepted), or moving between a task and a lot.
+    /// Nothing yet (just accepted), or moving between a task and a loop.
     #[default]
     Nothing,
     Task(AbortHandle),
-    Parked(Ticket),
+    Loop(Ticket),
 }
 
 impl ConnInfo {
@@ -151,8 +157,18 @@ impl ConnInfo {
     /// closes the connection instead.
     pub fn park_at(&self, ticket: Ticket) -> bool {
         let mut closer = self.closer();
-        closer.by = By::Parked(ticket);
+        closer.by = By::Loop(ticket);
         !closer.requested
+    }
+
+    /// Records the event loop that now holds the connection (a UDP flow in its loop's
+    /// table), and passes a `close N` that came while nothing did on to the loop.
+    pub fn held_by(&self, ticket: Ticket) {
+        let mut closer = self.closer();
+        if closer.requested {
+            ticket.close(self.id);
+        }
+        closer.by = By::Loop(ticket);
     }
 
     /// The connection leaves its lot. False if `close N` came meanwhile: the caller closes
@@ -170,7 +186,7 @@ impl ConnInfo {
         match &closer.by {
             By::Nothing => {}
             By::Task(task) => task.abort(),
-            By::Parked(ticket) => ticket.close(self.id),
+            By::Loop(ticket) => ticket.close(self.id),
         }
     }
 

@@ -42,7 +42,12 @@
 //! * when `conn_max` flows are open and a new client comes: the loop's oldest flows that
 //!   wait for no answer make room (a sixteenth of them at a time);
 //! * at shutdown: at once if it is waiting for no answer, otherwise when the answer comes or
-//!   the answer timeout passes.
+//!   the answer timeout passes;
+//! * at `close N` (with a control socket, flows are numbered in the registry as TCP
+//!   connections are, and `connections` lists them): the request goes to the flow's event
+//!   loop, which ends it as an expiry would. Only the loop may end a flow of its table:
+//!   aborting the flow's task from elsewhere would leave its entry behind, and the client's
+//!   next datagrams would go to a socket nobody reads.
 //!
 //! Flows are counted in `State::active` (so `conn_max` bounds them) and in their server's
 //! connection count (so limits, weights and `prio` see them).
@@ -64,6 +69,7 @@ use tokio::sync::watch;
 use tokio::task::AbortHandle;
 
 use super::polling::Load;
+use super::registry::{self, LoopCloses, Registered, Ticket};
 use crate::balance::{clock, Choice, Place, Selector, ServerState};
 use crate::net::udp::{self as sock, Received, RecvBatch, UdpListener};
 use crate::settings::Settings;
@@ -115,12 +121,20 @@ struct Flow {
     /// The flow's place on its server, counted in the server's connections until the
     /// flow ends.
     place: Place<'static>,
+    /// Its entry in the registry of open connections (`connections`, `close N`), when
+    /// quill keeps one; it leaves the registry as the flow drops.
+    registered: Option<Registered>,
     state: &'static State,
 }
 
 impl Flow {
     fn server_state(&self) -> &'static ServerState {
         self.place.server()
+    }
+
+    /// Its number in the registry of open connections, if it has one.
+    fn id(&self) -> Option<u64> {
+        self.registered.as_ref().map(|r| r.info.id)
     }
 
     /// A datagram of `len` bytes went to the server at `now`.
@@ -263,6 +277,8 @@ struct Worker {
     /// again only [`ROOM_LOOK_MS`] later, so that a flood of new clients while every flow
     /// waits for an answer does not walk the whole table at each datagram.
     no_room_at: Cell<u64>,
+    /// `close N` requests for the flows of this loop's table.
+    closes: Arc<LoopCloses>,
 }
 
 /// How long after finding no flow to end [`Worker::make_room`] looks again.
@@ -344,7 +360,11 @@ pub async fn serve(
         stopping: Cell::new(false),
         room: Cell::new(0),
         no_room_at: Cell::new(0),
+        closes: Arc::default(),
     });
+    if state.registry.is_some() {
+        tokio::task::spawn_local(Rc::clone(&worker).serve_closes());
+    }
     let mut batch: Box<RecvBatch<LISTEN_BATCH>> = Box::new(RecvBatch::new(pktinfo));
     let mut load = Load::new(super::polling::UDP_SHARE);
     // Made once: a `changed()` made in each turn would register with the channel and leave
@@ -514,6 +534,27 @@ impl Worker {
         true
     }
 
+    /// Ends the flows `close N` asks for, for the life of the event loop.
+    async fn serve_closes(self: Rc<Self>) {
+        loop {
+            self.closes.requested().await;
+            for (_, id) in self.closes.take() {
+                // Not found: the flow ended meanwhile (or left the table to wait for its
+                // last answers, and is closed through its task then).
+                let client = self
+                    .flows
+                    .borrow()
+                    .iter()
+                    .find(|(_, e)| e.flow.id() == Some(id))
+                    .map(|(client, _)| *client);
+                if let Some(client) = client {
+                    tracing::debug!(%client, "udp flow {id} closed (close {id})");
+                    self.end(&client);
+                }
+            }
+        }
+    }
+
     /// Removes the flow of `client` and stops its task.
     fn end(&self, client: &SocketAddr) {
         let entry = self.flows.borrow_mut().remove(client);
@@ -588,6 +629,15 @@ impl Worker {
                 return None;
             }
         };
+        let registered = state.registry.as_ref().map(|registry| {
+            let registered = registry.register(r.from, now);
+            registered.info.set_upstream(match upstream {
+                Upstream::Server(i) => registry::Upstream::Server(i),
+                Upstream::Emergency => registry::Upstream::Emergency,
+                Upstream::Abuse => registry::Upstream::Abuse,
+            });
+            registered
+        });
         let flow = Rc::new(Flow {
             client: r.from,
             local: r.local,
@@ -602,6 +652,7 @@ impl Worker {
             bytes_up: Cell::new(0),
             bytes_down: Cell::new(0),
             place,
+            registered,
             state,
         });
         drop(settings);
@@ -615,11 +666,20 @@ impl Worker {
                 task: task.abort_handle(),
             },
         );
+        if let Some(r) = &flow.registered {
+            r.info.held_by(Ticket::new(&self.closes, 0));
+        }
         if let Some(old) = old {
             old.task.abort();
             if old.flow.awaiting_since.get() != 0 {
-                // It moved with datagrams unanswered: their answers may still come.
-                tokio::task::spawn_local(run_flow(Rc::clone(self), old.flow, Role::Leaving));
+                // It moved with datagrams unanswered: their answers may still come. Out of
+                // the table, it is closed through its task.
+                let info = old.flow.registered.as_ref().map(|r| Arc::clone(&r.info));
+                let task =
+                    tokio::task::spawn_local(run_flow(Rc::clone(self), old.flow, Role::Leaving));
+                if let Some(info) = info {
+                    info.served_by(task.abort_handle());
+                }
             }
         }
         if opening == Opening::Move {
