@@ -49,9 +49,6 @@ pub struct ConnInfo {
     /// `clock::now_ms()` at accept.
     pub started: u64,
     upstream: AtomicUsize,
-    /// Bytes relayed so far in each direction (updated when the connection ends).
-    pub bytes_up: AtomicU64,
-    pub bytes_down: AtomicU64,
     closer: Mutex<Closer>,
 }
 
@@ -247,8 +244,6 @@ impl Registry {
             proxied: OnceLock::new(),
             started: now,
             upstream: AtomicUsize::new(NONE),
-            bytes_up: AtomicU64::new(0),
-            bytes_down: AtomicU64::new(0),
             closer: Mutex::default(),
         });
         self.shard(id).insert(id, Arc::clone(&info));

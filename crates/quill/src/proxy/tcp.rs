@@ -681,10 +681,6 @@ impl<'a, E> Session<'a, E> {
             .server()
             .bytes_from
             .fetch_add(outcome.down, Relaxed);
-        if let Some(r) = &self.registered {
-            r.info.bytes_up.store(outcome.up, Relaxed);
-            r.info.bytes_down.store(outcome.down, Relaxed);
-        }
         if let Some(log) = &books.log {
             log.record(
                 books.ip,
