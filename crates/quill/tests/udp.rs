@@ -689,6 +689,46 @@ fn an_answer_still_due_from_a_drained_server_reaches_its_client() {
     );
 }
 
+/// A flow that moved while its server still owed an answer stays listed under its own
+/// number until it ends, and `close N` ends it too: that answer is then never passed on.
+#[test]
+fn close_ends_a_flow_that_waits_for_an_answer_after_moving() {
+    if skip_on_pen("Pen 0.34 has no drain") {
+        return;
+    }
+    let a = DnsBackend::start(1);
+    let b = DnsBackend::start(2);
+    a.set_delay(Duration::from_millis(1500));
+    let Some((q, cport)) = with_control(&["-r", "{port}", &a.spec(), &b.spec()]) else {
+        return;
+    };
+    let c = q.client("127.0.0.2");
+    c.sock.send(&query(40_002, "who.example")).unwrap();
+    wait_until(WAIT, "the query on server 0", || a.received() == 1);
+    command(cport, "server 0 drain");
+    assert_eq!(c.ask(WAIT), Some(b.ip()), "the next query moved");
+    let listed = control(cport, "connections").expect("control socket");
+    let client = c.local_addr();
+    assert!(
+        listed.starts_with(&format!(
+            "connection 1 client {client} upstream server 0 age "
+        )) && listed.contains(&format!(
+            "\nconnection 2 client {client} upstream server 1 age "
+        )),
+        "{listed:?}"
+    );
+    assert_eq!(control(cport, "close 1").expect("control socket"), "");
+    let deadline = Instant::now() + Duration::from_secs(3);
+    let late = std::iter::from_fn(|| c.receive(deadline.saturating_duration_since(Instant::now())))
+        .find_map(|reply| answer(&reply, 40_002));
+    assert_eq!(late, None, "the closed flow passed its late answer on");
+    let listed = control(cport, "connections").expect("control socket");
+    assert!(
+        listed.starts_with("connection 2 ") && listed.lines().count() == 1,
+        "{listed:?}"
+    );
+}
+
 #[test]
 fn a_servers_max_bounds_its_flows_from_every_event_loop() {
     let a = DnsBackend::start(1);
