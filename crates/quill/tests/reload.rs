@@ -711,7 +711,11 @@ fn write_and_the_status_file_are_written_in_place_where_the_u_user_owns_only_the
         "127.0.0.1:{port}",
         &a.spec(),
     ]);
-    assert_eq!(proc_ids(q.pid() as i32, "Uid:"), vec![NOBODY_UID; 4]);
+    // The listener is bound before the drop to `-u`, so it may answer a moment before the
+    // process has become nobody (the control socket serves only after).
+    wait_until(Duration::from_secs(5), "quill runs as nobody", || {
+        proc_ids(q.pid() as i32, "Uid:") == vec![NOBODY_UID; 4]
+    });
 
     // `write` (to the -F file) saves the running configuration over the file's contents.
     ctl_ok(&ctl, "timeout 7");
