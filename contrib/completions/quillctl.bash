@@ -18,7 +18,7 @@ metrics_listen log web_stats abort_on_error geoip_db ssl_cert ssl_key ssl_ca ssl
 ssl_verify_client ssl_protocol ssl_option ssl_ciphers ssl_sni_path ssl_ocsp_response
 ssl_client_renegotiation_interval ssl_compat upstream_tls upstream_ca upstream_sni check
 check_interval check_timeout check_rise check_fall slow_start shutdown_grace announce_table
-announce_grace dsr_if dsr_path
+announce_grace dsr_if dsr_path udp_offload
 tarpit_acl transparent http http_header_max http_request_timeout hsts proxy_protocol
 accept_proxy alpn h2c h2_max_streams upstream_keepalive upstream_idle_timeout
 upstream_max_requests queue_timeout queue_max upstream_h2 access_log'
@@ -33,7 +33,7 @@ source emergency abuse block delayed_forward ascii acl log web_stats metrics_lis
 abort_on_error ssl_cert ssl_key ssl_ca ssl_ca_dir ssl_verify_client ssl_option ssl_ciphers
 ssl_sni_path ssl_ocsp_response ssl_compat upstream_tls upstream_ca upstream_sni check
 tarpit_acl transparent http hsts proxy_protocol accept_proxy announce_table alpn h2c access_log
-upstream_h2'
+upstream_h2 udp_offload'
 
 # The fields of `server N field value ...`.
 _quillctl_server_fields='acl address port max hard weight prio blacklist drain check

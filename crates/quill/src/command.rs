@@ -204,6 +204,10 @@ pub enum Command {
     /// `dsr_path auto|xdp|packet` (extension): how the DSR plane forwards frames: an XDP
     /// program in the driver's receive path, or quill's packet socket (read at start-up).
     DsrPath(DsrPath),
+    /// `udp_offload IF[,IF...]` / `no udp_offload` (extension): in UDP mode, a TC program
+    /// on these interfaces' ingress carries the datagrams of flows quill has placed, in
+    /// the kernel (`proxy::offload`; read at start-up).
+    UdpOffload(Option<Word>),
     /// `tarpit_acl [N]`: in DSR mode, answer ARP and TCP SYNs for the addresses a permit
     /// rule of list N matches; no argument asks.
     TarpitAcl(Option<AclId>),
@@ -1139,6 +1143,7 @@ pub const NAMES: &[&str] = &[
     "drain",
     "dsr_if",
     "dsr_path",
+    "udp_offload",
     "tarpit_acl",
     "transparent",
     "http",
@@ -1230,6 +1235,7 @@ fn parse_negated(command: &'static str, w: &mut Words<'_>) -> Result<Command, Pa
         "upstream_sni" => Command::UpstreamSni(None),
         "check" => Command::Check(None),
         "tarpit_acl" => Command::NoTarpitAcl,
+        "udp_offload" => Command::UdpOffload(None),
         "announce_table" => Command::AnnounceTable(None),
         "transparent" => Command::Transparent(false),
         "http" => Command::Http(false),
@@ -1458,6 +1464,22 @@ fn parse_positive(command: &'static str, w: &mut Words<'_>) -> Result<Command, P
                 });
             }
             Command::DsrIf(name)
+        }
+        "udp_offload" => {
+            let names = w.word("interface names (IF[,IF...])")?;
+            // Linux interface names: 1-15 bytes, no '/' (they are sysfs file names).
+            if names
+                .as_str()
+                .split(',')
+                .any(|n| n.is_empty() || n.len() > 15 || n.contains('/'))
+            {
+                return Err(ParseError::Invalid {
+                    command,
+                    what: "interface names (IF[,IF...])",
+                    value: names.to_string(),
+                });
+            }
+            Command::UdpOffload(Some(names))
         }
         "dsr_path" => Command::DsrPath(match w.next("auto, xdp or packet")? {
             "auto" => DsrPath::Auto,
@@ -1929,6 +1951,7 @@ impl fmt::Display for Command {
             Command::NodeDrain(false) => f.write_str("drain 0"),
             Command::DsrIf(name) => write!(f, "dsr_if {name}"),
             Command::DsrPath(path) => write!(f, "dsr_path {}", path.word()),
+            Command::UdpOffload(v) => optional_or_no(f, "udp_offload", v),
             Command::TarpitAcl(list) => with_optional(f, "tarpit_acl", list),
             Command::NoTarpitAcl => f.write_str("no tarpit_acl"),
             Command::Transparent(on) => on_off(f, *on, "transparent"),
@@ -2316,6 +2339,8 @@ mod roundtrip {
             Just(Command::Health),
             any::<bool>().prop_map(Command::NodeDrain),
             "[a-z][a-z0-9.-]{0,14}".prop_map(|w| Command::DsrIf(Word(w))),
+            proptest::option::of("[a-z][a-z0-9.-]{0,14}(,[a-z][a-z0-9.-]{0,14}){0,2}")
+                .prop_map(|w| Command::UdpOffload(w.map(Word))),
             prop_oneof![
                 Just(DsrPath::Auto),
                 Just(DsrPath::Xdp),

@@ -68,6 +68,8 @@ pub enum StartError {
     Metrics(String),
     #[error(transparent)]
     Dsr(#[from] crate::dsr::DsrError),
+    #[error("udp_offload: {0}")]
+    Offload(#[from] crate::proxy::offload::OffloadError),
     #[error(
         "transparent: cannot use IP_TRANSPARENT ({0}); quill needs CAP_NET_ADMIN for it \
          (run as root without -u, or grant the capability), plus the policy routing of \
@@ -353,6 +355,23 @@ pub fn run(inv: Invocation) -> Result<(), StartError> {
             privileges::warn_if_pid_file_stays(account, path);
         }
     }
+    // Loaded and attached with the privileges it needs, before they are dropped.
+    let offload = match settings.udp_offload.as_ref() {
+        Some(names) if inv.protocol == Protocol::Udp && dsr.is_none() => {
+            let names: Vec<&str> = names.as_str().split(',').collect();
+            let offload = crate::proxy::offload::Offload::start(&names)?;
+            tracing::info!(
+                "udp flows are carried in the kernel once answered (udp_offload on {})",
+                names.join(", ")
+            );
+            Some(Arc::new(offload))
+        }
+        Some(_) => {
+            tracing::warn!("udp_offload is for UDP mode (-U) without dsr_if: ignored");
+            None
+        }
+        None => None,
+    };
     if let Some(account) = &account {
         let dropped =
             privileges::become_user(account).map_err(|e| StartError::Privileges(e.to_string()))?;
@@ -459,7 +478,7 @@ pub fn run(inv: Invocation) -> Result<(), StartError> {
         threads.push(thread);
     }
     threads.extend(
-        crate::proxy::udp::spawn_loops(&state, udp_listeners, &stop_rx)
+        crate::proxy::udp::spawn_loops(&state, udp_listeners, &stop_rx, offload)
             .map_err(StartError::Runtime)?,
     );
     if let Some(dsr) = dsr {

@@ -259,6 +259,9 @@ pub struct Settings {
     pub dsr_if: Option<Word>,
     /// How the DSR plane forwards (`dsr_path`); read at start-up.
     pub dsr_path: DsrPath,
+    /// The interfaces whose ingress carries offloaded UDP flows (`udp_offload`, comma
+    /// separated); read at start-up.
+    pub udp_offload: Option<Word>,
     /// The access list whose permitted addresses the DSR plane tarpits.
     pub tarpit_acl: Option<AclId>,
     /// Connect to backends from the client's address (IP_TRANSPARENT).
@@ -413,6 +416,7 @@ impl Default for Settings {
             shutdown_grace: DEFAULT_SHUTDOWN_GRACE,
             dsr_if: None,
             dsr_path: DsrPath::Auto,
+            udp_offload: None,
             tarpit_acl: None,
             transparent: false,
             announce_table: None,
@@ -712,6 +716,7 @@ impl Settings {
             Command::ShutdownGrace(n) => set(&mut self.shutdown_grace, *n),
             Command::DsrIf(name) => set(&mut self.dsr_if, Some(name.clone())),
             Command::DsrPath(path) => set(&mut self.dsr_path, *path),
+            Command::UdpOffload(names) => set(&mut self.udp_offload, names.clone()),
             Command::TarpitAcl(None) => Applied::value(
                 self.tarpit_acl
                     .map(|l| l.to_string())
@@ -968,6 +973,9 @@ impl Settings {
         }
         if self.dsr_path != d.dsr_path {
             out.push(Command::DsrPath(self.dsr_path));
+        }
+        if let Some(names) = &self.udp_offload {
+            out.push(Command::UdpOffload(Some(names.clone())));
         }
         if self.announce_table.is_some() {
             out.push(Command::AnnounceTable(self.announce_table));

@@ -85,6 +85,9 @@ pub struct Counters {
     /// UDP flows ended to make room for new clients' when `conn_max` flows were open
     /// (each waiting for no answer, the oldest first).
     pub udp_evicted: AtomicU64,
+    /// UDP flows handed to the kernel path (`udp_offload`), and those it carries now.
+    pub udp_offloaded: AtomicU64,
+    pub udp_carried: AtomicU64,
     /// HTTP/2 client connections served (`http` with ALPN `h2`, or `h2c`).
     pub h2_connections: AtomicU64,
     /// Requests of HTTP/2 clients, each sent to a server of its own choosing.

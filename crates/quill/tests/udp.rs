@@ -213,41 +213,6 @@ fn failover_blacklist_all_then_whitelist_over_the_control_socket() {
     assert_eq!(picks.len(), 2, "both servers serve again: {picks:?}");
 }
 
-/// quill with `args` and a control socket (`-C 127.0.0.1:{cport}`, `-u root` when the
-/// tests run as root); its port. `None` (skipped) where the build refuses one.
-fn with_control(args: &[&str]) -> Option<(UdpQuill, u16)> {
-    let mut all = vec!["-C", "127.0.0.1:{cport}"];
-    let root = std::fs::read_to_string("/proc/self/status")
-        .map(|s| {
-            s.lines()
-                .any(|l| l.starts_with("Uid:") && l.split_whitespace().nth(1) == Some("0"))
-        })
-        .unwrap_or(false);
-    if root {
-        all.extend(["-u", "root"]);
-    }
-    all.extend_from_slice(args);
-    let q = match UdpQuill::try_start(&all) {
-        Ok(q) => q,
-        Err(e) if e.contains("not supported") || e.contains("-C") => {
-            eprintln!("SKIPPED: this build refuses the control socket (-C):\n{e}");
-            return None;
-        }
-        Err(e) => panic!("{e}"),
-    };
-    let cport: u16 = q
-        .arg_after("-C")
-        .and_then(|v| v.rsplit(':').next().and_then(|p| p.parse().ok()))
-        .expect("control port");
-    Some((q, cport))
-}
-
-/// Sends `line` to quill's control socket; it must not be refused.
-fn command(cport: u16, line: &str) {
-    let reply = control(cport, line).expect("control socket");
-    assert!(!reply.contains("error"), "{line}: {reply}");
-}
-
 /// With a control socket, UDP flows are numbered as TCP connections are (Pen keeps both in
 /// one table): `connections` lists them, `connection N` shows one, and `close N` ends one,
 /// as an expiry would: the client's next datagram starts a new flow, and selection sends

@@ -153,7 +153,7 @@ pub fn execute(ctx: &Context, cmd: &Command) -> Result<String, String> {
             ctx.carry_out(rest);
             Ok(String::new())
         }
-        Command::Transparent(_) | Command::DsrIf(_) => {
+        Command::Transparent(_) | Command::DsrIf(_) | Command::UdpOffload(_) => {
             let mut next = crate::settings::Settings::clone(&state.settings());
             next.apply(cmd).map_err(|e| e.to_string())?;
             super::taken_up_at_runtime(&state.settings(), &next)?;

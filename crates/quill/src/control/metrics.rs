@@ -173,6 +173,20 @@ pub static FAMILIES: &[Family] = &[
         source: Source::Global(|s| load(&s.counters.udp_evicted)),
     },
     Family {
+        name: "udp_flows_offloaded",
+        help: "UDP flows handed to the kernel path (udp_offload) once answered twice.",
+        unit: None,
+        kind: Kind::Counter,
+        source: Source::Global(|s| load(&s.counters.udp_offloaded)),
+    },
+    Family {
+        name: "udp_flows_carried",
+        help: "UDP flows the kernel path (udp_offload) carries now, without waking quill.",
+        unit: None,
+        kind: Kind::Gauge,
+        source: Source::Global(|s| load(&s.counters.udp_carried)),
+    },
+    Family {
         name: "tls_handshakes",
         help: "TLS handshakes with clients (when quill terminates TLS), by result: completed, \
                or failed (protocol or certificate refused, timeout, reset).",

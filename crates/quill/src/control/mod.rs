@@ -583,6 +583,13 @@ pub(crate) fn taken_up_at_runtime(old: &Settings, new: &Settings) -> Result<(), 
                 .to_string(),
         );
     }
+    // The same for the kernel path's program, attached before the drop (CAP_BPF).
+    if new.udp_offload != old.udp_offload {
+        return Err(
+            "udp_offload takes effect only at start-up (-o, -O or the -F file): restart quill"
+                .to_string(),
+        );
+    }
     Ok(())
 }
 

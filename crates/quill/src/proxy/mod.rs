@@ -12,6 +12,7 @@ pub mod h1_pump;
 pub mod h2;
 pub mod h2_client;
 pub mod http;
+pub mod offload;
 pub mod park;
 pub mod poll_before_sleep;
 pub mod polling;

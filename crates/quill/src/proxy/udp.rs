@@ -68,6 +68,7 @@ use tokio::io::Interest;
 use tokio::sync::watch;
 use tokio::task::AbortHandle;
 
+use super::offload::{self, Counters, FlowAddrs, Offload};
 use super::polling::Load;
 use super::registry::{self, LoopCloses, Registered, Ticket};
 use crate::balance::{clock, Choice, Place, Selector, ServerState};
@@ -124,7 +125,27 @@ struct Flow {
     /// Its entry in the registry of open connections (`connections`, `close N`), when
     /// quill keeps one; it leaves the registry as the flow drops.
     registered: Option<Registered>,
+    /// Batches of answers relayed or counted: a flow is handed to the kernel
+    /// (`udp_offload`) at its [`OFFLOAD_AFTER`]th, when it has shown it is a conversation.
+    answers: Cell<u32>,
+    /// Whether the flow was offered to the kernel already (once: a full map or an IPv6
+    /// flow is not asked again at every answer).
+    offer_made: Cell<bool>,
+    /// While the kernel carries the flow: its entries and what was last read of them.
+    offloaded: RefCell<Option<Offloaded>>,
     state: &'static State,
+}
+
+/// Answers after which a flow is handed to the kernel: a one-query flow (a DNS client
+/// that takes a new port for each query) would only pay for writing and removing entries.
+const OFFLOAD_AFTER: u32 = 2;
+
+/// A flow the kernel carries (`proxy::offload`).
+struct Offloaded {
+    offload: Arc<Offload>,
+    addrs: FlowAddrs,
+    /// The counters as last read, to add only what is new.
+    seen: Counters,
 }
 
 impl Flow {
@@ -164,12 +185,103 @@ impl Flow {
                 self.state.servers.changed.notify_waiters();
             }
         }
-        self.last_active.set(now);
+        self.last_active.set(self.last_active.get().max(now));
         self.awaiting_since.set(0);
         if self.first.borrow().is_some() {
             self.first.replace(None);
         }
         self.bytes_down.set(self.bytes_down.get() + bytes);
+        self.answers.set(self.answers.get().saturating_add(1));
+    }
+
+    /// Hands the flow to the kernel, if `offload` runs, the flow has been answered
+    /// [`OFFLOAD_AFTER`] times and was not offered yet. `quill` is the listener's address.
+    fn offer(&self, offload: &Arc<Offload>, quill: SocketAddr) {
+        if self.offer_made.get() || self.answers.get() < OFFLOAD_AFTER {
+            return;
+        }
+        self.offer_made.set(true);
+        let sock = self.sock.get_ref();
+        let quill = SocketAddr::new(self.local.unwrap_or(quill.ip()), quill.port());
+        let addrs = match (sock.local_addr(), sock.peer_addr()) {
+            (Ok(socket), Ok(server)) => FlowAddrs::new(self.client, quill, socket, server),
+            _ => None,
+        };
+        let Some(addrs) = addrs else {
+            return;
+        };
+        match offload.install(&addrs) {
+            Ok(()) => {
+                tracing::debug!(client = %self.client, "udp flow offloaded");
+                self.state.counters.udp_offloaded.fetch_add(1, Relaxed);
+                self.state.counters.udp_carried.fetch_add(1, Relaxed);
+                self.offloaded.replace(Some(Offloaded {
+                    offload: Arc::clone(offload),
+                    addrs,
+                    seen: Counters::default(),
+                }));
+            }
+            Err(e) => warn_offload(&e, clock::now_ms()),
+        }
+    }
+
+    /// Brings the flow up to date with what the kernel carried for it (on its timer).
+    fn sync_offloaded(&self, now: u64) {
+        let read = {
+            let mut offloaded = self.offloaded.borrow_mut();
+            let Some(o) = offloaded.as_mut() else {
+                return;
+            };
+            o.offload
+                .counters(&o.addrs)
+                .map(|c| (std::mem::replace(&mut o.seen, c), c))
+        };
+        if let Some((seen, c)) = read {
+            self.fold(seen, c, now);
+        }
+    }
+
+    /// Takes the flow back from the kernel: its datagrams come to quill again.
+    fn take_back(&self, now: u64) {
+        let Some(o) = self.offloaded.borrow_mut().take() else {
+            return;
+        };
+        self.state.counters.udp_carried.fetch_sub(1, Relaxed);
+        if let Some(c) = o.offload.remove(&o.addrs) {
+            self.fold(o.seen, c, now);
+        }
+    }
+
+    /// Adds what the kernel counted between two reads, `seen` and `c`: bytes, the last
+    /// datagram each way, an answer, the first datagram still unanswered.
+    fn fold(&self, seen: Counters, c: Counters, now: u64) {
+        let mono = offload::monotonic_ns();
+        // The program's clock is CLOCK_MONOTONIC, as `Instant` (and `clock::now_ms`) is.
+        let at = |ns: u64| {
+            now.saturating_sub(mono.saturating_sub(ns) / 1_000_000)
+                .max(1)
+        };
+        if c.down_packets > seen.down_packets {
+            let since = self.awaiting_since.get();
+            let answered_at = at(c.last_down_ns);
+            self.answered(answered_at, c.down_bytes.saturating_sub(seen.down_bytes));
+            // A datagram quill itself sent after that answer still waits for its own.
+            if since > answered_at {
+                self.awaiting_since.set(since);
+            }
+        }
+        if c.up_packets > seen.up_packets {
+            self.last_active
+                .set(self.last_active.get().max(at(c.last_up_ns)));
+            self.bytes_up
+                .set(self.bytes_up.get() + c.up_bytes.saturating_sub(seen.up_bytes));
+        }
+        if c.awaiting_ns != 0 {
+            let since = at(c.awaiting_ns);
+            let mine = self.awaiting_since.get();
+            self.awaiting_since
+                .set(if mine == 0 { since } else { mine.min(since) });
+        }
     }
 
     /// A datagram has waited for an answer longer than the timeout.
@@ -251,6 +363,7 @@ impl Flow {
 
 impl Drop for Flow {
     fn drop(&mut self) {
+        self.take_back(clock::now_ms());
         self.flush_bytes();
         // The place is given back as the fields drop.
         self.state.active.fetch_sub(1, Relaxed);
@@ -279,6 +392,8 @@ struct Worker {
     no_room_at: Cell<u64>,
     /// `close N` requests for the flows of this loop's table.
     closes: Arc<LoopCloses>,
+    /// The kernel path for flows (`udp_offload`), with the listener's address.
+    offload: Option<(Arc<Offload>, SocketAddr)>,
 }
 
 /// How long after finding no flow to end [`Worker::make_room`] looks again.
@@ -309,11 +424,13 @@ pub fn spawn_loops(
     state: &Arc<State>,
     listeners: Vec<UdpListener>,
     shutdown: &watch::Receiver<bool>,
+    offload: Option<Arc<Offload>>,
 ) -> io::Result<Vec<std::thread::JoinHandle<()>>> {
     let mut threads = Vec::with_capacity(listeners.len());
     for (i, listener) in listeners.into_iter().enumerate() {
         let state = Arc::clone(state);
         let stop = shutdown.clone();
+        let offload = offload.clone();
         let rt = crate::proxy::poll_before_sleep::event_loop_runtime(
             &state,
             crate::proxy::poll_before_sleep::Opens::AfterRequests,
@@ -328,7 +445,7 @@ pub fn spawn_loops(
                     // future given to `block_on` is polled again at every flow task's
                     // wake-up.
                     tokio::task::spawn_local(async move {
-                        if let Err(e) = serve(state, listener, stop).await {
+                        if let Err(e) = serve(state, listener, stop, offload).await {
                             tracing::error!("udp event loop {i}: {e}");
                         }
                     });
@@ -347,8 +464,13 @@ pub async fn serve(
     state: Arc<State>,
     listener: UdpListener,
     mut shutdown: watch::Receiver<bool>,
+    offload: Option<Arc<Offload>>,
 ) -> io::Result<()> {
     let pktinfo = listener.pktinfo;
+    let offload = match offload {
+        Some(o) => Some((o, listener.socket.local_addr()?)),
+        None => None,
+    };
     // The state lives as long as the process (as for the TCP loops): each flow's place
     // borrows it without a reference count.
     let state: &'static State = Box::leak(Box::new(state));
@@ -361,6 +483,7 @@ pub async fn serve(
         room: Cell::new(0),
         no_room_at: Cell::new(0),
         closes: Arc::default(),
+        offload,
     });
     if state.registry.is_some() {
         tokio::task::spawn_local(Rc::clone(&worker).serve_closes());
@@ -559,6 +682,9 @@ impl Worker {
     fn end(&self, client: &SocketAddr) {
         let entry = self.flows.borrow_mut().remove(client);
         if let Some(e) = entry {
+            // Now, not as the aborted task drops: a new flow of the client may start at
+            // once, and the kernel must not carry its datagrams to the old server.
+            e.flow.take_back(clock::now_ms());
             e.task.abort();
         }
     }
@@ -653,6 +779,9 @@ impl Worker {
             bytes_down: Cell::new(0),
             place,
             registered,
+            answers: Cell::new(0),
+            offer_made: Cell::new(false),
+            offloaded: RefCell::new(None),
             state,
         });
         drop(settings);
@@ -670,6 +799,7 @@ impl Worker {
             r.info.held_by(Ticket::new(&self.closes, 0));
         }
         if let Some(old) = old {
+            old.flow.take_back(now);
             old.task.abort();
             if old.flow.awaiting_since.get() != 0 {
                 // It moved with datagrams unanswered: their answers may still come. Out of
@@ -875,6 +1005,11 @@ impl Worker {
     /// answer comes or times out.
     fn stop(&self) {
         self.stopping.set(true);
+        // Answers still due come to quill's sockets, where the flows wait for them.
+        let now = clock::now_ms();
+        for e in self.flows.borrow().values() {
+            e.flow.take_back(now);
+        }
         self.flows.borrow_mut().retain(|_, e| {
             let keep = e.flow.awaiting_since.get() != 0;
             if !keep {
@@ -892,6 +1027,17 @@ enum Opening {
     New,
     /// A flow moving off a server out of use: with no server for it, it stays.
     Move,
+}
+
+/// When [`warn_offload`] last warned (`clock::now_ms()`).
+static WARNED_OFFLOAD: AtomicU64 = AtomicU64::new(0);
+
+/// A flow could not be handed to the kernel (its maps full, most likely): it goes on
+/// through quill. A warning at most every ten seconds.
+fn warn_offload(e: &offload::OffloadError, now: u64) {
+    if super::warn_again(&WARNED_OFFLOAD, now, 10_000) {
+        tracing::warn!("udp flows stay in quill: {e}");
+    }
 }
 
 /// When [`warn_full`] last warned (`clock::now_ms()`).
@@ -977,9 +1123,15 @@ async fn run_flow(worker: Rc<Worker>, flow: Rc<Flow>, role: Role) {
                 {
                     break End::Stopped;
                 }
+                if let (Role::Serving, Some((offload, quill))) = (role, &worker.offload) {
+                    if !worker.stopping.get() {
+                        flow.offer(offload, *quill);
+                    }
+                }
             }
             () = &mut sleep => {
                 let now = clock::now_ms();
+                flow.sync_offloaded(now);
                 flow.flush_bytes();
                 if role == Role::Leaving {
                     // Its server is out of use: a silence now says nothing of it.
@@ -993,6 +1145,11 @@ async fn run_flow(worker: Rc<Worker>, flow: Rc<Flow>, role: Role) {
                 }
                 if flow.idle(now) {
                     break End::Idle;
+                }
+                // Its server left use: the client's next datagram comes to quill, which
+                // moves the flow (see `flow_datagrams`).
+                if flow.taken_out(now) {
+                    flow.take_back(now);
                 }
                 sleep.as_mut().reset(deadline(&flow));
             }

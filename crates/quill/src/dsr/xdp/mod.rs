@@ -402,7 +402,7 @@ impl FastPath {
 }
 
 /// The verifier's complaint, shortened to its last lines (the whole log is long).
-fn verifier_error(e: &aya::programs::ProgramError) -> String {
+pub(crate) fn verifier_error(e: &aya::programs::ProgramError) -> String {
     match e {
         aya::programs::ProgramError::LoadError {
             io_error,

@@ -1,0 +1,327 @@
+//! The kernel path for UDP flows (`udp_offload IF[,IF...]`): a TC program, built from
+//! `udp.bpf.c` (committed and embedded here), on the interfaces' ingress rewrites the
+//! datagrams of the flows quill hands it and sends them on, so that a flow's datagrams
+//! and its server's answers no longer wake quill. quill still places every flow (its first
+//! datagrams come through `proxy::udp` as before) and keeps it: the flow's socket, its
+//! place on the server, its number, its timer. The timer reads the flow's counters back
+//! from the program (bytes, the last datagram each way, the first one still unanswered),
+//! so that expiry, the answer timeout and the byte totals work as for any flow.
+//!
+//! Invariants: the program is attached through TCX links owned by this process (Linux
+//! 6.6), so the kernel detaches it when the process ends, however it ends (older kernels
+//! attach classifiers through netlink, for good: no offload there). A flow's reverse entry
+//! is written before its forward entry and removed after it, so a datagram the program
+//! carries towards a server always has a way back; an entry the program cannot follow
+//! (the other is missing) passes the datagram on untouched, to quill's sockets.
+
+use std::net::{IpAddr, Ipv4Addr, SocketAddr, SocketAddrV4};
+use std::sync::Mutex;
+use std::time::{Duration, Instant};
+
+use aya::maps::{HashMap, MapData};
+use aya::programs::tc::{SchedClassifier, TcAttachOptions, TcAttachType};
+use aya::programs::LinkOrder;
+use aya::Ebpf;
+
+/// The program, built by `build` in this directory from `udp.bpf.c`.
+static PROGRAM: &[u8] = aya::include_bytes_aligned!("udp.bpf.o");
+
+/// `struct addrs` in `udp.bpf.c`: source, destination, their ports, in network order.
+type Addrs = [u8; 12];
+/// `struct forward`: the rewritten addresses, the way on, then the counters.
+type Forward = [u8; 72];
+/// `struct reverse`: the rewritten addresses, the forward entry's key, the way on.
+type Reverse = [u8; 28];
+
+/// `enum way` in `udp.bpf.c`: how a rewritten datagram goes on.
+const WAY_LOCAL: u32 = 1;
+const WAY_ROUTE: u32 = 2;
+
+/// How long the host's addresses are taken as known before they are read again.
+const ADDRESSES_FOR: Duration = Duration::from_secs(1);
+
+/// The host's IPv4 addresses, read again at most once per [`ADDRESSES_FOR`]: a flow
+/// handed over asks twice, and reading them is a netlink dump.
+#[derive(Default)]
+struct Addresses {
+    read_at: Option<Instant>,
+    ours: Vec<Ipv4Addr>,
+}
+
+impl Addresses {
+    /// How a datagram rewritten to go to `ip` goes on: up the stack if `ip` is ours,
+    /// else routed out.
+    fn way_to(&mut self, ip: &Ipv4Addr) -> u32 {
+        if ip.is_loopback() {
+            return WAY_LOCAL;
+        }
+        if !matches!(self.read_at, Some(at) if at.elapsed() < ADDRESSES_FOR) {
+            self.ours = nix::ifaddrs::getifaddrs()
+                .map(|addrs| {
+                    addrs
+                        .filter_map(|a| a.address?.as_sockaddr_in().map(|s| s.ip()))
+                        .collect()
+                })
+                .unwrap_or_default();
+            self.read_at = Some(Instant::now());
+        }
+        if self.ours.contains(ip) {
+            WAY_LOCAL
+        } else {
+            WAY_ROUTE
+        }
+    }
+}
+
+/// Why the kernel path could not start, or an entry could not be written.
+#[derive(Debug, thiserror::Error)]
+#[non_exhaustive]
+pub enum OffloadError {
+    #[error("cannot load the UDP offload program: {0}")]
+    Load(String),
+    #[error("cannot attach the UDP offload program to {interface}: {reason}")]
+    Attach { interface: String, reason: String },
+    #[error("UDP offload map {map}: {reason}")]
+    Map { map: &'static str, reason: String },
+}
+
+fn map_err(map: &'static str) -> impl Fn(aya::maps::MapError) -> OffloadError {
+    move |e| OffloadError::Map {
+        map,
+        reason: e.to_string(),
+    }
+}
+
+/// The four addresses of a flow: the client and the address it sent to, the flow's
+/// socket and its server. IPv4 only (the program looks at IPv4 headers).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct FlowAddrs {
+    pub client: SocketAddrV4,
+    pub quill: SocketAddrV4,
+    pub socket: SocketAddrV4,
+    pub server: SocketAddrV4,
+}
+
+impl FlowAddrs {
+    /// The flow's addresses, if all four are IPv4 (or IPv4-mapped) and specific.
+    pub fn new(
+        client: SocketAddr,
+        quill: SocketAddr,
+        socket: SocketAddr,
+        server: SocketAddr,
+    ) -> Option<FlowAddrs> {
+        let v4 = |a: SocketAddr| -> Option<SocketAddrV4> {
+            let ip = match a.ip().to_canonical() {
+                IpAddr::V4(ip) if !ip.is_unspecified() => ip,
+                _ => return None,
+            };
+            Some(SocketAddrV4::new(ip, a.port()))
+        };
+        Some(FlowAddrs {
+            client: v4(client)?,
+            quill: v4(quill)?,
+            socket: v4(socket)?,
+            server: v4(server)?,
+        })
+    }
+
+    /// The client's datagrams as they arrive: the forward entry's key.
+    fn forward_key(&self) -> Addrs {
+        addrs(self.client, self.quill)
+    }
+
+    /// The server's answers as they arrive: the reverse entry's key.
+    fn reverse_key(&self) -> Addrs {
+        addrs(self.server, self.socket)
+    }
+}
+
+fn addrs(src: SocketAddrV4, dst: SocketAddrV4) -> Addrs {
+    let mut b = [0u8; 12];
+    b[0..4].copy_from_slice(&src.ip().octets());
+    b[4..8].copy_from_slice(&dst.ip().octets());
+    b[8..10].copy_from_slice(&src.port().to_be_bytes());
+    b[10..12].copy_from_slice(&dst.port().to_be_bytes());
+    b
+}
+
+/// What the program counted for a flow since its entry was written.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub struct Counters {
+    pub up_packets: u64,
+    pub up_bytes: u64,
+    pub down_packets: u64,
+    pub down_bytes: u64,
+    /// `CLOCK_MONOTONIC` nanoseconds of the last datagram each way (0: none yet).
+    pub last_up_ns: u64,
+    pub last_down_ns: u64,
+    /// The first datagram carried since the last answer (0: none waits).
+    pub awaiting_ns: u64,
+}
+
+impl Counters {
+    fn from_forward(v: &Forward) -> Counters {
+        let at = |i: usize| {
+            let mut b = [0u8; 8];
+            b.copy_from_slice(&v[16 + 8 * i..24 + 8 * i]);
+            u64::from_ne_bytes(b)
+        };
+        Counters {
+            up_packets: at(0),
+            up_bytes: at(1),
+            down_packets: at(2),
+            down_bytes: at(3),
+            last_up_ns: at(4),
+            last_down_ns: at(5),
+            awaiting_ns: at(6),
+        }
+    }
+}
+
+struct Maps {
+    forwards: HashMap<MapData, Addrs, Forward>,
+    reverses: HashMap<MapData, Addrs, Reverse>,
+    addresses: Addresses,
+}
+
+/// The attached program and its maps, shared by the UDP event loops (they write an entry
+/// when a flow is handed over and read it on the flow's timer: never per datagram).
+pub struct Offload {
+    maps: Mutex<Maps>,
+    /// Owns the program and its links: dropping it detaches the program.
+    _ebpf: Ebpf,
+    interfaces: Vec<String>,
+}
+
+impl std::fmt::Debug for Offload {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Offload")
+            .field("interfaces", &self.interfaces)
+            .finish_non_exhaustive()
+    }
+}
+
+/// Whether the kernel attaches TC programs through BPF links (TCX, Linux 6.6).
+fn tcx_links() -> bool {
+    let Ok(release) = std::fs::read_to_string("/proc/sys/kernel/osrelease") else {
+        return false;
+    };
+    let mut parts = release.trim().split(['.', '-']);
+    let major: u32 = parts.next().and_then(|p| p.parse().ok()).unwrap_or(0);
+    let minor: u32 = parts.next().and_then(|p| p.parse().ok()).unwrap_or(0);
+    (major, minor) >= (6, 6)
+}
+
+fn take<T>(ebpf: &mut Ebpf, name: &'static str) -> Result<T, OffloadError>
+where
+    T: TryFrom<aya::maps::Map, Error = aya::maps::MapError>,
+{
+    let map = ebpf.take_map(name).ok_or(OffloadError::Map {
+        map: name,
+        reason: "not in the program".to_string(),
+    })?;
+    T::try_from(map).map_err(map_err(name))
+}
+
+impl Offload {
+    /// Loads the program and attaches it to the ingress of each of `interfaces`
+    /// (CAP_BPF and CAP_NET_ADMIN: done at start-up, before privileges are dropped).
+    pub fn start(interfaces: &[&str]) -> Result<Offload, OffloadError> {
+        if !tcx_links() {
+            return Err(OffloadError::Load(
+                "this kernel is older than 6.6: without TCX links a killed quill would leave \
+                 its program attached"
+                    .into(),
+            ));
+        }
+        let mut ebpf = Ebpf::load(PROGRAM).map_err(|e| OffloadError::Load(e.to_string()))?;
+        let program: &mut SchedClassifier = ebpf
+            .program_mut("quill_udp")
+            .ok_or_else(|| OffloadError::Load("no program quill_udp in the object".into()))?
+            .try_into()
+            .map_err(|e: aya::programs::ProgramError| OffloadError::Load(e.to_string()))?;
+        program
+            .load()
+            .map_err(|e| OffloadError::Load(crate::dsr::xdp::verifier_error(&e)))?;
+        for interface in interfaces {
+            program
+                .attach_with_options(
+                    interface,
+                    TcAttachType::Ingress,
+                    TcAttachOptions::TcxOrder(LinkOrder::default()),
+                )
+                .map_err(|e| OffloadError::Attach {
+                    interface: interface.to_string(),
+                    reason: e.to_string(),
+                })?;
+        }
+        let maps = Maps {
+            forwards: take(&mut ebpf, "forwards")?,
+            reverses: take(&mut ebpf, "reverses")?,
+            addresses: Addresses::default(),
+        };
+        Ok(Offload {
+            maps: Mutex::new(maps),
+            _ebpf: ebpf,
+            interfaces: interfaces.iter().map(|s| s.to_string()).collect(),
+        })
+    }
+
+    /// The interfaces the program is attached to.
+    pub fn interfaces(&self) -> &[String] {
+        &self.interfaces
+    }
+
+    fn maps(&self) -> std::sync::MutexGuard<'_, Maps> {
+        // A panic while holding the lock leaves the maps as they were: still usable.
+        self.maps.lock().unwrap_or_else(|e| e.into_inner())
+    }
+
+    /// Hands `flow` to the program: from now on its datagrams go around quill.
+    pub fn install(&self, flow: &FlowAddrs) -> Result<(), OffloadError> {
+        let mut maps = self.maps();
+        let forward_key = flow.forward_key();
+        let mut reverse = [0u8; 28];
+        reverse[..12].copy_from_slice(&addrs(flow.quill, flow.client));
+        reverse[12..24].copy_from_slice(&forward_key);
+        reverse[24..28].copy_from_slice(&maps.addresses.way_to(flow.client.ip()).to_ne_bytes());
+        let mut forward = [0u8; 72];
+        forward[..12].copy_from_slice(&addrs(flow.socket, flow.server));
+        forward[12..16].copy_from_slice(&maps.addresses.way_to(flow.server.ip()).to_ne_bytes());
+        maps.reverses
+            .insert(flow.reverse_key(), reverse, 0)
+            .map_err(map_err("reverses"))?;
+        if let Err(e) = maps.forwards.insert(forward_key, forward, 0) {
+            let _ = maps.reverses.remove(&flow.reverse_key());
+            return Err(map_err("forwards")(e));
+        }
+        Ok(())
+    }
+
+    /// What the program counted for `flow` (`None`: it has no entry).
+    pub fn counters(&self, flow: &FlowAddrs) -> Option<Counters> {
+        let maps = self.maps();
+        let value = maps.forwards.get(&flow.forward_key(), 0).ok()?;
+        Some(Counters::from_forward(&value))
+    }
+
+    /// Takes `flow` back: its next datagrams come to quill's sockets again. What the
+    /// program counted up to its removal.
+    pub fn remove(&self, flow: &FlowAddrs) -> Option<Counters> {
+        let mut maps = self.maps();
+        let key = flow.forward_key();
+        let last = maps.forwards.get(&key, 0).ok();
+        let _ = maps.forwards.remove(&key);
+        let _ = maps.reverses.remove(&flow.reverse_key());
+        last.map(|v| Counters::from_forward(&v))
+    }
+}
+
+/// `CLOCK_MONOTONIC` now, in nanoseconds: the program's clock (`bpf_ktime_get_ns`).
+pub fn monotonic_ns() -> u64 {
+    let t = rustix::time::clock_gettime(rustix::time::ClockId::Monotonic);
+    u64::try_from(t.tv_sec)
+        .unwrap_or(0)
+        .saturating_mul(1_000_000_000)
+        .saturating_add(u64::try_from(t.tv_nsec).unwrap_or(0))
+}

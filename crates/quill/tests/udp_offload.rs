@@ -1,0 +1,327 @@
+//! The kernel path for UDP flows (`udp_offload IF`): once a flow has been answered twice,
+//! a TC program on the interface carries its datagrams and their answers, and quill keeps
+//! the flow as its own (number, place on the server, idle expiry, answer timeout, bytes).
+//!
+//! What proves the kernel carries a flow, from outside: quill's process is stopped
+//! (SIGSTOP) and its client is answered all the same; what proves quill took a flow back:
+//! stopped again, the client is not. Needs root (CAP_BPF, CAP_NET_ADMIN) and Linux 6.6
+//! (TCX links); skipped with a message elsewhere.
+#![allow(clippy::unwrap_used, clippy::expect_used, clippy::panic)]
+
+mod support;
+
+use std::time::Duration;
+
+use support::dns::*;
+use support::hosts::NsQuill;
+use support::netns::{self, veth, Netns};
+use support::{skip_on_pen, wait_until};
+
+const WAIT: Duration = Duration::from_secs(3);
+const SHORT: Duration = Duration::from_millis(500);
+
+/// Whether this machine can run the kernel path; says why not when it cannot.
+fn offload_possible() -> bool {
+    if skip_on_pen("udp_offload is quill's own") {
+        return false;
+    }
+    if !support::ctl::running_as_root() {
+        eprintln!("SKIPPED: udp_offload needs root (CAP_BPF, CAP_NET_ADMIN)");
+        return false;
+    }
+    let release = std::fs::read_to_string("/proc/sys/kernel/osrelease").unwrap_or_default();
+    let mut parts = release.trim().split(['.', '-']);
+    let major: u32 = parts.next().and_then(|p| p.parse().ok()).unwrap_or(0);
+    let minor: u32 = parts.next().and_then(|p| p.parse().ok()).unwrap_or(0);
+    if (major, minor) < (6, 6) {
+        eprintln!("SKIPPED: udp_offload needs Linux 6.6 (TCX links); this is {release}");
+        return false;
+    }
+    true
+}
+
+/// quill with the kernel path on the loopback interface, a control socket and `args`.
+fn start(args: &[&str]) -> Option<(UdpQuill, u16)> {
+    if !offload_possible() {
+        return None;
+    }
+    let mut all = vec!["-O", "udp_offload lo"];
+    all.extend_from_slice(args);
+    with_control(&all)
+}
+
+/// Whether every thread of process `pid` is stopped.
+fn stopped(pid: u32) -> bool {
+    let Ok(tasks) = std::fs::read_dir(format!("/proc/{pid}/task")) else {
+        return false;
+    };
+    tasks.flatten().all(|t| {
+        std::fs::read_to_string(t.path().join("stat")).is_ok_and(|stat| {
+            // The state follows the command name, which is in parentheses.
+            stat.rsplit_once(") ")
+                .is_some_and(|(_, rest)| rest.starts_with('T') || rest.starts_with('t'))
+        })
+    })
+}
+
+/// Sends `signal` to process `pid`.
+fn kill(pid: u32, signal: &str) {
+    let done = std::process::Command::new("kill")
+        .args([format!("-{signal}"), pid.to_string()])
+        .status()
+        .expect("kill");
+    assert!(done.success(), "kill -{signal} {pid}");
+}
+
+/// While quill's process `pid` is stopped, whether `client`'s query is answered (and by
+/// whom).
+fn ask_while_pid_stopped(pid: u32, client: &UdpClient) -> Option<std::net::Ipv4Addr> {
+    kill(pid, "STOP");
+    // A stop takes effect as each thread next runs: on a busy machine a loop thread could
+    // still take the query before it stops.
+    wait_until(
+        Duration::from_secs(5),
+        "every thread of quill stopped",
+        || stopped(pid),
+    );
+    let answer = client.ask(SHORT);
+    kill(pid, "CONT");
+    answer
+}
+
+fn ask_while_stopped(q: &UdpQuill, client: &UdpClient) -> Option<std::net::Ipv4Addr> {
+    ask_while_pid_stopped(q.pid(), client)
+}
+
+/// A flow's first two answers come through quill; from then on the kernel carries it:
+/// quill stopped, its client is still answered, by the same server, and the bytes the
+/// kernel carried are counted in the server's totals as if quill had relayed them.
+#[test]
+fn an_answered_flow_is_carried_while_quill_itself_is_stopped() {
+    let a = DnsBackend::start(1);
+    let Some((q, cport)) = start(&["-t", "1", "{port}", &a.spec()]) else {
+        return;
+    };
+    let c = q.client("127.0.0.2");
+    for _ in 0..3 {
+        assert_eq!(c.ask(WAIT), Some(a.ip()));
+    }
+    assert_eq!(
+        ask_while_stopped(&q, &c),
+        Some(a.ip()),
+        "carried by the kernel"
+    );
+    assert_eq!(
+        ask_while_stopped(&q, &c),
+        Some(a.ip()),
+        "carried by the kernel"
+    );
+    assert_eq!(a.answered(), 5);
+    let status = control(cport, "status json").expect("control socket");
+    assert!(
+        status.contains("\"udp_offloaded\":1") && status.contains("\"udp_carried\":1"),
+        "{status}"
+    );
+
+    // Five queries and five answers, whoever relayed them (added on the flow's timer).
+    let asked = query(1, "who.example").len() * 5;
+    let answered = reply_to(&query(1, "who.example"), a.ip())
+        .expect("reply")
+        .len()
+        * 5;
+    let totals = format!(" sx {asked} rx {answered} ");
+    wait_until(Duration::from_secs(5), "the bytes counted", || {
+        control(cport, "servers").is_ok_and(|s| s.contains(&totals))
+    });
+    let listed = control(cport, "connections").expect("control socket");
+    assert!(
+        listed.starts_with("connection 1 client 127.0.0.2:"),
+        "{listed:?}"
+    );
+    assert_eq!(listed.lines().count(), 1, "{listed:?}");
+}
+
+/// `close N` and idle expiry end a carried flow as any other: the kernel lets go of it at
+/// once (quill stopped, the client is not answered), and its next datagram is a new flow.
+/// Datagrams the kernel carries keep a flow alive as quill's own would.
+#[test]
+fn close_and_expiry_take_a_carried_flow_back() {
+    let a = DnsBackend::start(1);
+    let Some((q, cport)) = start(&["-t", "1", "{port}", &a.spec()]) else {
+        return;
+    };
+    let c = q.client("127.0.0.2");
+    for _ in 0..3 {
+        assert_eq!(c.ask(WAIT), Some(a.ip()));
+    }
+    assert_eq!(
+        ask_while_stopped(&q, &c),
+        Some(a.ip()),
+        "carried by the kernel"
+    );
+    command(cport, "close 1");
+    // The flow's event loop ends it (and takes it back from the kernel) just after.
+    wait_until(
+        Duration::from_secs(5),
+        "the closed flow leaves the list",
+        || control(cport, "connections").is_ok_and(|l| l.is_empty()),
+    );
+    assert_eq!(ask_while_stopped(&q, &c), None, "closed: no longer carried");
+    // quill answers the query sent while it was stopped as soon as it runs again, then
+    // the client's next one, on flow 2.
+    assert_eq!(c.ask(WAIT), Some(a.ip()));
+    let listed = control(cport, "connections").expect("control socket");
+    assert!(
+        listed.starts_with("connection 2 client 127.0.0.2:"),
+        "{listed:?}"
+    );
+
+    // Idle expiry: the flows that start from now on expire after 2 s of silence.
+    command(cport, "udp_idle_timeout 2");
+    let d = q.client("127.0.0.3");
+    for _ in 0..3 {
+        assert_eq!(d.ask(WAIT), Some(a.ip()));
+    }
+    assert_eq!(
+        ask_while_stopped(&q, &d),
+        Some(a.ip()),
+        "carried by the kernel"
+    );
+    // Four seconds of queries only the kernel sees, one every half second: still flow 3.
+    for _ in 0..8 {
+        assert_eq!(d.ask(WAIT), Some(a.ip()));
+        std::thread::sleep(SHORT);
+    }
+    let listed = control(cport, "connections").expect("control socket");
+    assert!(
+        listed.contains("connection 3 client 127.0.0.3:"),
+        "{listed:?}"
+    );
+    // Silent, it expires, and the kernel no longer carries it.
+    wait_until(Duration::from_secs(10), "the silent flow expires", || {
+        control(cport, "connections").is_ok_and(|l| !l.contains("connection 3 "))
+    });
+    assert_eq!(
+        ask_while_stopped(&q, &d),
+        None,
+        "expired: no longer carried"
+    );
+}
+
+/// A carried flow whose server leaves use (here drained) is taken back within the answer
+/// timeout, and its client's next datagram moves it to a server in use, as quill moves
+/// any flow.
+#[test]
+fn a_carried_flow_moves_off_a_drained_server() {
+    let a = DnsBackend::start(1);
+    let b = DnsBackend::start(2);
+    let Some((q, cport)) = start(&["-t", "1", "-r", "{port}", &a.spec(), &b.spec()]) else {
+        return;
+    };
+    let c = q.client("127.0.0.2");
+    for _ in 0..3 {
+        assert_eq!(c.ask(WAIT), Some(a.ip()));
+    }
+    assert_eq!(
+        ask_while_stopped(&q, &c),
+        Some(a.ip()),
+        "carried by the kernel"
+    );
+    command(cport, "server 0 drain");
+    wait_until(Duration::from_secs(5), "the flow moves to server 1", || {
+        c.ask(SHORT) == Some(b.ip())
+    });
+}
+
+/// A server that stops answering a carried flow is noticed as for any flow: after the
+/// answer timeout quill blacklists it (it answers nobody else) and the client's next
+/// datagram goes to the other server.
+#[test]
+fn a_server_that_stops_answering_a_carried_flow_is_blacklisted() {
+    let a = DnsBackend::start(1);
+    let b = DnsBackend::start(2);
+    let Some((q, cport)) = start(&["-t", "1", "-r", "{port}", &a.spec(), &b.spec()]) else {
+        return;
+    };
+    let c = q.client("127.0.0.2");
+    for _ in 0..3 {
+        assert_eq!(c.ask(WAIT), Some(a.ip()));
+    }
+    assert_eq!(
+        ask_while_stopped(&q, &c),
+        Some(a.ip()),
+        "carried by the kernel"
+    );
+    a.set_silent(true);
+    assert_eq!(c.ask(SHORT), None, "the silent server drops it");
+    wait_until(
+        Duration::from_secs(6),
+        "the client is answered by server 1",
+        || c.ask(SHORT) == Some(b.ip()),
+    );
+    let servers = control(cport, "servers").expect("control socket");
+    let first = servers.lines().next().unwrap_or("");
+    assert!(first.contains("blacklisted"), "{servers}");
+}
+
+/// An interface that does not exist stops quill at start, naming it.
+#[test]
+fn an_interface_that_does_not_exist_is_refused_at_start() {
+    if !offload_possible() {
+        return;
+    }
+    let a = DnsBackend::start(1);
+    let Err(e) = UdpQuill::try_start(&["-O", "udp_offload nosuchif0", "{port}", &a.spec()]) else {
+        panic!("quill started with udp_offload on a missing interface");
+    };
+    assert!(e.contains("udp_offload") && e.contains("nosuchif0"), "{e}");
+}
+
+/// Client and server on other hosts (cli 10.78.1.2 --- l1 10.78.1.1, balancer, l2
+/// 10.78.2.1 --- be 10.78.2.2): a carried flow's datagrams leave through the interface
+/// the FIB names, its neighbour resolved by the kernel, and the answers come back the
+/// same way.
+#[test]
+fn a_flow_between_other_hosts_is_carried_out_of_the_balancers_interfaces() {
+    if !offload_possible() || netns::skip() {
+        return;
+    }
+    let cli = Netns::new("ocli");
+    let lb = Netns::new("olb");
+    let be = Netns::new("obe");
+    veth(&cli, "c1", &lb, "l1");
+    veth(&lb, "l2", &be, "b1");
+    cli.ip(&["addr", "add", "10.78.1.2/24", "dev", "c1"]);
+    lb.ip(&["addr", "add", "10.78.1.1/24", "dev", "l1"]);
+    lb.ip(&["addr", "add", "10.78.2.1/24", "dev", "l2"]);
+    be.ip(&["addr", "add", "10.78.2.2/24", "dev", "b1"]);
+    // The program's route lookup needs forwarding where the datagrams come in.
+    lb.sysctl(&["net.ipv4.ip_forward=1"]);
+    let backend = be.run(|| DnsBackend::start_on(1, "10.78.2.2:5300"));
+    let mut q = NsQuill::start(
+        &lb,
+        &[
+            "-U",
+            "-O",
+            "udp_offload l1,l2",
+            "-t",
+            "1",
+            "10.78.1.1:5300",
+            "10.78.2.2:5300",
+        ],
+    );
+    let client = cli.run(|| UdpClient::new("10.78.1.2", "10.78.1.1:5300".parse().unwrap()));
+    // The first answer once quill listens.
+    let first = client.ask_retrying(SHORT, Duration::from_secs(10));
+    if let Some(status) = q.exited() {
+        panic!("quill exited ({status}): {}", q.stderr());
+    }
+    assert_eq!(first, Some(backend.ip()), "{}", q.stderr());
+    assert_eq!(client.ask(WAIT), Some(backend.ip()));
+    assert_eq!(client.ask(WAIT), Some(backend.ip()));
+    assert_eq!(
+        ask_while_pid_stopped(q.pid(), &client),
+        Some(backend.ip()),
+        "carried by the kernel"
+    );
+}
