@@ -45,12 +45,14 @@ BENCH_DIR = Path(__file__).resolve().parent
 REPO_ROOT = BENCH_DIR.parent
 RESULTS_DIR = BENCH_DIR / "results"
 
-ALL = ("quill", "pen", "dnsdist", "backend", "quill-nopoll", "quill-pbs", "quill-base")
+ALL = ("quill", "pen", "dnsdist", "backend", "quill-nopoll", "quill-pbs", "quill-base",
+       "quill-offload")
 # Measured only when named in --only: quill with busy polling off (QUILL_BUSY_POLL=off),
 # quill polling 30 µs after each piece of work before it sleeps (`poll_before_sleep 30`),
-# and another quill binary (`--base-bin`) for an A/B of two builds in one run.
-OPTIONAL = ("quill-nopoll", "quill-pbs", "quill-base")
-QUILLS = ("quill", "quill-nopoll", "quill-pbs", "quill-base")
+# another quill binary (`--base-bin`) for an A/B of two builds in one run, and quill
+# handing answered flows to its kernel path (`udp_offload lo`; needs root).
+OPTIONAL = ("quill-nopoll", "quill-pbs", "quill-base", "quill-offload")
+QUILLS = ("quill", "quill-nopoll", "quill-pbs", "quill-base", "quill-offload")
 ANCHORS = ("pen", "dnsdist")
 BALANCER_CORE = "0"
 LOAD_CORE = "1"  # dnsperf and nsd
@@ -344,6 +346,8 @@ zone:
             if name in QUILLS:
                 env = ["env", "QUILL_BUSY_POLL=off"] if name == "quill-nopoll" else []
                 window = ["-O", "poll_before_sleep 30"] if name == "quill-pbs" else []
+                if name == "quill-offload":
+                    window = ["-O", "udp_offload lo"]
                 binary = args.base_bin if name == "quill-base" else str(quill_bin)
                 return [*env, *pin, binary, "-f", "-U", *window, "-r", f"127.0.0.1:{port}", be]
             if name == "pen":
@@ -514,11 +518,12 @@ def report(results: list[dict[str, Any]], only: list[str]) -> dict[str, Any]:
                     f"{n} {machine[n] - base:.2f} us" for n in machine if n != "backend"))
                 for n in machine:
                     rows[n]["overhead_us_per_query"] = machine[n] - base
-                q = rows.get("quill", {}).get("overhead_us_per_query")
-                for a in ANCHORS:
-                    o = rows.get(a, {}).get("overhead_us_per_query")
-                    if q is not None and o:
-                        log(f"  overhead quill/{a}: {q / o:.2f}x")
+                for quill in ("quill", "quill-offload"):
+                    q = rows.get(quill, {}).get("overhead_us_per_query")
+                    for a in ANCHORS:
+                        o = rows.get(a, {}).get("overhead_us_per_query")
+                        if q is not None and o:
+                            log(f"  overhead {quill}/{a}: {q / o:.2f}x")
         ratios = {f"quill/{a}": med["quill"] / med[a] for a in (*ANCHORS, "backend") if "quill" in med and a in med}
         if ratios:
             log("throughput ratios: " + "  ".join(f"{k} {v:.2f}x" for k, v in ratios.items()))
