@@ -10,12 +10,13 @@
 
 mod support;
 
+use std::net::{Ipv6Addr, SocketAddr};
 use std::time::Duration;
 
 use support::dns::*;
 use support::hosts::NsQuill;
 use support::netns::{self, veth, Netns};
-use support::{skip_on_pen, wait_until};
+use support::{ipv6_available, skip_on_pen, wait_until};
 
 const WAIT: Duration = Duration::from_secs(3);
 const SHORT: Duration = Duration::from_millis(500);
@@ -262,6 +263,47 @@ fn a_server_that_stops_answering_a_carried_flow_is_blacklisted() {
     let servers = control(cport, "servers").expect("control socket");
     let first = servers.lines().next().unwrap_or("");
     assert!(first.contains("blacklisted"), "{servers}");
+}
+
+/// IPv6 flows are carried as IPv4 ones are, and so are IPv4 clients of a dual-stack
+/// listener; a flow that changes family on the way (an IPv6 client, an IPv4 server) is
+/// relayed by quill, which translates, and never handed over.
+#[test]
+fn ipv6_flows_are_carried_and_a_flow_that_changes_family_is_not() {
+    if !offload_possible() {
+        return;
+    }
+    if !ipv6_available() {
+        eprintln!("SKIPPED: no IPv6 loopback");
+        return;
+    }
+    let v4 = DnsBackend::start_on(4, "127.0.0.1:0");
+    let v6 = DnsBackend::start_on(6, "[::1]:0");
+    for (listen, backend, client, carried) in [
+        ("[::1]:{port}", &v6, "::1", true),
+        (":::{port}", &v6, "::1", true),
+        (":::{port}", &v4, "127.0.0.1", true),
+        ("[::1]:{port}", &v4, "::1", false),
+    ] {
+        let (q, _) = start(&["-t", "1", listen, &backend.spec()]).expect("started");
+        let to = match client.contains(':') {
+            true => SocketAddr::from((Ipv6Addr::LOCALHOST, q.port)),
+            false => SocketAddr::from(([127, 0, 0, 1], q.port)),
+        };
+        let c = UdpClient::new(client, to);
+        for _ in 0..3 {
+            assert_eq!(c.ask(WAIT), Some(backend.ip()), "{listen} {client}");
+        }
+        let expected = carried.then(|| backend.ip());
+        assert_eq!(
+            ask_while_stopped(&q, &c),
+            expected,
+            "listen {listen}, server {}, client {client}",
+            backend.spec()
+        );
+        // Carried or not, the flow goes on (quill answers what came while it was stopped).
+        assert_eq!(c.ask(WAIT), Some(backend.ip()), "{listen} {client}");
+    }
 }
 
 /// An interface that does not exist stops quill at start, naming it.

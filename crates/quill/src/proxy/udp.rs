@@ -51,6 +51,12 @@
 //!
 //! Flows are counted in `State::active` (so `conn_max` bounds them) and in their server's
 //! connection count (so limits, weights and `prio` see them).
+//!
+//! With `udp_offload`, a flow answered [`OFFLOAD_AFTER`] times is handed to the kernel
+//! (`proxy::offload`): its datagrams and answers no longer reach this module, and the
+//! flow's timer reads the kernel's counters into the fields the rules above look at (last
+//! activity, the oldest unanswered datagram, bytes), so every rule holds, up to one timer
+//! period late. Whatever ends or moves a flow takes it back from the kernel first.
 
 use std::cell::{Cell, RefCell};
 use std::collections::HashMap;

@@ -14,7 +14,7 @@
 //! carries towards a server always has a way back; an entry the program cannot follow
 //! (the other is missing) passes the datagram on untouched, to quill's sockets.
 
-use std::net::{IpAddr, Ipv4Addr, SocketAddr, SocketAddrV4};
+use std::net::{IpAddr, SocketAddr};
 use std::sync::Mutex;
 use std::time::{Duration, Instant};
 
@@ -26,12 +26,15 @@ use aya::Ebpf;
 /// The program, built by `build` in this directory from `udp.bpf.c`.
 static PROGRAM: &[u8] = aya::include_bytes_aligned!("udp.bpf.o");
 
-/// `struct addrs` in `udp.bpf.c`: source, destination, their ports, in network order.
-type Addrs = [u8; 12];
+/// `struct addrs` in `udp.bpf.c`: source, destination (IPv6, or IPv4-mapped), their
+/// ports, in network order.
+type Addrs = [u8; 36];
 /// `struct forward`: the rewritten addresses, the way on, then the counters.
-type Forward = [u8; 72];
+type Forward = [u8; 96];
+/// Where the counters start in [`Forward`].
+const COUNTERS: usize = 40;
 /// `struct reverse`: the rewritten addresses, the forward entry's key, the way on.
-type Reverse = [u8; 28];
+type Reverse = [u8; 76];
 
 /// `enum way` in `udp.bpf.c`: how a rewritten datagram goes on.
 const WAY_LOCAL: u32 = 1;
@@ -45,13 +48,13 @@ const ADDRESSES_FOR: Duration = Duration::from_secs(1);
 #[derive(Default)]
 struct Addresses {
     read_at: Option<Instant>,
-    ours: Vec<Ipv4Addr>,
+    ours: Vec<IpAddr>,
 }
 
 impl Addresses {
     /// How a datagram rewritten to go to `ip` goes on: up the stack if `ip` is ours,
     /// else routed out.
-    fn way_to(&mut self, ip: &Ipv4Addr) -> u32 {
+    fn way_to(&mut self, ip: IpAddr) -> u32 {
         if ip.is_loopback() {
             return WAY_LOCAL;
         }
@@ -59,13 +62,18 @@ impl Addresses {
             self.ours = nix::ifaddrs::getifaddrs()
                 .map(|addrs| {
                     addrs
-                        .filter_map(|a| a.address?.as_sockaddr_in().map(|s| s.ip()))
+                        .filter_map(|a| {
+                            let a = a.address?;
+                            a.as_sockaddr_in()
+                                .map(|s| IpAddr::V4(s.ip()))
+                                .or_else(|| a.as_sockaddr_in6().map(|s| IpAddr::V6(s.ip())))
+                        })
                         .collect()
                 })
                 .unwrap_or_default();
             self.read_at = Some(Instant::now());
         }
-        if self.ours.contains(ip) {
+        if self.ours.contains(&ip) {
             WAY_LOCAL
         } else {
             WAY_ROUTE
@@ -93,35 +101,37 @@ fn map_err(map: &'static str) -> impl Fn(aya::maps::MapError) -> OffloadError {
 }
 
 /// The four addresses of a flow: the client and the address it sent to, the flow's
-/// socket and its server. IPv4 only (the program looks at IPv4 headers).
+/// socket and its server; all of one family (the program rewrites addresses, it does not
+/// translate between families).
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub struct FlowAddrs {
-    pub client: SocketAddrV4,
-    pub quill: SocketAddrV4,
-    pub socket: SocketAddrV4,
-    pub server: SocketAddrV4,
+    pub client: SocketAddr,
+    pub quill: SocketAddr,
+    pub socket: SocketAddr,
+    pub server: SocketAddr,
 }
 
 impl FlowAddrs {
-    /// The flow's addresses, if all four are IPv4 (or IPv4-mapped) and specific.
+    /// The flow's addresses (IPv4-mapped ones as IPv4), if they are specific and all of
+    /// one family.
     pub fn new(
         client: SocketAddr,
         quill: SocketAddr,
         socket: SocketAddr,
         server: SocketAddr,
     ) -> Option<FlowAddrs> {
-        let v4 = |a: SocketAddr| -> Option<SocketAddrV4> {
-            let ip = match a.ip().to_canonical() {
-                IpAddr::V4(ip) if !ip.is_unspecified() => ip,
-                _ => return None,
-            };
-            Some(SocketAddrV4::new(ip, a.port()))
-        };
+        let all = [client, quill, socket, server]
+            .map(|a| SocketAddr::new(a.ip().to_canonical(), a.port()));
+        let [client, quill, socket, server] = all;
+        let one_family = all.iter().all(|a| a.is_ipv4() == client.is_ipv4());
+        if !one_family || all.iter().any(|a| a.ip().is_unspecified()) {
+            return None;
+        }
         Some(FlowAddrs {
-            client: v4(client)?,
-            quill: v4(quill)?,
-            socket: v4(socket)?,
-            server: v4(server)?,
+            client,
+            quill,
+            socket,
+            server,
         })
     }
 
@@ -136,12 +146,16 @@ impl FlowAddrs {
     }
 }
 
-fn addrs(src: SocketAddrV4, dst: SocketAddrV4) -> Addrs {
-    let mut b = [0u8; 12];
-    b[0..4].copy_from_slice(&src.ip().octets());
-    b[4..8].copy_from_slice(&dst.ip().octets());
-    b[8..10].copy_from_slice(&src.port().to_be_bytes());
-    b[10..12].copy_from_slice(&dst.port().to_be_bytes());
+fn addrs(src: SocketAddr, dst: SocketAddr) -> Addrs {
+    let v6 = |ip: IpAddr| match ip {
+        IpAddr::V4(v4) => v4.to_ipv6_mapped().octets(),
+        IpAddr::V6(v6) => v6.octets(),
+    };
+    let mut b = [0u8; 36];
+    b[0..16].copy_from_slice(&v6(src.ip()));
+    b[16..32].copy_from_slice(&v6(dst.ip()));
+    b[32..34].copy_from_slice(&src.port().to_be_bytes());
+    b[34..36].copy_from_slice(&dst.port().to_be_bytes());
     b
 }
 
@@ -163,7 +177,7 @@ impl Counters {
     fn from_forward(v: &Forward) -> Counters {
         let at = |i: usize| {
             let mut b = [0u8; 8];
-            b.copy_from_slice(&v[16 + 8 * i..24 + 8 * i]);
+            b.copy_from_slice(&v[COUNTERS + 8 * i..COUNTERS + 8 * (i + 1)]);
             u64::from_ne_bytes(b)
         };
         Counters {
@@ -281,13 +295,15 @@ impl Offload {
     pub fn install(&self, flow: &FlowAddrs) -> Result<(), OffloadError> {
         let mut maps = self.maps();
         let forward_key = flow.forward_key();
-        let mut reverse = [0u8; 28];
-        reverse[..12].copy_from_slice(&addrs(flow.quill, flow.client));
-        reverse[12..24].copy_from_slice(&forward_key);
-        reverse[24..28].copy_from_slice(&maps.addresses.way_to(flow.client.ip()).to_ne_bytes());
-        let mut forward = [0u8; 72];
-        forward[..12].copy_from_slice(&addrs(flow.socket, flow.server));
-        forward[12..16].copy_from_slice(&maps.addresses.way_to(flow.server.ip()).to_ne_bytes());
+        let mut reverse = [0u8; 76];
+        reverse[..36].copy_from_slice(&addrs(flow.quill, flow.client));
+        reverse[36..72].copy_from_slice(&forward_key);
+        let way = maps.addresses.way_to(flow.client.ip());
+        reverse[72..76].copy_from_slice(&way.to_ne_bytes());
+        let mut forward = [0u8; 96];
+        forward[..36].copy_from_slice(&addrs(flow.socket, flow.server));
+        let way = maps.addresses.way_to(flow.server.ip());
+        forward[36..40].copy_from_slice(&way.to_ne_bytes());
         maps.reverses
             .insert(flow.reverse_key(), reverse, 0)
             .map_err(map_err("reverses"))?;

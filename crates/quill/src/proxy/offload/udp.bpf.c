@@ -13,8 +13,9 @@
  * which is exactly what quill's own relay puts on the wire (its flow socket is connected to
  * the server, and the answers leave from the address the client sent to). The socket stays
  * open in quill, so the port is not reused, and an ICMP error for it still reaches quill.
- * Anything else (other traffic, fragments, IP options, aggregated skbs, destinations the
- * FIB cannot resolve) is passed on untouched and reaches quill's sockets as before.
+ * Anything else (other traffic, fragments, IPv4 options, IPv6 extension headers,
+ * aggregated skbs, destinations the FIB cannot resolve) is passed on untouched and reaches
+ * quill's sockets as before. IPv4 and IPv6 flows alike; a flow never changes family.
  *
  * The forward entry keeps the flow's counters; quill reads them on the flow's timer to
  * expire idle flows, notice unanswered datagrams and count bytes.
@@ -26,6 +27,7 @@
 #include <linux/if_ether.h>
 #include <linux/in.h>
 #include <linux/ip.h>
+#include <linux/ipv6.h>
 #include <linux/udp.h>
 #include <linux/pkt_cls.h>
 #include <stdbool.h>
@@ -34,11 +36,13 @@
 
 #define MAX_FLOWS 65536
 #define AF_INET 2
+#define AF_INET6 10
 
-/* Addresses and ports in network order, as in the headers. */
+/* Addresses and ports in network order, as in the headers; an IPv4 address is written as
+ * its IPv4-mapped IPv6 address (::ffff:a.b.c.d), so one map holds both families. */
 struct addrs {
-	__u32 src;
-	__u32 dst;
+	__u32 src[4];
+	__u32 dst[4];
 	__u16 sport;
 	__u16 dport;
 };
@@ -86,12 +90,11 @@ struct {
 } reverses SEC(".maps");
 
 #define IP_CSUM (ETH_HLEN + __builtin_offsetof(struct iphdr, check))
-#define UDP_CSUM (ETH_HLEN + sizeof(struct iphdr) + __builtin_offsetof(struct udphdr, check))
 #define IP_SRC (ETH_HLEN + __builtin_offsetof(struct iphdr, saddr))
-#define UDP_SPORT (ETH_HLEN + sizeof(struct iphdr))
-
-/* The loopback interface's index in every network namespace (LOOPBACK_IFINDEX). */
-#define LOOPBACK 1
+#define IP6_SRC (ETH_HLEN + __builtin_offsetof(struct ipv6hdr, saddr))
+#define UDP4 (ETH_HLEN + sizeof(struct iphdr))
+#define UDP6 (ETH_HLEN + sizeof(struct ipv6hdr))
+#define UDP_CSUM __builtin_offsetof(struct udphdr, check)
 
 /* The loopback interface's index in every network namespace (LOOPBACK_IFINDEX). */
 #define LOOPBACK 1
@@ -106,7 +109,7 @@ struct {
  * our addresses as its source would be dropped as a martian. Another destination leaves
  * through the interface the FIB names, its neighbour resolved by the kernel; the lookup
  * needs forwarding enabled on the interface the datagram came in on. */
-static __always_inline bool rewrite(struct __sk_buff *skb, const struct addrs *from,
+static __always_inline bool rewrite(struct __sk_buff *skb, bool v6, const struct addrs *from,
 				    const struct addrs *to, __u32 way, int *verdict)
 {
 	struct bpf_fib_lookup fib = {};
@@ -114,37 +117,59 @@ static __always_inline bool rewrite(struct __sk_buff *skb, const struct addrs *f
 		if (skb->ingress_ifindex != LOOPBACK)
 			return false;
 	} else {
-		fib.family = AF_INET;
 		fib.l4_protocol = IPPROTO_UDP;
-		fib.ipv4_src = to->src;
-		fib.ipv4_dst = to->dst;
 		fib.sport = to->sport;
 		fib.dport = to->dport;
 		fib.ifindex = skb->ingress_ifindex;
 		fib.tot_len = skb->len - ETH_HLEN;
+		if (v6) {
+			fib.family = AF_INET6;
+			__builtin_memcpy(fib.ipv6_src, to->src, 16);
+			__builtin_memcpy(fib.ipv6_dst, to->dst, 16);
+		} else {
+			fib.family = AF_INET;
+			fib.ipv4_src = to->src[3];
+			fib.ipv4_dst = to->dst[3];
+		}
 		if (bpf_fib_lookup(skb, &fib, sizeof(fib), 0) != BPF_FIB_LKUP_RET_SUCCESS)
 			return false;
 	}
 
+	const __u32 udp = v6 ? UDP6 : UDP4;
 	const __u64 l4_addr = BPF_F_PSEUDO_HDR | BPF_F_MARK_MANGLED_0 | sizeof(__u32);
+	const __u64 l4_diff = BPF_F_PSEUDO_HDR | BPF_F_MARK_MANGLED_0;
 	const __u64 l4_port = BPF_F_MARK_MANGLED_0 | sizeof(__u16);
-	if (from->src != to->src) {
-		bpf_l4_csum_replace(skb, UDP_CSUM, from->src, to->src, l4_addr);
-		bpf_l3_csum_replace(skb, IP_CSUM, from->src, to->src, sizeof(__u32));
-	}
-	if (from->dst != to->dst) {
-		bpf_l4_csum_replace(skb, UDP_CSUM, from->dst, to->dst, l4_addr);
-		bpf_l3_csum_replace(skb, IP_CSUM, from->dst, to->dst, sizeof(__u32));
+	if (v6) {
+		/* No header checksum; the UDP checksum covers both addresses. */
+		__s64 diff = bpf_csum_diff((__be32 *)from->src, 32, (__be32 *)to->src, 32, 0);
+		if (diff < 0)
+			return false;
+		bpf_l4_csum_replace(skb, udp + UDP_CSUM, 0, diff, l4_diff);
+	} else {
+		if (from->src[3] != to->src[3]) {
+			bpf_l4_csum_replace(skb, udp + UDP_CSUM, from->src[3], to->src[3], l4_addr);
+			bpf_l3_csum_replace(skb, IP_CSUM, from->src[3], to->src[3], sizeof(__u32));
+		}
+		if (from->dst[3] != to->dst[3]) {
+			bpf_l4_csum_replace(skb, udp + UDP_CSUM, from->dst[3], to->dst[3], l4_addr);
+			bpf_l3_csum_replace(skb, IP_CSUM, from->dst[3], to->dst[3], sizeof(__u32));
+		}
 	}
 	if (from->sport != to->sport)
-		bpf_l4_csum_replace(skb, UDP_CSUM, from->sport, to->sport, l4_port);
+		bpf_l4_csum_replace(skb, udp + UDP_CSUM, from->sport, to->sport, l4_port);
 	if (from->dport != to->dport)
-		bpf_l4_csum_replace(skb, UDP_CSUM, from->dport, to->dport, l4_port);
-	/* saddr and daddr are adjacent, as are the two ports. */
-	__u32 ips[2] = {to->src, to->dst};
+		bpf_l4_csum_replace(skb, udp + UDP_CSUM, from->dport, to->dport, l4_port);
+	/* The source and destination addresses are adjacent in both headers, as are the two
+	 * ports. */
 	__u16 ports[2] = {to->sport, to->dport};
-	if (bpf_skb_store_bytes(skb, IP_SRC, ips, sizeof(ips), 0) ||
-	    bpf_skb_store_bytes(skb, UDP_SPORT, ports, sizeof(ports), 0))
+	long stored;
+	if (v6) {
+		stored = bpf_skb_store_bytes(skb, IP6_SRC, to, 32, 0);
+	} else {
+		__u32 ips[2] = {to->src[3], to->dst[3]};
+		stored = bpf_skb_store_bytes(skb, IP_SRC, ips, sizeof(ips), 0);
+	}
+	if (stored || bpf_skb_store_bytes(skb, udp, ports, sizeof(ports), 0))
 		*verdict = TC_ACT_SHOT;
 	else if (way == WAY_LOCAL)
 		/* On up the stack, past any program attached after this one. */
@@ -154,32 +179,64 @@ static __always_inline bool rewrite(struct __sk_buff *skb, const struct addrs *f
 	return true;
 }
 
+/* The datagram's addresses and ports and its payload length, if it is a UDP datagram the
+ * program may carry: no fragment, no IPv4 options, no IPv6 extension header. */
+static __always_inline bool parse(struct __sk_buff *skb, bool *v6, struct addrs *key,
+				  __u64 *payload)
+{
+	void *data = (void *)(long)skb->data;
+	void *end = (void *)(long)skb->data_end;
+	struct udphdr *udp;
+	if (skb->gso_segs > 1)
+		return false;
+	if (skb->protocol == bpf_htons(ETH_P_IP)) {
+		struct iphdr *ip = data + ETH_HLEN;
+		udp = data + UDP4;
+		if ((void *)(udp + 1) > end)
+			return false;
+		if (ip->version != 4 || ip->ihl != 5 || ip->protocol != IPPROTO_UDP ||
+		    (ip->frag_off & bpf_htons(0x3fff)))
+			return false;
+		key->src[2] = key->dst[2] = bpf_htonl(0xffff);
+		key->src[3] = ip->saddr;
+		key->dst[3] = ip->daddr;
+		*v6 = false;
+	} else if (skb->protocol == bpf_htons(ETH_P_IPV6)) {
+		struct ipv6hdr *ip = data + ETH_HLEN;
+		udp = data + UDP6;
+		if ((void *)(udp + 1) > end)
+			return false;
+		if (ip->version != 6 || ip->nexthdr != IPPROTO_UDP)
+			return false;
+		__builtin_memcpy(key->src, &ip->saddr, 16);
+		__builtin_memcpy(key->dst, &ip->daddr, 16);
+		*v6 = true;
+	} else {
+		return false;
+	}
+	key->sport = udp->source;
+	key->dport = udp->dest;
+	*payload = bpf_ntohs(udp->len) - sizeof(*udp);
+	return true;
+}
+
 /* Datagrams that are not the program's go on as they came (TC_ACT_UNSPEC: with TCX, to
  * the next program attached, if any, then to the stack). */
 SEC("classifier")
 int quill_udp(struct __sk_buff *skb)
 {
-	void *data = (void *)(long)skb->data;
-	void *end = (void *)(long)skb->data_end;
-	if (skb->protocol != bpf_htons(ETH_P_IP) || skb->gso_segs > 1)
+	struct addrs key = {};
+	bool v6;
+	__u64 payload;
+	if (!parse(skb, &v6, &key, &payload))
 		return TC_ACT_UNSPEC;
-	struct iphdr *ip = data + ETH_HLEN;
-	struct udphdr *udp = data + ETH_HLEN + sizeof(*ip);
-	if ((void *)(udp + 1) > end)
-		return TC_ACT_UNSPEC;
-	if (ip->version != 4 || ip->ihl != 5 || ip->protocol != IPPROTO_UDP ||
-	    (ip->frag_off & bpf_htons(0x3fff)))
-		return TC_ACT_UNSPEC;
-
-	struct addrs key = {ip->saddr, ip->daddr, udp->source, udp->dest};
-	__u64 payload = bpf_ntohs(udp->len) - sizeof(*udp);
 	__u64 now = bpf_ktime_get_ns();
 
 	struct forward *f = bpf_map_lookup_elem(&forwards, &key);
 	if (f) {
 		struct addrs to = f->to;
 		int verdict;
-		if (!rewrite(skb, &key, &to, f->way, &verdict))
+		if (!rewrite(skb, v6, &key, &to, f->way, &verdict))
 			return TC_ACT_UNSPEC;
 		__sync_fetch_and_add(&f->up_packets, 1);
 		__sync_fetch_and_add(&f->up_bytes, payload);
@@ -197,7 +254,7 @@ int quill_udp(struct __sk_buff *skb)
 		return TC_ACT_UNSPEC;
 	struct addrs to = r->to;
 	int verdict;
-	if (!rewrite(skb, &key, &to, r->way, &verdict))
+	if (!rewrite(skb, v6, &key, &to, r->way, &verdict))
 		return TC_ACT_UNSPEC;
 	__sync_fetch_and_add(&f->down_packets, 1);
 	__sync_fetch_and_add(&f->down_bytes, payload);
