@@ -9,6 +9,7 @@ pub mod accesslog;
 pub mod acl;
 pub mod announce;
 pub mod balance;
+pub mod bpf;
 pub mod check;
 pub mod cli;
 pub mod command;

@@ -94,6 +94,15 @@ fn ask_while_stopped(q: &UdpQuill, client: &UdpClient) -> Option<std::net::Ipv4A
     ask_while_pid_stopped(q.pid(), client)
 }
 
+/// Asks until `c`'s flow is handed over (its first two answers come through quill), then
+/// checks that the kernel carries it: quill stopped, `c` is answered by `by`.
+fn hand_over(q: &UdpQuill, c: &UdpClient, by: std::net::Ipv4Addr) {
+    for _ in 0..3 {
+        assert_eq!(c.ask(WAIT), Some(by));
+    }
+    assert_eq!(ask_while_stopped(q, c), Some(by), "carried by the kernel");
+}
+
 /// A flow's first two answers come through quill; from then on the kernel carries it:
 /// quill stopped, its client is still answered, by the same server, and the bytes the
 /// kernel carried are counted in the server's totals as if quill had relayed them.
@@ -104,14 +113,7 @@ fn an_answered_flow_is_carried_while_quill_itself_is_stopped() {
         return;
     };
     let c = q.client("127.0.0.2");
-    for _ in 0..3 {
-        assert_eq!(c.ask(WAIT), Some(a.ip()));
-    }
-    assert_eq!(
-        ask_while_stopped(&q, &c),
-        Some(a.ip()),
-        "carried by the kernel"
-    );
+    hand_over(&q, &c, a.ip());
     assert_eq!(
         ask_while_stopped(&q, &c),
         Some(a.ip()),
@@ -152,14 +154,7 @@ fn close_and_expiry_take_a_carried_flow_back() {
         return;
     };
     let c = q.client("127.0.0.2");
-    for _ in 0..3 {
-        assert_eq!(c.ask(WAIT), Some(a.ip()));
-    }
-    assert_eq!(
-        ask_while_stopped(&q, &c),
-        Some(a.ip()),
-        "carried by the kernel"
-    );
+    hand_over(&q, &c, a.ip());
     command(cport, "close 1");
     // The flow's event loop ends it (and takes it back from the kernel) just after.
     wait_until(
@@ -180,14 +175,7 @@ fn close_and_expiry_take_a_carried_flow_back() {
     // Idle expiry: the flows that start from now on expire after 2 s of silence.
     command(cport, "udp_idle_timeout 2");
     let d = q.client("127.0.0.3");
-    for _ in 0..3 {
-        assert_eq!(d.ask(WAIT), Some(a.ip()));
-    }
-    assert_eq!(
-        ask_while_stopped(&q, &d),
-        Some(a.ip()),
-        "carried by the kernel"
-    );
+    hand_over(&q, &d, a.ip());
     // Four seconds of queries only the kernel sees, one every half second: still flow 3.
     for _ in 0..8 {
         assert_eq!(d.ask(WAIT), Some(a.ip()));
@@ -220,14 +208,7 @@ fn a_carried_flow_moves_off_a_drained_server() {
         return;
     };
     let c = q.client("127.0.0.2");
-    for _ in 0..3 {
-        assert_eq!(c.ask(WAIT), Some(a.ip()));
-    }
-    assert_eq!(
-        ask_while_stopped(&q, &c),
-        Some(a.ip()),
-        "carried by the kernel"
-    );
+    hand_over(&q, &c, a.ip());
     command(cport, "server 0 drain");
     wait_until(Duration::from_secs(5), "the flow moves to server 1", || {
         c.ask(SHORT) == Some(b.ip())
@@ -245,14 +226,7 @@ fn a_server_that_stops_answering_a_carried_flow_is_blacklisted() {
         return;
     };
     let c = q.client("127.0.0.2");
-    for _ in 0..3 {
-        assert_eq!(c.ask(WAIT), Some(a.ip()));
-    }
-    assert_eq!(
-        ask_while_stopped(&q, &c),
-        Some(a.ip()),
-        "carried by the kernel"
-    );
+    hand_over(&q, &c, a.ip());
     a.set_silent(true);
     assert_eq!(c.ask(SHORT), None, "the silent server drops it");
     wait_until(

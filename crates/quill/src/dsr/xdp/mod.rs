@@ -193,18 +193,6 @@ where
     T::try_from(map).map_err(map_err(name))
 }
 
-/// Whether the kernel attaches XDP programs through BPF links (Linux 5.9), which go with
-/// the process that holds them; older kernels attach through netlink, for good.
-fn bpf_links() -> bool {
-    let Ok(release) = std::fs::read_to_string("/proc/sys/kernel/osrelease") else {
-        return false;
-    };
-    let mut parts = release.trim().split(['.', '-']);
-    let major: u32 = parts.next().and_then(|p| p.parse().ok()).unwrap_or(0);
-    let minor: u32 = parts.next().and_then(|p| p.parse().ok()).unwrap_or(0);
-    (major, minor) >= (5, 9)
-}
-
 /// Whether `e`, or an error it wraps, is EBUSY.
 fn is_busy(e: &(dyn std::error::Error + 'static)) -> bool {
     let mut cause = Some(e);
@@ -223,7 +211,9 @@ impl FastPath {
     /// Loads the program and takes its maps; nothing is attached yet. Needs CAP_BPF (done
     /// at start-up, before privileges are dropped).
     pub fn load() -> Result<FastPath, XdpError> {
-        if !bpf_links() {
+        // BPF links for XDP (Linux 5.9) go with the process that holds them; older kernels
+        // attach through netlink, for good.
+        if !crate::bpf::kernel_at_least(5, 9) {
             return Err(XdpError::Load(
                 "this kernel is older than 5.9: without BPF links a killed quill would leave \
                  its program attached"
@@ -238,7 +228,7 @@ impl FastPath {
             .map_err(|e: aya::programs::ProgramError| XdpError::Load(e.to_string()))?;
         program
             .load()
-            .map_err(|e| XdpError::Load(verifier_error(&e)))?;
+            .map_err(|e| XdpError::Load(crate::bpf::verifier_error(&e)))?;
         let config = take(&mut ebpf, "config")?;
         let maglev = take(&mut ebpf, "maglev")?;
         let targets = take(&mut ebpf, "targets")?;
@@ -398,21 +388,5 @@ impl FastPath {
             }
         }
         Ok((totals, deltas))
-    }
-}
-
-/// The verifier's complaint, shortened to its last lines (the whole log is long).
-pub(crate) fn verifier_error(e: &aya::programs::ProgramError) -> String {
-    match e {
-        aya::programs::ProgramError::LoadError {
-            io_error,
-            verifier_log,
-        } => {
-            let log = verifier_log.to_string();
-            let tail: Vec<&str> = log.lines().rev().take(5).collect();
-            let tail: Vec<&str> = tail.into_iter().rev().collect();
-            format!("{io_error}: {}", tail.join(" / "))
-        }
-        other => other.to_string(),
     }
 }

@@ -215,17 +215,6 @@ impl std::fmt::Debug for Offload {
     }
 }
 
-/// Whether the kernel attaches TC programs through BPF links (TCX, Linux 6.6).
-fn tcx_links() -> bool {
-    let Ok(release) = std::fs::read_to_string("/proc/sys/kernel/osrelease") else {
-        return false;
-    };
-    let mut parts = release.trim().split(['.', '-']);
-    let major: u32 = parts.next().and_then(|p| p.parse().ok()).unwrap_or(0);
-    let minor: u32 = parts.next().and_then(|p| p.parse().ok()).unwrap_or(0);
-    (major, minor) >= (6, 6)
-}
-
 fn take<T>(ebpf: &mut Ebpf, name: &'static str) -> Result<T, OffloadError>
 where
     T: TryFrom<aya::maps::Map, Error = aya::maps::MapError>,
@@ -241,7 +230,8 @@ impl Offload {
     /// Loads the program and attaches it to the ingress of each of `interfaces`
     /// (CAP_BPF and CAP_NET_ADMIN: done at start-up, before privileges are dropped).
     pub fn start(interfaces: &[&str]) -> Result<Offload, OffloadError> {
-        if !tcx_links() {
+        // TCX links (Linux 6.6) go with the process that holds them.
+        if !crate::bpf::kernel_at_least(6, 6) {
             return Err(OffloadError::Load(
                 "this kernel is older than 6.6: without TCX links a killed quill would leave \
                  its program attached"
@@ -256,7 +246,7 @@ impl Offload {
             .map_err(|e: aya::programs::ProgramError| OffloadError::Load(e.to_string()))?;
         program
             .load()
-            .map_err(|e| OffloadError::Load(crate::dsr::xdp::verifier_error(&e)))?;
+            .map_err(|e| OffloadError::Load(crate::bpf::verifier_error(&e)))?;
         for interface in interfaces {
             program
                 .attach_with_options(
