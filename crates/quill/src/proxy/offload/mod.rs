@@ -271,11 +271,6 @@ impl Offload {
         })
     }
 
-    /// The interfaces the program is attached to.
-    pub fn interfaces(&self) -> &[String] {
-        &self.interfaces
-    }
-
     fn maps(&self) -> std::sync::MutexGuard<'_, Maps> {
         // A panic while holding the lock leaves the maps as they were: still usable.
         self.maps.lock().unwrap_or_else(|e| e.into_inner())
