@@ -1455,8 +1455,7 @@ fn parse_positive(command: &'static str, w: &mut Words<'_>) -> Result<Command, P
         },
         "dsr_if" => {
             let name = w.word("an interface name")?;
-            // Linux interface names: 1-15 bytes, no '/' (they are sysfs file names).
-            if name.as_str().len() > 15 || name.as_str().contains('/') {
+            if !is_interface_name(name.as_str()) {
                 return Err(ParseError::Invalid {
                     command,
                     what: "interface name",
@@ -1467,12 +1466,7 @@ fn parse_positive(command: &'static str, w: &mut Words<'_>) -> Result<Command, P
         }
         "udp_offload" => {
             let names = w.word("interface names (IF[,IF...])")?;
-            // Linux interface names: 1-15 bytes, no '/' (they are sysfs file names).
-            if names
-                .as_str()
-                .split(',')
-                .any(|n| n.is_empty() || n.len() > 15 || n.contains('/'))
-            {
+            if !names.as_str().split(',').all(is_interface_name) {
                 return Err(ParseError::Invalid {
                     command,
                     what: "interface names (IF[,IF...])",
@@ -1814,6 +1808,12 @@ fn with_optional<T: fmt::Display>(
 }
 
 /// `word VALUE` when set, `no word` when not.
+/// Whether `name` can be a Linux interface name: 1-15 bytes, no '/' (they are sysfs file
+/// names).
+fn is_interface_name(name: &str) -> bool {
+    !name.is_empty() && name.len() <= 15 && !name.contains('/')
+}
+
 fn optional_or_no<T: fmt::Display>(
     f: &mut fmt::Formatter<'_>,
     word: &str,
