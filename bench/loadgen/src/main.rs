@@ -7,13 +7,17 @@
 //!   where the figure of merit is system calls per request, not speed).
 //! * `idle`: opens N connections spread over several source addresses and holds them
 //!   until stdin closes (memory per idle proxied connection).
+//! * `dns`: open-loop, constant rate of DNS queries over UDP like `latency`, but every
+//!   query goes out of a fresh socket, so from a new source port, as real resolvers send
+//!   them (glibc's stub, `dig`, recursive resolvers randomising their ports): to a flow
+//!   based balancer every query is a new flow. dnsperf keeps its sockets and ports.
 //!
-//! One OS thread per connection with plain blocking sockets: `thread::sleep` paces with
+//! One OS thread per connection (for `dns`: per sender) with plain blocking sockets: `thread::sleep` paces with
 //! microsecond precision (hrtimers), which a millisecond-tick async timer cannot. Every
 //! result is one JSON object on stdout.
 
 use std::io::{self, BufRead, Read, Write};
-use std::net::{IpAddr, SocketAddr, TcpStream};
+use std::net::{IpAddr, Ipv4Addr, Ipv6Addr, SocketAddr, TcpStream, UdpSocket};
 use std::process::ExitCode;
 use std::thread;
 use std::time::{Duration, Instant};
@@ -25,7 +29,10 @@ use socket2::{Domain, Socket, Type};
 const USAGE: &str = "usage:
   quill-loadgen latency --addr HOST:PORT [--path /1k] --rate REQ_PER_S [--connections 50] [--duration 10] [--warmup 2]
   quill-loadgen count   --addr HOST:PORT [--path /1k] --requests N [--connections 50]
-  quill-loadgen idle    --addr HOST:PORT --connections N [--sources 127.0.0.2,127.0.0.3]";
+  quill-loadgen idle    --addr HOST:PORT --connections N [--sources 127.0.0.2,127.0.0.3]
+  quill-loadgen dns     --addr HOST:PORT --rate Q_PER_S [--connections 10] [--duration 10] [--warmup 2]
+                        [--name www.example.] [--timeout 1]
+                        (a new UDP socket, so a new source port, for every query; type A, class IN)";
 
 /// Longest response head accepted; the benchmark's backends send small heads.
 const MAX_HEAD: usize = 16 * 1024;
@@ -41,6 +48,9 @@ struct Args {
     warmup: Duration,
     requests: u64,
     sources: Vec<IpAddr>,
+    /// `dns`: the name asked for, and how long to wait for each answer.
+    name: String,
+    timeout: Duration,
 }
 
 fn parse_args() -> Result<Args, String> {
@@ -48,6 +58,7 @@ fn parse_args() -> Result<Args, String> {
     let mut p = lexopt::Parser::from_env();
     let mut mode = None;
     let mut addr = None;
+    let mut connections = None;
     let mut a = Args {
         mode: String::new(),
         addr: SocketAddr::from(([127, 0, 0, 1], 0)),
@@ -58,6 +69,8 @@ fn parse_args() -> Result<Args, String> {
         warmup: Duration::from_secs(2),
         requests: 0,
         sources: Vec::new(),
+        name: "www.example.".into(),
+        timeout: Duration::from_secs(1),
     };
     fn num<T: std::str::FromStr>(p: &mut lexopt::Parser, what: &str) -> Result<T, String> {
         let v = p.value().map_err(|e| e.to_string())?;
@@ -82,10 +95,24 @@ fn parse_args() -> Result<Args, String> {
                     .into()
             }
             Long("rate") => a.rate = num(&mut p, "--rate")?,
-            Long("connections") => a.connections = num(&mut p, "--connections")?,
+            Long("connections") => connections = Some(num(&mut p, "--connections")?),
             Long("duration") => a.duration = Duration::from_secs_f64(num(&mut p, "--duration")?),
             Long("warmup") => a.warmup = Duration::from_secs_f64(num(&mut p, "--warmup")?),
             Long("requests") => a.requests = num(&mut p, "--requests")?,
+            Long("name") => {
+                a.name = p
+                    .value()
+                    .map_err(|e| e.to_string())?
+                    .to_string_lossy()
+                    .into()
+            }
+            Long("timeout") => {
+                let s: f64 = num(&mut p, "--timeout")?;
+                if !(s > 0.0 && s < 3600.0) {
+                    return Err("--timeout must be between 0 and 3600 seconds".into());
+                }
+                a.timeout = Duration::from_secs_f64(s);
+            }
             Long("sources") => {
                 let v = p.value().map_err(|e| e.to_string())?;
                 for s in v.to_string_lossy().split(',').filter(|s| !s.is_empty()) {
@@ -102,6 +129,8 @@ fn parse_args() -> Result<Args, String> {
     }
     a.mode = mode.ok_or(USAGE)?;
     a.addr = addr.ok_or("--addr is required")?;
+    // dnsperf's default of ten sockets for `dns`, fifty connections for the others.
+    a.connections = connections.unwrap_or(if a.mode == "dns" { 10 } else { 50 });
     if a.connections == 0 {
         return Err("--connections must be at least 1".into());
     }
@@ -122,6 +151,8 @@ fn main() -> ExitCode {
         "count" if args.requests > 0 => count(&args),
         "count" => Err("count needs --requests > 0".into()),
         "idle" => idle(&args),
+        "dns" if args.rate > 0.0 => dns(&args),
+        "dns" => Err("dns needs --rate > 0".into()),
         m => Err(format!("unknown mode {m}\n{USAGE}")),
     };
     match result {
@@ -215,6 +246,8 @@ fn bad(msg: &str) -> io::Error {
 struct Tally {
     hist: Histogram<u64>,
     ok: u64,
+    /// `dns`: queries without an answer within --timeout.
+    lost: u64,
     errors: u64,
     late: u64,
 }
@@ -238,6 +271,7 @@ fn latency(a: &Args) -> Result<serde_json::Value, String> {
             let mut t = Tally {
                 hist: new_hist()?,
                 ok: 0,
+                lost: 0,
                 errors: 0,
                 late: 0,
             };
@@ -382,4 +416,155 @@ fn idle(a: &Args) -> Result<serde_json::Value, String> {
         }
     }
     Ok(json!({"mode": "idle", "held": held.len(), "closed_by_peer": closed}))
+}
+
+/// A DNS query for `name` (type A, class IN, recursion desired) with the given ID.
+fn dns_query(id: u16, name: &str) -> Result<Vec<u8>, String> {
+    let mut q = Vec::with_capacity(12 + name.len() + 6);
+    q.extend_from_slice(&id.to_be_bytes());
+    q.extend_from_slice(&[0x01, 0x00]); // flags: RD
+    q.extend_from_slice(&[0, 1, 0, 0, 0, 0, 0, 0]); // QDCOUNT 1, no other records
+    for label in name.split('.').filter(|l| !l.is_empty()) {
+        if label.len() > 63 {
+            return Err(format!("--name: label longer than 63 bytes: {label}"));
+        }
+        q.push(label.len() as u8);
+        q.extend_from_slice(label.as_bytes());
+    }
+    q.push(0);
+    if q.len() - 12 > 255 {
+        return Err("--name: longer than 255 bytes".into());
+    }
+    q.extend_from_slice(&[0, 1, 0, 1]); // QTYPE A, QCLASS IN
+    Ok(q)
+}
+
+/// A query ID that differs from query to query and from sender to sender (the
+/// finaliser of splitmix64 over both counters; no randomness needed).
+fn query_id(sender: usize, seq: u64) -> u16 {
+    let mut x = ((sender as u64) << 40) ^ seq;
+    x = (x ^ (x >> 30)).wrapping_mul(0xbf58_476d_1ce4_e5b9);
+    x = (x ^ (x >> 27)).wrapping_mul(0x94d0_49bb_1331_11eb);
+    (x ^ (x >> 31)) as u16
+}
+
+enum Answer {
+    Ok,
+    Lost,
+    Error,
+}
+
+/// One query from a socket of its own: bound to port 0 (a new source port), used once
+/// and closed.
+fn ask(addr: SocketAddr, query: &[u8], timeout: Duration) -> Answer {
+    let local: SocketAddr = if addr.is_ipv4() {
+        (Ipv4Addr::UNSPECIFIED, 0).into()
+    } else {
+        (Ipv6Addr::UNSPECIFIED, 0).into()
+    };
+    let sent = UdpSocket::bind(local).and_then(|s| {
+        s.connect(addr)?;
+        s.set_read_timeout(Some(timeout))?;
+        s.send(query)?;
+        Ok(s)
+    });
+    let Ok(sock) = sent else {
+        return Answer::Error;
+    };
+    let mut buf = [0u8; 4096];
+    match sock.recv(&mut buf) {
+        // At least a header, our ID, QR (a response) and RCODE 0 (NOERROR).
+        Ok(n) if n >= 12 && buf[..2] == query[..2] && buf[2] & 0x80 != 0 && buf[3] & 0x0f == 0 => {
+            Answer::Ok
+        }
+        Ok(_) => Answer::Error,
+        Err(e)
+            if matches!(
+                e.kind(),
+                io::ErrorKind::WouldBlock | io::ErrorKind::TimedOut
+            ) =>
+        {
+            Answer::Lost
+        }
+        Err(_) => Answer::Error,
+    }
+}
+
+fn dns(a: &Args) -> Result<serde_json::Value, String> {
+    dns_query(0, &a.name)?; // a bad --name fails here, before any thread starts
+    let period = Duration::from_secs_f64(a.connections as f64 / a.rate);
+    let start = Instant::now() + Duration::from_millis(100);
+    let measure_from = start + a.warmup;
+    let end = measure_from + a.duration;
+    let mut threads = Vec::with_capacity(a.connections);
+    for i in 0..a.connections {
+        let (addr, name, timeout) = (a.addr, a.name.clone(), a.timeout);
+        // Stagger the senders evenly over one period.
+        let first = start + period.mul_f64(i as f64 / a.connections as f64);
+        threads.push(thread::spawn(move || -> Result<Tally, String> {
+            let mut t = Tally {
+                hist: new_hist()?,
+                ok: 0,
+                lost: 0,
+                errors: 0,
+                late: 0,
+            };
+            let mut due = first;
+            let mut seq = 0u64;
+            while due < end {
+                let now = Instant::now();
+                if due > now {
+                    thread::sleep(due - now);
+                } else if now - due > period {
+                    t.late += 1;
+                }
+                let query = dns_query(query_id(i, seq), &name)?;
+                seq += 1;
+                let answer = ask(addr, &query, timeout);
+                let done = Instant::now();
+                if due >= measure_from {
+                    match answer {
+                        Answer::Ok => {
+                            t.ok += 1;
+                            let us = done.duration_since(due).as_micros() as u64;
+                            t.hist.saturating_record(us.max(1));
+                        }
+                        Answer::Lost => t.lost += 1,
+                        Answer::Error => t.errors += 1,
+                    }
+                }
+                due += period;
+            }
+            Ok(t)
+        }));
+    }
+    let mut all = new_hist()?;
+    let (mut ok, mut lost, mut errors, mut late) = (0, 0, 0, 0);
+    for t in threads {
+        let t = t.join().map_err(|_| "a sender thread panicked")??;
+        all.add(&t.hist).map_err(|e| e.to_string())?;
+        ok += t.ok;
+        lost += t.lost;
+        errors += t.errors;
+        late += t.late;
+    }
+    let secs = a.duration.as_secs_f64();
+    Ok(json!({
+        "mode": "dns",
+        "target_rate": a.rate,
+        "achieved_rate": ok as f64 / secs,
+        "connections": a.connections,
+        "duration_s": secs,
+        "sent": ok + lost + errors,
+        "ok": ok,
+        "lost": lost,
+        "errors": errors,
+        "late_sends": late,
+        "p50_us": all.value_at_quantile(0.50),
+        "p90_us": all.value_at_quantile(0.90),
+        "p99_us": all.value_at_quantile(0.99),
+        "p999_us": all.value_at_quantile(0.999),
+        "max_us": all.max(),
+        "mean_us": all.mean(),
+    }))
 }
