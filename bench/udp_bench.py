@@ -1,6 +1,6 @@
 #!/usr/bin/env python3
-"""Comparative UDP (DNS) load-balancer benchmark: quill -U vs pen -U vs dnsdist vs the
-backend alone.  Python 3.11, standard library only.  See bench/README.md ("UDP").
+"""Comparative UDP (DNS) load-balancer benchmark: quill -U vs pen -U vs dnsdist (vs NGINX's
+stream module) vs the backend alone.  Python 3.11, standard library only.  See bench/README.md ("UDP").
 
 Layout of one benchmark:
   * one backend: NSD (server-count 1, response-rate limiting off) answering
@@ -9,7 +9,9 @@ Layout of one benchmark:
     every measurement (with --held: once per scenario, kept through its rounds) and
     checked with one real DNS query (deadline, no fixed sleeps);
   * dnsperf pinned to core 1: `dnsperf -c 10 -l D` (dnsperf's default of 100 queries
-    in flight);
+    in flight); with --fresh-ports the paced scenarios use `quill-loadgen dns` instead
+    (bench/loadgen: a new socket, so a new source port and a new flow, for every query,
+    as real resolvers send them; ten senders, one query in flight each);
   * every process of the benchmark runs at nice -20, and so does its session's autogroup,
     so that a background job on a shared 2-core box (a compiler, a test suite) does not
     decide the figures; foreign CPU on each core is still measured and flagged;
@@ -46,16 +48,21 @@ REPO_ROOT = BENCH_DIR.parent
 RESULTS_DIR = BENCH_DIR / "results"
 
 ALL = ("quill", "pen", "dnsdist", "backend", "quill-nopoll", "quill-pbs", "quill-base",
-       "quill-offload")
+       "quill-offload", "quill-responses", "nginx")
 # Measured only when named in --only: quill with busy polling off (QUILL_BUSY_POLL=off),
 # quill polling 30 µs after each piece of work before it sleeps (`poll_before_sleep 30`),
-# another quill binary (`--base-bin`) for an A/B of two builds in one run, and quill
-# handing answered flows to its kernel path (`udp_offload lo`; needs root).
-OPTIONAL = ("quill-nopoll", "quill-pbs", "quill-base", "quill-offload")
-QUILLS = ("quill", "quill-nopoll", "quill-pbs", "quill-base", "quill-offload")
-ANCHORS = ("pen", "dnsdist")
+# another quill binary (`--base-bin`) for an A/B of two builds in one run, quill
+# handing answered flows to its kernel path (`udp_offload lo`; needs root), quill ending
+# a flow once it has one answer per query (`udp_responses 1`), and NGINX's stream module
+# (`proxy_responses 1`), an anchor.
+OPTIONAL = ("quill-nopoll", "quill-pbs", "quill-base", "quill-offload", "quill-responses", "nginx")
+QUILLS = ("quill", "quill-nopoll", "quill-pbs", "quill-base", "quill-offload", "quill-responses")
+# The -O control command that makes each quill variant.
+QUILL_COMMANDS = {"quill-pbs": "poll_before_sleep 30", "quill-offload": "udp_offload lo",
+                  "quill-responses": "udp_responses 1"}
+ANCHORS = ("pen", "dnsdist", "nginx")
 BALANCER_CORE = "0"
-LOAD_CORE = "1"  # dnsperf and nsd
+LOAD_CORE = "1"  # dnsperf (or quill-loadgen) and nsd
 CLIENTS = 10
 NICE = ["nice", "-n", "-20"]
 READY_TIMEOUT_S = 10.0
@@ -65,7 +72,10 @@ ENV = dict(os.environ)
 ENV["PATH"] = ENV.get("PATH", "/usr/bin:/bin") + ":/usr/local/sbin:/usr/sbin:/sbin"
 ENV["LC_ALL"] = "C"
 TOOLS = {"dnsperf": "dnsperf", "nsd": "nsd", "dnsdist": "dnsdist", "pen": "pen",
-         "taskset": "util-linux", "dig": "dnsutils"}
+         "taskset": "util-linux", "dig": "dnsutils", "nginx": "nginx-light"}
+LOADGEN_DIR = BENCH_DIR / "loadgen"
+# quill-loadgen dns: seconds to wait for each answer before it counts as lost.
+FRESH_TIMEOUT_S = 1
 
 ZONE = """$ORIGIN example.
 $TTL 300
@@ -199,10 +209,11 @@ def dns_query(qid: int) -> bytes:
     return q + b"\x00\x00\x01\x00\x01"
 
 
-def answers(port: int, deadline: float) -> bool:
-    """Polls with real queries until one is answered (NOERROR, one answer) or deadline."""
+def answers(port: int, deadline: float, proc: subprocess.Popen[bytes] | None = None) -> bool:
+    """Polls with real queries until one is answered (NOERROR, one answer) or deadline,
+    or until `proc`, the process that should answer, has exited."""
     qid = random.randint(1, 65535)
-    while time.monotonic() < deadline:
+    while time.monotonic() < deadline and (proc is None or proc.poll() is None):
         with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as s:
             s.settimeout(0.2)
             try:
@@ -216,8 +227,15 @@ def answers(port: int, deadline: float) -> bool:
     return False
 
 
+def loadgen_bin() -> Path:
+    """Where cargo puts quill-loadgen (CARGO_TARGET_DIR honoured, relative to the crate)."""
+    return LOADGEN_DIR / os.environ.get("CARGO_TARGET_DIR", "target") / "release" / "quill-loadgen"
+
+
 def ensure_tools(need: set[str]) -> None:
     missing = [TOOLS[t] for t in sorted(need) if not which(t)]
+    if "nginx" in need and not tcp_bench.NGINX_STREAM_MODULE.exists():
+        missing.append("libnginx-mod-stream")
     if missing:
         log(f"== installing: {' '.join(missing)}")
         run_capture(["apt-get", "update", "-qq"], timeout=600)
@@ -242,6 +260,48 @@ def parse_dnsperf(out: str) -> dict[str, float]:
     }
 
 
+def parse_loadgen(rc: int, out: str) -> dict[str, Any]:
+    """The figures of `quill-loadgen dns` under dnsperf's names (qps, completed, lost,
+    latency_s: the mean), with its percentiles, errors and late sends besides."""
+    lines = [ln for ln in out.splitlines() if ln.startswith("{")]
+    if rc != 0 or not lines:
+        raise RuntimeError(f"quill-loadgen dns failed (exit {rc}): {out[-500:]}")
+    j = json.loads(lines[-1])
+    return {"qps": j["achieved_rate"], "sent": j["sent"], "completed": j["ok"], "lost": j["lost"],
+            "errors": j["errors"], "late_sends": j["late_sends"], "latency_s": j["mean_us"] / 1e6,
+            **{k: j[k] for k in ("p50_us", "p90_us", "p99_us", "p999_us", "max_us")}}
+
+
+def nginx_conf(work: Path, port: int, backend: str) -> Path:
+    """NGINX's stream module as a UDP balancer: one process (no master), each session
+    ended by the answer to its one query, as a DNS proxy should."""
+    conf = work / f"nginx-{port}.conf"
+    conf.write_text(f"""# generated by bench/udp_bench.py
+load_module {tcp_bench.NGINX_STREAM_MODULE};
+worker_processes 1;
+master_process off;
+daemon off;
+worker_rlimit_nofile 20000;
+pid {work}/nginx-{port}.pid;
+error_log stderr warn;
+events {{
+    worker_connections 8192;
+}}
+stream {{
+    upstream dns {{
+        server {backend};
+    }}
+    server {{
+        listen 127.0.0.1:{port} udp reuseport;
+        proxy_pass dns;
+        proxy_responses 1;
+        proxy_timeout 5s;
+    }}
+}}
+""")
+    return conf
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--quick", action="store_true", help="1 round of 3 s runs")
@@ -253,6 +313,10 @@ def main() -> int:
                          "per query over the backend alone at each rate (e.g. 5000,20000)")
     ap.add_argument("--efficiency", action="store_true",
                     help="only the paced scenarios (default rates 5000,20000 unless --paced)")
+    ap.add_argument("--fresh-ports", action="store_true",
+                    help="load the paced scenarios with `quill-loadgen dns` instead of dnsperf: a new "
+                         "source port (a new flow) for every query, as real resolvers send them "
+                         "(scenarios paced-fresh-RATE; default rates 5000,20000 unless --paced)")
     ap.add_argument("--warmup", type=int, default=None,
                     help="seconds of the same rate before each paced measurement, unmeasured "
                          "(default 3, --quick: 1; 0: none)")
@@ -274,14 +338,21 @@ def main() -> int:
         args.warmup = 1 if args.quick else 3
     only = [b for b in ALL if b in args.only.split(",")]
     paced = [int(x) for x in args.paced.split(",") if x.strip()]
-    if args.efficiency and not paced:
+    if (args.efficiency or args.fresh_ports) and not paced:
         paced = [5000, 20000]
 
-    ensure_tools({"dnsperf", "nsd", "taskset"} | ({"pen"} & set(only)) | ({"dnsdist"} & set(only)))
+    ensure_tools({"dnsperf", "nsd", "taskset"} | ({"pen", "dnsdist", "nginx"} & set(only)))
     quill_bin = Path(args.quill_bin) if args.quill_bin else REPO_ROOT / "target" / "release" / "quill"
     if "quill-base" in only and not args.base_bin:
         raise SystemExit("--only names quill-base: give its binary with --base-bin")
-    if ({"quill", "quill-nopoll", "quill-pbs"} & set(only)) and not args.quill_bin and not args.no_build:
+    if args.fresh_ports:
+        if not args.no_build:
+            reason = tcp_bench.cargo_build("the load generator", LOADGEN_DIR, [])
+            if reason:
+                raise SystemExit(reason)
+        if not loadgen_bin().is_file():
+            raise SystemExit(f"load generator missing: {loadgen_bin()} (run without --no-build)")
+    if (set(QUILLS) - {"quill-base"}) & set(only) and not args.quill_bin and not args.no_build:
         log("== cargo build --release -p quill")
         rc, out = run_capture(["cargo", "build", "--release", "-p", "quill"], timeout=1800)
         if rc != 0:
@@ -336,7 +407,8 @@ zone:
         scenarios: list[tuple[str, str, str, int | None]] = []
         if not args.efficiency:
             scenarios.append(("one-core", BALANCER_CORE, LOAD_CORE, None))
-        scenarios += [(f"paced-{q}", BALANCER_CORE, LOAD_CORE, q) for q in paced]
+        paced_name = "paced-fresh" if args.fresh_ports else "paced"
+        scenarios += [(f"{paced_name}-{q}", BALANCER_CORE, LOAD_CORE, q) for q in paced]
         if args.all_cores:
             scenarios.append(("all-cores", "0,1", "0,1", None))
 
@@ -345,11 +417,9 @@ zone:
             be = f"127.0.0.1:{backend_port}"
             if name in QUILLS:
                 env = ["env", "QUILL_BUSY_POLL=off"] if name == "quill-nopoll" else []
-                window = ["-O", "poll_before_sleep 30"] if name == "quill-pbs" else []
-                if name == "quill-offload":
-                    window = ["-O", "udp_offload lo"]
+                extra = ["-O", QUILL_COMMANDS[name]] if name in QUILL_COMMANDS else []
                 binary = args.base_bin if name == "quill-base" else str(quill_bin)
-                return [*env, *pin, binary, "-f", "-U", *window, "-r", f"127.0.0.1:{port}", be]
+                return [*env, *pin, binary, "-f", "-U", *extra, "-r", f"127.0.0.1:{port}", be]
             if name == "pen":
                 return [*pin, "pen", "-f", "-U", "-r", f"127.0.0.1:{port}", be]
             if name == "dnsdist":
@@ -358,7 +428,20 @@ zone:
                                 f"newServer({{address='{be}'}})\n"
                                 "setSecurityPollSuffix('')\n")
                 return [*pin, "dnsdist", "--supervised", "--disable-syslog", "-C", str(conf)]
+            if name == "nginx":
+                return [*pin, "nginx", "-c", str(nginx_conf(work, port, be)), "-p", f"{work}/", "-e", "stderr"]
             return None
+
+        def load(port: int, rate: int | None, seconds: int, cores: str) -> list[str]:
+            """The load of one run: dnsperf, or with --fresh-ports at a paced rate
+            quill-loadgen dns (a new source port per query)."""
+            pin = [*NICE, "taskset", "-c", cores]
+            if rate and args.fresh_ports:
+                return [*pin, str(loadgen_bin()), "dns", "--addr", f"127.0.0.1:{port}", "--rate", str(rate),
+                        "--connections", str(CLIENTS), "--duration", str(seconds), "--warmup", "0",
+                        "--name", "www.example.", "--timeout", str(FRESH_TIMEOUT_S)]
+            return [*pin, "dnsperf", "-s", "127.0.0.1", "-p", str(port), "-d", str(work / "queries.txt"),
+                    "-c", str(CLIENTS), "-l", str(seconds), *(["-Q", str(rate)] if rate else [])]
 
         for scenario, bal_cores, load_cores, rate in scenarios:
             # --held: the balancers started for this scenario (process, port).
@@ -382,17 +465,17 @@ zone:
                             p = procs.start(argv, work / f"{name}.out")
                             if args.held:
                                 held.keep(name, p, port)
-                            if not answers(port, time.monotonic() + READY_TIMEOUT_S):
-                                raise RuntimeError("did not answer a query")
-                        perf = [*NICE, "taskset", "-c", load_cores, "dnsperf", "-s", "127.0.0.1", "-p", str(port),
-                                "-d", str(work / "queries.txt"), "-c", str(CLIENTS), "-l", str(args.duration),
-                                *(["-Q", str(rate)] if rate else [])]
-                        rec["dnsperf"] = perf
+                            if not answers(port, time.monotonic() + READY_TIMEOUT_S, p):
+                                exited = p.poll()
+                                raise RuntimeError("did not answer a query" + (
+                                    f" (exited with code {exited})" if exited is not None else ""))
+                        fresh = bool(rate and args.fresh_ports)
+                        perf = load(port, rate, args.duration, load_cores)
+                        rec["loadgen" if fresh else "dnsperf"] = perf
                         if rate and args.warmup > 0:
                             # The same rate first, unmeasured: a steady state (a quill event
                             # loop's trial of busy polling over) is what the figure describes.
-                            warm = [*perf[:perf.index("-l") + 1], str(args.warmup), *perf[perf.index("-l") + 2:]]
-                            run_capture(warm, timeout=args.warmup + 60)
+                            run_capture(load(port, rate, args.warmup, load_cores), timeout=args.warmup + 60)
                         if p is not None:
                             rec["pid"] = p.pid
                         own = [nsd.pid] + ([p.pid] if p else [])
@@ -415,16 +498,21 @@ zone:
                         if rec["steal_share"] > tcp_bench.STEAL_LIMIT:
                             rec["disturbed"] = True
                         t1 = {pid: ticks(pid) for pid in own}
-                        rec.update(parse_dnsperf(out))
-                        rec["dnsperf_rc"] = rc
+                        if fresh:
+                            rec["loadgen_rc"] = rc
+                            rec.update(parse_loadgen(rc, out))
+                        else:
+                            rec.update(parse_dnsperf(out))
+                            rec["dnsperf_rc"] = rc
                         if p is not None:
                             rec["balancer_cpu_s"] = (t1[p.pid] - t0[p.pid]) / CLK_TCK
                             rec["cpu_us_per_query"] = (rec["balancer_cpu_s"] * 1e6 / rec["completed"]
                                                        if rec["completed"] else None)
-                        dnsperf_cpu = (r1.ru_utime - r0.ru_utime) + (r1.ru_stime - r0.ru_stime)
-                        ours = sum(t1[x] - t0[x] for x in own) / CLK_TCK + dnsperf_cpu
+                        # The load tool's own CPU (dnsperf or quill-loadgen, our child).
+                        load_cpu = (r1.ru_utime - r0.ru_utime) + (r1.ru_stime - r0.ru_stime)
+                        ours = sum(t1[x] - t0[x] for x in own) / CLK_TCK + load_cpu
                         busy = sum(c1[c] - c0[c] for c in c1) / CLK_TCK
-                        # CPU used on the two cores by anything but nsd, dnsperf and the
+                        # CPU used on the two cores by anything but nsd, the load and the
                         # balancer (approximate: softirq work is charged to whoever runs).
                         rec["foreign_frac"] = max(0.0, busy - ours) / (wall * len(c1))
                         rec["busy_cpu_s"] = busy
@@ -450,7 +538,9 @@ zone:
                     else:
                         cpu = rec.get("cpu_us_per_query")
                         log(f"[{scenario} r{rnd}] {name:8} {rec['qps']:>10.0f} q/s  lost {rec['lost']:.0f}"
-                            f"  latency {rec['latency_s'] * 1e3:.2f} ms"
+                            + (f"  errors {rec['errors']}" if rec.get("errors") else "")
+                            + f"  latency {rec['latency_s'] * 1e3:.2f} ms"
+                            + (f" (p99 {rec['p99_us'] / 1e3:.2f} ms)" if "p99_us" in rec else "")
                             + (f"  CPU {cpu:.2f} us/q" if cpu else "")
                             + "  cores busy " + "/".join(f"{100 * v:.0f}%" for v in rec["core_load"].values())
                             + (f"  [foreign CPU {100 * rec['foreign_frac']:.0f}%: noisy]"
@@ -476,9 +566,13 @@ zone:
 def report(results: list[dict[str, Any]], only: list[str]) -> dict[str, Any]:
     summary: dict[str, Any] = {}
     for scenario in sorted({r["scenario"] for r in results}, reverse=True):
-        log(f"\n== {scenario}: dnsperf -c {CLIENTS} (100 queries in flight), medians over rounds")
+        fresh = scenario.startswith("paced-fresh-")
+        tool = "quill-loadgen" if fresh else "dnsperf"
+        log(f"\n== {scenario}: " + (f"quill-loadgen dns, {CLIENTS} senders, a new source port per query"
+                                     if fresh else f"dnsperf -c {CLIENTS} (100 queries in flight)")
+            + ", medians over rounds")
         log(f"{'balancer':9} {'median q/s':>11} {'min-max q/s':>19} {'lost':>6} {'CPU us/q':>9} {'% backend':>9}"
-            f"  (cores busy: core {BALANCER_CORE} = balancer, core {LOAD_CORE} = dnsperf + NSD)")
+            f"  (cores busy: core {BALANCER_CORE} = balancer, core {LOAD_CORE} = {tool} + NSD)")
         med: dict[str, float] = {}
         rows: dict[str, Any] = {}
         for name in only:
@@ -492,6 +586,7 @@ def report(results: list[dict[str, Any]], only: list[str]) -> dict[str, Any]:
             noisy = sum(1 for r in ok if r.get("foreign_frac", 0) > INTERFERENCE_FRAC)
             rows[name] = {"median_qps": med[name], "min_qps": min(q), "max_qps": max(q), "noisy_runs": noisy,
                           "lost": sum(r["lost"] for r in ok),
+                          "errors": sum(r.get("errors", 0) for r in ok),
                           "cpu_us_per_query": statistics.median(cpu) if cpu else None,
                           "core_load": {c: statistics.median(r["core_load"][c] for r in ok)
                                         for c in ok[0].get("core_load", {})}}
@@ -501,7 +596,8 @@ def report(results: list[dict[str, Any]], only: list[str]) -> dict[str, Any]:
             log(f"{name:9} {row['median_qps']:>11.0f} {row['min_qps']:>9.0f}-{row['max_qps']:<9.0f} "
                 f"{row['lost']:>6.0f} {cpu:>9} {pct:>8.0f}%"
                 + "  cores busy " + "/".join(f"{100 * v:.0f}%" for v in row["core_load"].values())
-                + (f"  ({row['noisy_runs']} noisy run(s))" if row["noisy_runs"] else ""))
+                + (f"  ({row['noisy_runs']} noisy run(s))" if row["noisy_runs"] else "")
+                + (f"  ({row['errors']} errors)" if row["errors"] else ""))
         if scenario.startswith("paced-"):
             machine = {}
             for name in rows:
@@ -518,7 +614,7 @@ def report(results: list[dict[str, Any]], only: list[str]) -> dict[str, Any]:
                     f"{n} {machine[n] - base:.2f} us" for n in machine if n != "backend"))
                 for n in machine:
                     rows[n]["overhead_us_per_query"] = machine[n] - base
-                for quill in ("quill", "quill-offload"):
+                for quill in ("quill", "quill-offload", "quill-responses"):
                     q = rows.get(quill, {}).get("overhead_us_per_query")
                     for a in ANCHORS:
                         o = rows.get(a, {}).get("overhead_us_per_query")
@@ -545,10 +641,13 @@ def machine_info(quill_bin: Path) -> dict[str, Any]:
         "uname": os.uname().release,
         "loadavg": Path("/proc/loadavg").read_text().strip(),
         "dnsperf": out(["dnsperf", "-h"]) if which("dnsperf") else "",
-        "versions": run_capture(["dpkg-query", "-W", "pen", "dnsdist", "nsd", "dnsperf"])[1].strip(),
+        "versions": run_capture(["dpkg-query", "-W", "pen", "dnsdist", "nsd", "dnsperf", "nginx",
+                                 "libnginx-mod-stream"])[1].strip(),
         "git": run_capture(["git", "-C", str(REPO_ROOT), "rev-parse", "--short", "HEAD"])[1].strip(),
         "dirty": bool(run_capture(["git", "-C", str(REPO_ROOT), "status", "--porcelain"])[1].strip()),
     }
+    if loadgen_bin().exists():
+        info["loadgen_sha256"] = hashlib.sha256(loadgen_bin().read_bytes()).hexdigest()
     if quill_bin.exists():
         info["quill_bin"] = str(quill_bin)
         info["quill_sha256"] = hashlib.sha256(quill_bin.read_bytes()).hexdigest()
