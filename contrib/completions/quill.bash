@@ -18,7 +18,7 @@ _quill_value_letters='BCFOSTbceijlmopqtuwxEKGAL'
 _quill_settings='server roundrobin hash hash_only stubborn weight prio tracking blacklist
 timeout conn_max clients_max acl client_acl tcp_nodelay tcp_fastclose keepalive idle_timeout
 idle_park poll_before_sleep defer_accept pending_max source dummy debug epoll poll select kqueue block delayed_forward ascii
-emergency abuse multi_accept backlog workers udp_idle_timeout listen control_acl
+emergency abuse multi_accept backlog workers udp_idle_timeout udp_responses listen control_acl
 metrics_listen log web_stats abort_on_error geoip_db ssl_cert ssl_key ssl_ca ssl_ca_dir
 ssl_verify_client ssl_protocol ssl_option ssl_ciphers ssl_sni_path ssl_ocsp_response
 ssl_client_renegotiation_interval ssl_compat upstream_tls upstream_ca upstream_sni check

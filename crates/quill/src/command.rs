@@ -117,6 +117,10 @@ pub enum Command {
     /// `udp_idle_timeout [N]` (extension): seconds after which a silent UDP flow (`-U`) is
     /// forgotten (default 30, at least 1); no argument asks.
     UdpIdleTimeout(Option<u64>),
+    /// `udp_responses [N]` (extension, NGINX's `proxy_responses`): datagrams a server sends
+    /// back for each client datagram; once all have come, the UDP flow ends (0, the
+    /// default: never, as Pen); no argument asks.
+    UdpResponses(Option<u32>),
     /// `listen [ADDR]`: ask for, or move, the listening socket.
     Listen(Option<Word>),
     /// `control_acl [N]`: check control-socket clients against list N (without N: print
@@ -1096,6 +1100,7 @@ pub const NAMES: &[&str] = &[
     "backlog",
     "workers",
     "udp_idle_timeout",
+    "udp_responses",
     "listen",
     "control_acl",
     "metrics_listen",
@@ -1360,6 +1365,7 @@ fn parse_positive(command: &'static str, w: &mut Words<'_>) -> Result<Command, P
             }
             Command::UdpIdleTimeout(t)
         }
+        "udp_responses" => Command::UdpResponses(w.optional_number("number of datagrams")?),
         "listen" => Command::Listen(w.optional_word("an address")?),
         "control_acl" => Command::ControlAcl(w.optional_acl_id()?),
         "metrics_listen" => Command::MetricsListen(w.optional_word("[address:]port")?),
@@ -1895,6 +1901,7 @@ impl fmt::Display for Command {
             Command::Backlog(n) => write!(f, "backlog {n}"),
             Command::Workers(n) => write!(f, "workers {n}"),
             Command::UdpIdleTimeout(v) => with_optional(f, "udp_idle_timeout", v),
+            Command::UdpResponses(v) => with_optional(f, "udp_responses", v),
             Command::Listen(a) => with_optional(f, "listen", a),
             Command::ControlAcl(list) => with_optional(f, "control_acl", list),
             Command::MetricsListen(a) => with_optional(f, "metrics_listen", a),
@@ -2303,6 +2310,7 @@ mod roundtrip {
             any::<u32>().prop_map(Command::Backlog),
             any::<usize>().prop_map(Command::Workers),
             proptest::option::of(1u64..).prop_map(Command::UdpIdleTimeout),
+            any::<Option<u32>>().prop_map(Command::UdpResponses),
             proptest::option::of(word()).prop_map(Command::Listen),
             proptest::option::of(acl_id()).prop_map(Command::ControlAcl),
             proptest::option::of(word()).prop_map(Command::MetricsListen),

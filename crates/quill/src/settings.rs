@@ -192,6 +192,9 @@ pub struct Settings {
     pub workers: usize,
     /// Seconds after which a silent UDP flow is forgotten (at least 1).
     pub udp_idle_timeout: u64,
+    /// Datagrams a server sends back for each client datagram, after which a UDP flow
+    /// ends; 0 = never (Pen's behaviour).
+    pub udp_responses: u32,
     /// The words of the Pen compatibility no-ops, so that `write` can print them back.
     pub compat: Vec<Command>,
     /// Where clients connect (`listen`, or the first argument of the command line).
@@ -386,6 +389,7 @@ impl Default for Settings {
             backlog: 4096,
             workers: 0,
             udp_idle_timeout: DEFAULT_UDP_IDLE_TIMEOUT,
+            udp_responses: 0,
             compat: Vec::new(),
             listen: None,
             control_acl: AclId::default(),
@@ -629,6 +633,7 @@ impl Settings {
             Command::Backlog(n) => set(&mut self.backlog, (*n).max(50)),
             Command::Workers(n) => set(&mut self.workers, *n),
             Command::UdpIdleTimeout(v) => query_or_set(&mut self.udp_idle_timeout, *v),
+            Command::UdpResponses(v) => query_or_set(&mut self.udp_responses, *v),
             Command::Listen(None) => Applied::value(
                 self.listen
                     .as_ref()
@@ -882,6 +887,9 @@ impl Settings {
         }
         if self.udp_idle_timeout != d.udp_idle_timeout {
             out.push(Command::UdpIdleTimeout(Some(self.udp_idle_timeout)));
+        }
+        if self.udp_responses != d.udp_responses {
+            out.push(Command::UdpResponses(Some(self.udp_responses)));
         }
         if self.workers != d.workers {
             out.push(Command::Workers(self.workers));
@@ -1154,6 +1162,7 @@ mod tests {
             "check_fall 5",
             "slow_start 30",
             "shutdown_grace 0",
+            "udp_responses 1",
         ]);
         let mut rebuilt = Settings::default();
         for cmd in s.to_commands() {

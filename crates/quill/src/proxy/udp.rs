@@ -52,6 +52,14 @@
 //! Flows are counted in `State::active` (so `conn_max` bounds them) and in their server's
 //! connection count (so limits, weights and `prio` see them).
 //!
+//! With `udp_responses N`, a flow also ends once its server has sent N datagrams for each
+//! of the client's (a DNS client that takes a new port for each query would otherwise
+//! leave a flow behind per query), and its socket, connected and registered, waits in a
+//! small per-loop stock of [`Spares`] for the next flow to the same server: a flow that
+//! lives for one query costs no `socket`, `connect`, `epoll_ctl` and `close`. A spare
+//! socket that something reached meanwhile (a stray answer, an ICMP error) is closed, never
+//! handed on: a flow never sees what was meant for another.
+//!
 //! With `udp_offload`, a flow answered [`OFFLOAD_AFTER`] times is handed to the kernel
 //! (`proxy::offload`): its datagrams and answers no longer reach this module, and the
 //! flow's timer reads the kernel's counters into the fields the rules above look at (last
@@ -109,11 +117,20 @@ struct Flow {
     /// The address the client sent to, as the replies' source (pktinfo listeners only).
     local: Option<IpAddr>,
     /// Connected to the server; registered for readability only (a UDP send never waits,
-    /// so write readiness would only be wake-ups for nothing).
-    sock: AsyncFd<std::net::UdpSocket>,
+    /// so write readiness would only be wake-ups for nothing). Shared only with the loop's
+    /// [`Spares`] once the flow has ended with every answer in.
+    sock: Rc<AsyncFd<std::net::UdpSocket>>,
+    /// Where the socket may go when the flow ends with every answer in (`None`: it cannot
+    /// serve another client, e.g. bound to this client's address by `transparent`).
+    spare_key: Option<SpareKey>,
     upstream: Upstream,
     /// Copied from the settings snapshot when the flow started.
     idle_ms: u64,
+    /// `udp_responses`: answers owed for each datagram sent; 0 = the flow never ends
+    /// for having been answered.
+    responses: u32,
+    /// Answers still owed (with `responses`): the flow ends when they have all come.
+    owed: Cell<u64>,
     answer_ms: u64,
     blacklist_secs: u64,
     /// `clock::now_ms()` of the last datagram in either direction.
@@ -164,8 +181,13 @@ impl Flow {
         self.registered.as_ref().map(|r| r.info.id)
     }
 
-    /// A datagram of `len` bytes went to the server at `now`.
-    fn sent(&self, now: u64, len: usize) {
+    /// `count` datagrams of `len` bytes in all went to the server at `now`.
+    fn sent(&self, now: u64, count: usize, len: usize) {
+        if count == 0 {
+            return;
+        }
+        self.owed
+            .set(self.owed.get() + count as u64 * u64::from(self.responses));
         self.last_active.set(now);
         if self.awaiting_since.get() == 0 {
             self.awaiting_since.set(now);
@@ -173,8 +195,9 @@ impl Flow {
         self.bytes_up.set(self.bytes_up.get() + len as u64);
     }
 
-    /// The server answered at `now`.
-    fn answered(&self, now: u64, bytes: u64) {
+    /// The server answered at `now` with `count` datagrams of `bytes` in all.
+    fn answered(&self, now: u64, count: u64, bytes: u64) {
+        self.owed.set(self.owed.get().saturating_sub(count));
         let server = self.server_state();
         if server.last_answer.load(Relaxed) < now {
             server.last_answer.store(now, Relaxed);
@@ -202,8 +225,9 @@ impl Flow {
 
     /// Hands the flow to the kernel, if `offload` runs, the flow has been answered
     /// [`OFFLOAD_AFTER`] times and was not offered yet. `quill` is the listener's address.
+    /// A flow of `udp_responses` ends when answered: never carried.
     fn offer(&self, offload: &Arc<Offload>, quill: SocketAddr) {
-        if self.offer_made.get() || self.answers.get() < OFFLOAD_AFTER {
+        if self.offer_made.get() || self.answers.get() < OFFLOAD_AFTER || self.responses > 0 {
             return;
         }
         self.offer_made.set(true);
@@ -270,7 +294,11 @@ impl Flow {
         if c.down_packets > seen.down_packets {
             let since = self.awaiting_since.get();
             let answered_at = at(c.last_down_ns);
-            self.answered(answered_at, c.down_bytes.saturating_sub(seen.down_bytes));
+            self.answered(
+                answered_at,
+                c.down_packets - seen.down_packets,
+                c.down_bytes.saturating_sub(seen.down_bytes),
+            );
             // A datagram quill itself sent after that answer still waits for its own.
             if since > answered_at {
                 self.awaiting_since.set(since);
@@ -313,6 +341,11 @@ impl Flow {
         let server = self.server_state();
         matches!(self.upstream, Upstream::Server(_))
             && (server.is_out() || server.is_blacklisted(now))
+    }
+
+    /// With `udp_responses`: every datagram sent has had its answers.
+    fn all_answered(&self) -> bool {
+        self.responses > 0 && self.owed.get() == 0 && self.answers.get() > 0
     }
 
     fn idle(&self, now: u64) -> bool {
@@ -400,10 +433,113 @@ struct Worker {
     closes: Arc<LoopCloses>,
     /// The kernel path for flows (`udp_offload`), with the listener's address.
     offload: Option<(Arc<Offload>, SocketAddr)>,
+    /// Sockets of flows that ended with every answer in, for the next flows.
+    spares: Spares,
 }
 
 /// How long after finding no flow to end [`Worker::make_room`] looks again.
 const ROOM_LOOK_MS: u64 = 10;
+
+/// What a spare socket can serve: flows to one server address from one source address.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+struct SpareKey {
+    server: SocketAddr,
+    source: Option<IpAddr>,
+}
+
+/// Sockets of flows that ended with every answer in (`udp_responses`), connected and
+/// registered, kept for the loop's next flows to the same server. At most [`SPARES_MAX`]
+/// per server: enough for the flows a loop has open at once at tens of thousands of
+/// one-query flows a second; more are closed.
+struct Spares {
+    stock: RefCell<HashMap<SpareKey, Vec<Rc<AsyncFd<std::net::UdpSocket>>>>>,
+    /// A waker that does nothing, to look at a spare socket's readiness.
+    look: std::task::Waker,
+}
+
+/// Wakes nothing: a spare socket's readiness is looked at, never waited for.
+struct NoWake;
+
+impl std::task::Wake for NoWake {
+    fn wake(self: Arc<Self>) {}
+}
+
+/// Spare sockets kept per server and event loop.
+const SPARES_MAX: usize = 64;
+
+impl Spares {
+    fn new() -> Spares {
+        Spares {
+            stock: RefCell::default(),
+            look: Arc::new(NoWake).into(),
+        }
+    }
+
+    fn put(&self, key: SpareKey, sock: Rc<AsyncFd<std::net::UdpSocket>>) {
+        let mut spares = self.stock.borrow_mut();
+        let stock = spares.entry(key).or_default();
+        if stock.len() < SPARES_MAX {
+            stock.push(sock);
+        }
+    }
+
+    /// A spare socket for `key` that no flow holds any more and nothing reached since its
+    /// flow ended; the others are closed.
+    fn take(&self, key: &SpareKey) -> Option<Rc<AsyncFd<std::net::UdpSocket>>> {
+        let mut spares = self.stock.borrow_mut();
+        let stock = spares.get_mut(key)?;
+        while let Some(sock) = stock.pop() {
+            if Rc::strong_count(&sock) == 1 && untouched(&sock, &self.look) {
+                return Some(sock);
+            }
+        }
+        None
+    }
+
+    fn clear(&self) {
+        self.stock.borrow_mut().clear();
+    }
+}
+
+/// Whether nothing is waiting on a spare socket: no datagram (a server's answer beyond
+/// those counted, a late one) and no error. Its readiness was cleared when its flow read
+/// its last answers, and the event loop has set it again if anything came since: looked
+/// at without a system call.
+fn untouched(sock: &AsyncFd<std::net::UdpSocket>, look: &std::task::Waker) -> bool {
+    let ready = sock.ready(Interest::READABLE | Interest::ERROR);
+    let mut ready = std::pin::pin!(ready);
+    let mut cx = std::task::Context::from_waker(look);
+    ready.as_mut().poll(&mut cx).is_pending()
+}
+
+/// A socket for a new flow: a spare one, or one just made (not registered yet).
+enum Connected {
+    Spare(Rc<AsyncFd<std::net::UdpSocket>>),
+    New(std::net::UdpSocket),
+}
+
+/// A new flow's upstream, as selection found it.
+struct Chosen {
+    sock: Connected,
+    spare_key: Option<SpareKey>,
+    upstream: Upstream,
+    place: Place<'static>,
+}
+
+impl Chosen {
+    fn new(
+        (sock, spare_key): (Connected, Option<SpareKey>),
+        upstream: Upstream,
+        place: Place<'static>,
+    ) -> Chosen {
+        Chosen {
+            sock,
+            spare_key,
+            upstream,
+            place,
+        }
+    }
+}
 
 /// Whether a send or receive error on a connected upstream socket means the server (or
 /// the way to it) is gone, as opposed to a local, passing condition.
@@ -490,10 +626,12 @@ pub async fn serve(
         no_room_at: Cell::new(0),
         closes: Arc::default(),
         offload,
+        spares: Spares::new(),
     });
     if state.registry.is_some() {
         tokio::task::spawn_local(Rc::clone(&worker).serve_closes());
     }
+    let pace = tokio::task::spawn_local(keep_a_timer_ahead());
     let mut batch: Box<RecvBatch<LISTEN_BATCH>> = Box::new(RecvBatch::new(pktinfo));
     let mut load = Load::new(super::polling::UDP_SHARE);
     // Made once: a `changed()` made in each turn would register with the channel and leave
@@ -569,9 +707,26 @@ pub async fn serve(
             }
         }
     }
+    pace.abort();
     worker.stop();
     Ok(())
 }
+
+/// Keeps a timer of the event loop always due within [`AHEAD_MS`], before any flow's
+/// first look at itself (a flow's timer is at least 1 s away: `-t` and `udp_idle_timeout`
+/// are whole seconds). tokio's timer wakes its own event loop through its eventfd whenever
+/// a timer is set earlier than every pending one: without this, each flow that ends before
+/// the next starts (`udp_responses`: a query at a time) cost a `write` to the eventfd and
+/// a turn of the loop for nothing. One wake-up a second instead.
+async fn keep_a_timer_ahead() {
+    loop {
+        tokio::time::sleep(Duration::from_millis(AHEAD_MS)).await;
+    }
+}
+
+/// How far ahead [`keep_a_timer_ahead`] keeps its timer: no more than the shortest time a
+/// flow's timer can be set for.
+const AHEAD_MS: u64 = 1_000;
 
 impl Worker {
     /// A batch of client datagrams: those of one flow go out together, in order, with one
@@ -620,7 +775,7 @@ impl Worker {
                     return;
                 }
                 let (sent, err) = sock::send_many(flow.sock.get_ref(), rest, None);
-                flow.sent(now, rest[..sent].iter().map(|d| d.len()).sum());
+                flow.sent(now, sent, rest[..sent].iter().map(|d| d.len()).sum());
                 rest = &rest[sent..];
                 match err {
                     None => return,
@@ -656,7 +811,7 @@ impl Worker {
             flow.first.replace(Some(Box::from(*first)));
         }
         let (sent, err) = sock::send_many(flow.sock.get_ref(), datagrams, None);
-        flow.sent(now, datagrams[..sent].iter().map(|d| d.len()).sum());
+        flow.sent(now, sent, datagrams[..sent].iter().map(|d| d.len()).sum());
         if let Some(e) = err {
             tracing::debug!(client = %r.from, "{} datagram(s) dropped: {e}", datagrams.len() - sent);
         }
@@ -733,8 +888,12 @@ impl Worker {
             self.choose(&settings, r.from, now, opening)
         } else if let Some(abuse) = &settings.abuse {
             tracing::debug!(client = %r.from, "denied by client_acl {}: sent to the abuse server", settings.client_acl);
-            match sock::upstream(abuse.addr, &settings, r.from) {
-                Ok(s) => Some((s, Upstream::Abuse, Place::take(&state.abuse))),
+            match self.connect(abuse.addr, &settings, r.from) {
+                Ok(sock) => Some(Chosen::new(
+                    sock,
+                    Upstream::Abuse,
+                    Place::take(&state.abuse),
+                )),
                 Err(e) => {
                     tracing::warn!(client = %r.from, "abuse server {}: {e}", abuse.name);
                     None
@@ -747,19 +906,28 @@ impl Worker {
             tracing::debug!(client = %r.from, "denied by client_acl {}", settings.client_acl);
             None
         };
-        let Some((std_sock, upstream, place)) = opened else {
+        let Some(Chosen {
+            sock,
+            spare_key,
+            upstream,
+            place,
+        }) = opened
+        else {
             state.active.fetch_sub(1, Relaxed);
             return None;
         };
         place.server().total.fetch_add(1, Relaxed);
         // From here on the flow's Drop gives back what was taken above.
-        let sock = match sock::register_readable(std_sock) {
-            Ok(s) => s,
-            Err(e) => {
-                tracing::warn!("cannot register an upstream udp socket: {e}");
-                state.active.fetch_sub(1, Relaxed);
-                return None;
-            }
+        let sock = match sock {
+            Connected::Spare(s) => s,
+            Connected::New(s) => match sock::register_readable(s) {
+                Ok(s) => Rc::new(s),
+                Err(e) => {
+                    tracing::warn!("cannot register an upstream udp socket: {e}");
+                    state.active.fetch_sub(1, Relaxed);
+                    return None;
+                }
+            },
         };
         let registered = state.registry.as_ref().map(|registry| {
             let registered = registry.register(r.from, now);
@@ -774,8 +942,11 @@ impl Worker {
             client: r.from,
             local: r.local,
             sock,
+            spare_key,
             upstream,
             idle_ms: settings.udp_idle_timeout.saturating_mul(1000).max(1),
+            responses: settings.udp_responses,
+            owed: Cell::new(0),
             answer_ms: settings.timeout.max(1).saturating_mul(1000),
             blacklist_secs: settings.blacklist,
             last_active: Cell::new(now),
@@ -863,6 +1034,25 @@ impl Worker {
         true
     }
 
+    /// A socket to `addr` for `client`'s flow: a spare one if the loop has one, else a new
+    /// one; and where it may go when the flow ends (sockets bound to the client's own
+    /// address by `transparent` serve no one else).
+    fn connect(
+        &self,
+        addr: SocketAddr,
+        settings: &Settings,
+        client: SocketAddr,
+    ) -> io::Result<(Connected, Option<SpareKey>)> {
+        let key = (!settings.transparent).then(|| SpareKey {
+            server: SocketAddr::new(addr.ip().to_canonical(), addr.port()),
+            source: settings.source.map(|ip| ip.to_canonical()),
+        });
+        if let Some(sock) = key.as_ref().and_then(|k| self.spares.take(k)) {
+            return Ok((Connected::Spare(sock), key));
+        }
+        sock::upstream(addr, settings, client).map(|s| (Connected::New(s), key))
+    }
+
     /// Selection with failover (servers whose socket cannot even be connected), then the
     /// emergency server; the server's place taken in the step that checks its limit.
     fn choose(
@@ -871,7 +1061,7 @@ impl Worker {
         client: SocketAddr,
         now: u64,
         opening: Opening,
-    ) -> Option<(std::net::UdpSocket, Upstream, Place<'static>)> {
+    ) -> Option<Chosen> {
         let state = self.state;
         let mut selector = Selector::new(
             settings,
@@ -895,12 +1085,12 @@ impl Worker {
                 choice = selector.lost_race(now);
                 continue;
             };
-            match sock::upstream(addr, settings, client) {
-                Ok(s) => {
+            match self.connect(addr, settings, client) {
+                Ok(sock) => {
                     if selector.tracks() {
                         state.clients.record(client.ip().to_canonical(), index, now);
                     }
-                    return Some((s, Upstream::Server(index), place));
+                    return Some(Chosen::new(sock, Upstream::Server(index), place));
                 }
                 Err(e) if is_local_shortage(&e) => {
                     tracing::warn!(%client, "cannot open an upstream udp socket: {e}");
@@ -917,10 +1107,11 @@ impl Worker {
             }
         }
         if let Some(em) = &settings.emergency {
-            match sock::upstream(em.addr, settings, client) {
-                Ok(s) => {
+            match self.connect(em.addr, settings, client) {
+                Ok(sock) => {
                     tracing::debug!(%client, "emergency server {}", em.name);
-                    return Some((s, Upstream::Emergency, Place::take(&state.emergency)));
+                    let place = Place::take(&state.emergency);
+                    return Some(Chosen::new(sock, Upstream::Emergency, place));
                 }
                 Err(e) => tracing::warn!("emergency server {} failed: {e}", em.name),
             }
@@ -939,9 +1130,9 @@ impl Worker {
                 let Some(place) = Place::claim(server, selector.limit_of(index)) else {
                     continue;
                 };
-                if let Ok(s) = sock::upstream(addr, settings, client) {
+                if let Ok(sock) = self.connect(addr, settings, client) {
                     tracing::debug!(%client, "server {index} tried despite its blacklist");
-                    return Some((s, Upstream::Server(index), place));
+                    return Some(Chosen::new(sock, Upstream::Server(index), place));
                 }
             }
         }
@@ -994,7 +1185,7 @@ impl Worker {
                         tracing::debug!(client = %flow.client, "{} reply(ies) dropped: {e}", n - sent);
                     }
                 }
-                flow.answered(clock::now_ms(), bytes);
+                flow.answered(clock::now_ms(), n as u64, bytes);
             }
             match result {
                 Ok(Ok(_)) => {}
@@ -1011,6 +1202,7 @@ impl Worker {
     /// answer comes or times out.
     fn stop(&self) {
         self.stopping.set(true);
+        self.spares.clear();
         // Answers still due come to quill's sockets, where the flows wait for them.
         let now = clock::now_ms();
         for e in self.flows.borrow().values() {
@@ -1063,6 +1255,8 @@ fn warn_full(conn_max: usize, now: u64) {
 /// Why a flow's task ended.
 enum End {
     Idle,
+    /// Every datagram sent had its `udp_responses` answers.
+    Answered,
     Stopped,
     /// The server did not answer in time.
     TimedOut,
@@ -1124,6 +1318,9 @@ async fn run_flow(worker: Rc<Worker>, flow: Rc<Flow>, role: Role) {
                         break End::Stopped;
                     }
                 }
+                if flow.all_answered() {
+                    break End::Answered;
+                }
                 if (role == Role::Leaving || worker.stopping.get())
                     && flow.awaiting_since.get() == 0
                 {
@@ -1166,9 +1363,15 @@ async fn run_flow(worker: Rc<Worker>, flow: Rc<Flow>, role: Role) {
         End::Failed(why) => flow.server_failed(why),
         End::Refused(e) => flow.server_failed(e),
         End::Idle => tracing::debug!(client = %flow.client, "udp flow expired"),
+        End::Answered => tracing::debug!(client = %flow.client, "udp flow answered"),
         End::Stopped => {}
     }
     worker.remove(&flow);
+    if let (End::Answered, Some(key)) = (&end, flow.spare_key) {
+        if !worker.stopping.get() && flow.offloaded.borrow().is_none() {
+            worker.spares.put(key, Rc::clone(&flow.sock));
+        }
+    }
     if matches!(end, End::Refused(_)) && !worker.stopping.get() {
         // The refused server is blacklisted now, so selection picks the next one.
         if let Some(first) = flow.first.take() {

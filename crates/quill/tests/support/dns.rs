@@ -108,6 +108,11 @@ struct BackendInner {
     silent: AtomicBool,
     /// Milliseconds to wait before each answer.
     delay_ms: AtomicU64,
+    /// Milliseconds after an answer to send it again (a server that answers twice); 0 =
+    /// once.
+    again_ms: AtomicU64,
+    /// Where the last datagram came from.
+    last_sender: Mutex<Option<SocketAddr>>,
     stop: AtomicBool,
     received: AtomicUsize,
     answered: AtomicUsize,
@@ -139,6 +144,8 @@ impl DnsBackend {
             addr,
             silent: AtomicBool::new(false),
             delay_ms: AtomicU64::new(0),
+            again_ms: AtomicU64::new(0),
+            last_sender: Mutex::new(None),
             stop: AtomicBool::new(false),
             received: AtomicUsize::new(0),
             answered: AtomicUsize::new(0),
@@ -183,6 +190,18 @@ impl DnsBackend {
     pub fn set_delay(&self, delay: Duration) {
         let ms = u64::try_from(delay.as_millis()).unwrap_or(u64::MAX);
         self.inner.delay_ms.store(ms, Ordering::SeqCst);
+    }
+
+    /// Sends every answer a second time, `after` the first (a server that answers a
+    /// datagram twice, or whose late copy comes after the client has moved on).
+    pub fn set_answer_twice(&self, after: Duration) {
+        let ms = u64::try_from(after.as_millis()).unwrap_or(u64::MAX).max(1);
+        self.inner.again_ms.store(ms, Ordering::SeqCst);
+    }
+
+    /// The address and port the last datagram came from.
+    pub fn last_sender(&self) -> Option<SocketAddr> {
+        *self.inner.last_sender.lock().expect("lock")
     }
 
     /// Closes the socket: datagrams to the port now get ICMP port unreachable.
@@ -230,6 +249,7 @@ fn run(inner: &Arc<BackendInner>, sock: UdpSocket) {
                 let Ok((n, from)) = sock.recv_from(&mut buf) else {
                     continue;
                 };
+                *inner2.last_sender.lock().expect("lock") = Some(from);
                 inner2.received.fetch_add(1, Ordering::SeqCst);
                 if inner2.silent.load(Ordering::SeqCst) {
                     continue;
@@ -239,12 +259,16 @@ fn run(inner: &Arc<BackendInner>, sock: UdpSocket) {
                     thread::sleep(Duration::from_millis(delay));
                 }
                 let data = &buf[..n];
-                let sent = match reply_to(data, inner2.ip) {
-                    Some(r) => sock.send_to(&r, from),
-                    None => sock.send_to(data, from),
-                };
-                if sent.is_ok() {
+                let reply = reply_to(data, inner2.ip).unwrap_or_else(|| data.to_vec());
+                if sock.send_to(&reply, from).is_ok() {
                     inner2.answered.fetch_add(1, Ordering::SeqCst);
+                }
+                let again = inner2.again_ms.load(Ordering::SeqCst);
+                if again > 0 {
+                    thread::sleep(Duration::from_millis(again));
+                    if sock.send_to(&reply, from).is_ok() {
+                        inner2.answered.fetch_add(1, Ordering::SeqCst);
+                    }
                 }
             }
         })
