@@ -85,6 +85,10 @@ pub struct Counters {
     /// UDP flows ended to make room for new clients' when `conn_max` flows were open
     /// (each waiting for no answer, the oldest first).
     pub udp_evicted: AtomicU64,
+    /// UDP flows ended with every answer in (`udp_responses`), and new flows served by
+    /// such a flow's socket.
+    pub udp_answered: AtomicU64,
+    pub udp_reused: AtomicU64,
     /// UDP flows handed to the kernel path (`udp_offload`), and those it carries now.
     pub udp_offloaded: AtomicU64,
     pub udp_carried: AtomicU64,

@@ -53,6 +53,11 @@ fn a_flow_ends_once_answered_and_its_socket_serves_the_next_client() {
         wait_until(WAIT, "the answered flow ends", || no_flows_open(cport));
     }
     assert_eq!(q.flows_to(a.addr()), 1, "one socket served every flow");
+    let status = control(cport, "status json").unwrap();
+    assert!(
+        status.contains("\"udp_answered\":6") && status.contains("\"udp_reused\":5"),
+        "{status}"
+    );
 }
 
 #[test]

@@ -173,6 +173,22 @@ pub static FAMILIES: &[Family] = &[
         source: Source::Global(|s| load(&s.counters.udp_evicted)),
     },
     Family {
+        name: "udp_flows_answered",
+        help: "UDP flows ended once their server had sent udp_responses datagrams for each \
+               of their client's.",
+        unit: None,
+        kind: Kind::Counter,
+        source: Source::Global(|s| load(&s.counters.udp_answered)),
+    },
+    Family {
+        name: "udp_sockets_reused",
+        help: "New UDP flows served by the socket of a flow that ended answered \
+               (udp_responses), instead of a new one.",
+        unit: None,
+        kind: Kind::Counter,
+        source: Source::Global(|s| load(&s.counters.udp_reused)),
+    },
+    Family {
         name: "udp_flows_offloaded",
         help: "UDP flows handed to the kernel path (udp_offload) once answered twice.",
         unit: None,

@@ -266,6 +266,8 @@ pub fn json(ctx: &Context) -> String {
             "accepted": state.counters.accepted.load(Relaxed),
             "refused_conn_max": state.counters.refused_conn_max.load(Relaxed),
             "udp_evicted": state.counters.udp_evicted.load(Relaxed),
+            "udp_answered": state.counters.udp_answered.load(Relaxed),
+            "udp_reused": state.counters.udp_reused.load(Relaxed),
             "udp_offloaded": state.counters.udp_offloaded.load(Relaxed),
             "udp_carried": state.counters.udp_carried.load(Relaxed),
             "refused_acl": state.counters.refused_acl.load(Relaxed),

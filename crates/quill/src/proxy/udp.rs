@@ -1048,6 +1048,7 @@ impl Worker {
             source: settings.source.map(|ip| ip.to_canonical()),
         });
         if let Some(sock) = key.as_ref().and_then(|k| self.spares.take(k)) {
+            self.state.counters.udp_reused.fetch_add(1, Relaxed);
             return Ok((Connected::Spare(sock), key));
         }
         sock::upstream(addr, settings, client).map(|s| (Connected::New(s), key))
@@ -1363,7 +1364,10 @@ async fn run_flow(worker: Rc<Worker>, flow: Rc<Flow>, role: Role) {
         End::Failed(why) => flow.server_failed(why),
         End::Refused(e) => flow.server_failed(e),
         End::Idle => tracing::debug!(client = %flow.client, "udp flow expired"),
-        End::Answered => tracing::debug!(client = %flow.client, "udp flow answered"),
+        End::Answered => {
+            tracing::debug!(client = %flow.client, "udp flow answered");
+            flow.state.counters.udp_answered.fetch_add(1, Relaxed);
+        }
         End::Stopped => {}
     }
     worker.remove(&flow);
