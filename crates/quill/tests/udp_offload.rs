@@ -215,6 +215,43 @@ fn a_carried_flow_moves_off_a_drained_server() {
     });
 }
 
+/// With nowhere to move (its only server drained), a flow taken back stays in quill, and
+/// is carried again once its server is back in use.
+#[test]
+fn a_flow_taken_back_with_nowhere_to_move_is_carried_again_when_its_server_is_back() {
+    let a = DnsBackend::start(1);
+    let Some((q, cport)) = start(&["-t", "1", "{port}", &a.spec()]) else {
+        return;
+    };
+    let carried = |n: u32| {
+        control(cport, "status json").is_ok_and(|s| s.contains(&format!("\"udp_carried\":{n}")))
+    };
+    let c = q.client("127.0.0.2");
+    hand_over(&q, &c, a.ip());
+    command(cport, "server 0 drain");
+    wait_until(Duration::from_secs(5), "the flow taken back", || carried(0));
+    for _ in 0..3 {
+        assert_eq!(c.ask(WAIT), Some(a.ip()), "answered through quill");
+    }
+    assert!(carried(0), "not carried while its server is drained");
+    command(cport, "server 0 drain 0");
+    wait_until(Duration::from_secs(5), "the flow carried again", || {
+        assert_eq!(c.ask(WAIT), Some(a.ip()));
+        carried(1)
+    });
+    assert_eq!(
+        ask_while_stopped(&q, &c),
+        Some(a.ip()),
+        "carried by the kernel"
+    );
+    let connections = control(cport, "connections").expect("control socket");
+    assert_eq!(
+        connections.lines().count(),
+        1,
+        "the same flow: {connections}"
+    );
+}
+
 /// A server that stops answering a carried flow is noticed as for any flow: after the
 /// answer timeout quill blacklists it (it answers nobody else) and the client's next
 /// datagram goes to the other server.

@@ -225,9 +225,14 @@ impl Flow {
 
     /// Hands the flow to the kernel, if `offload` runs, the flow has been answered
     /// [`OFFLOAD_AFTER`] times and was not offered yet. `quill` is the listener's address.
-    /// A flow of `udp_responses` ends when answered: never carried.
+    /// A flow of `udp_responses` ends when answered: never carried. Nor is a flow whose
+    /// server is out of use (it moves at its client's next datagram, or stays in quill
+    /// while there is nowhere to move: it is offered again once its server is back).
     fn offer(&self, offload: &Arc<Offload>, quill: SocketAddr) {
         if self.offer_made.get() || self.answers.get() < OFFLOAD_AFTER || self.responses > 0 {
+            return;
+        }
+        if self.taken_out(clock::now_ms()) {
             return;
         }
         self.offer_made.set(true);
@@ -1352,8 +1357,9 @@ async fn run_flow(worker: Rc<Worker>, flow: Rc<Flow>, role: Role) {
                 }
                 // Its server left use: the client's next datagram comes to quill, which
                 // moves the flow (see `flow_datagrams`).
-                if flow.taken_out(now) {
+                if flow.taken_out(now) && flow.offloaded.borrow().is_some() {
                     flow.take_back(now);
+                    flow.offer_made.set(false);
                 }
                 sleep.as_mut().reset(deadline(&flow));
             }

@@ -3,7 +3,7 @@
  * quill's kernel path for UDP flows (udp_offload): a TC ingress program that carries the
  * datagrams of flows quill has already placed, so that neither a client's datagram nor its
  * server's answer wakes quill. quill chooses the server of every flow as always (Pen's
- * rules, in user space) and, once the flow has been answered, writes two entries:
+ * rules, in user space) and, once the flow has been answered twice, writes two entries:
  *
  *   forward: client address:port -> quill address:port  (the flow's key, as quill sees it)
  *            becomes  flow socket address:port -> server address:port
