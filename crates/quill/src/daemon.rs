@@ -241,6 +241,22 @@ pub fn run(inv: Invocation) -> Result<(), StartError> {
         Some(t) => (Some(t.control), Some(t.handshake), Some(t.listeners)),
         None => (None, None, None),
     };
+    // Bound like the other listeners: before detaching and before dropping privileges;
+    // and before the data listeners, so that whoever finds quill's port open finds its
+    // metrics too (a scraper or a test started with it was refused in between).
+    // In a binary upgrade the old process still holds it: it is bound once that one has
+    // let go (see `rebind_metrics_after_upgrade`).
+    let metrics_listener = match settings.metrics_listen {
+        None => None,
+        Some(addr) => {
+            control::web::warn_if_control_open(&settings, addr);
+            if inv.takeover {
+                None
+            } else {
+                Some(control::web::bind(addr).map_err(|e| StartError::Metrics(e.to_string()))?)
+            }
+        }
+    };
     let (listeners, udp_listeners) = match (inv.protocol, taken, activated) {
         _ if dsr.is_some() => (Vec::new(), Vec::new()),
         (Protocol::Udp, _, Some(_)) => {
@@ -290,20 +306,6 @@ pub fn run(inv: Invocation) -> Result<(), StartError> {
                 })?;
             }
             Some(l)
-        }
-    };
-    // Bound like the other listeners: before detaching and before dropping privileges.
-    // In a binary upgrade the old process still holds it: it is bound once that one has
-    // let go (see `rebind_metrics_after_upgrade`).
-    let metrics_listener = match settings.metrics_listen {
-        None => None,
-        Some(addr) => {
-            control::web::warn_if_control_open(&settings, addr);
-            if inv.takeover {
-                None
-            } else {
-                Some(control::web::bind(addr).map_err(|e| StartError::Metrics(e.to_string()))?)
-            }
         }
     };
     // Kept for a later binary upgrade to hand over.
