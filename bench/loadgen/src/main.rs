@@ -252,6 +252,49 @@ struct Tally {
     late: u64,
 }
 
+impl Tally {
+    fn new() -> Result<Tally, String> {
+        Ok(Tally {
+            hist: new_hist()?,
+            ok: 0,
+            lost: 0,
+            errors: 0,
+            late: 0,
+        })
+    }
+
+    /// Sleeps until `due`; a send more than one `period` behind it is counted late.
+    fn wait_for(&mut self, due: Instant, period: Duration) {
+        let now = Instant::now();
+        if due > now {
+            thread::sleep(due - now);
+        } else if now - due > period {
+            self.late += 1;
+        }
+    }
+
+    /// An answer to the request due at `due`.
+    fn record(&mut self, due: Instant) {
+        self.ok += 1;
+        let us = due.elapsed().as_micros() as u64;
+        self.hist.saturating_record(us.max(1));
+    }
+}
+
+/// The threads' tallies, merged.
+fn gather(threads: Vec<thread::JoinHandle<Result<Tally, String>>>) -> Result<Tally, String> {
+    let mut all = Tally::new()?;
+    for t in threads {
+        let t = t.join().map_err(|_| "a load thread panicked")??;
+        all.hist.add(&t.hist).map_err(|e| e.to_string())?;
+        all.ok += t.ok;
+        all.lost += t.lost;
+        all.errors += t.errors;
+        all.late += t.late;
+    }
+    Ok(all)
+}
+
 fn new_hist() -> Result<Histogram<u64>, String> {
     // 1 µs .. 60 s, 3 significant digits.
     Histogram::new_with_bounds(1, 60_000_000, 3).map_err(|e| e.to_string())
@@ -268,31 +311,15 @@ fn latency(a: &Args) -> Result<serde_json::Value, String> {
         // Stagger the connections evenly over one period.
         let first = start + period.mul_f64(i as f64 / a.connections as f64);
         threads.push(thread::spawn(move || -> Result<Tally, String> {
-            let mut t = Tally {
-                hist: new_hist()?,
-                ok: 0,
-                lost: 0,
-                errors: 0,
-                late: 0,
-            };
+            let mut t = Tally::new()?;
             let mut client = Client::connect(addr, &path).map_err(|e| format!("connect: {e}"))?;
             let mut due = first;
             while due < end {
-                let now = Instant::now();
-                if due > now {
-                    thread::sleep(due - now);
-                } else if now - due > period {
-                    t.late += 1;
-                }
+                t.wait_for(due, period);
                 let outcome = client.send().and_then(|()| client.receive());
-                let done = Instant::now();
                 let counted = due >= measure_from;
                 match outcome {
-                    Ok(200) if counted => {
-                        t.ok += 1;
-                        let us = done.duration_since(due).as_micros() as u64;
-                        t.hist.saturating_record(us.max(1));
-                    }
+                    Ok(200) if counted => t.record(due),
                     Ok(200) => {}
                     Ok(_) | Err(_) => {
                         if counted {
@@ -309,32 +336,7 @@ fn latency(a: &Args) -> Result<serde_json::Value, String> {
             Ok(t)
         }));
     }
-    let mut all = new_hist()?;
-    let (mut ok, mut errors, mut late) = (0, 0, 0);
-    for t in threads {
-        let t = t.join().map_err(|_| "a connection thread panicked")??;
-        all.add(&t.hist).map_err(|e| e.to_string())?;
-        ok += t.ok;
-        errors += t.errors;
-        late += t.late;
-    }
-    let secs = a.duration.as_secs_f64();
-    Ok(json!({
-        "mode": "latency",
-        "target_rate": a.rate,
-        "achieved_rate": ok as f64 / secs,
-        "connections": a.connections,
-        "duration_s": secs,
-        "ok": ok,
-        "errors": errors,
-        "late_sends": late,
-        "p50_us": all.value_at_quantile(0.50),
-        "p90_us": all.value_at_quantile(0.90),
-        "p99_us": all.value_at_quantile(0.99),
-        "p999_us": all.value_at_quantile(0.999),
-        "max_us": all.max(),
-        "mean_us": all.mean(),
-    }))
+    Ok(rate_report("latency", a, &gather(threads)?))
 }
 
 fn count(a: &Args) -> Result<serde_json::Value, String> {
@@ -502,33 +504,17 @@ fn dns(a: &Args) -> Result<serde_json::Value, String> {
         // Stagger the senders evenly over one period.
         let first = start + period.mul_f64(i as f64 / a.connections as f64);
         threads.push(thread::spawn(move || -> Result<Tally, String> {
-            let mut t = Tally {
-                hist: new_hist()?,
-                ok: 0,
-                lost: 0,
-                errors: 0,
-                late: 0,
-            };
+            let mut t = Tally::new()?;
             let mut due = first;
             let mut seq = 0u64;
             while due < end {
-                let now = Instant::now();
-                if due > now {
-                    thread::sleep(due - now);
-                } else if now - due > period {
-                    t.late += 1;
-                }
+                t.wait_for(due, period);
                 let query = dns_query(query_id(i, seq), &name)?;
                 seq += 1;
                 let answer = ask(addr, &query, timeout);
-                let done = Instant::now();
                 if due >= measure_from {
                     match answer {
-                        Answer::Ok => {
-                            t.ok += 1;
-                            let us = done.duration_since(due).as_micros() as u64;
-                            t.hist.saturating_record(us.max(1));
-                        }
+                        Answer::Ok => t.record(due),
                         Answer::Lost => t.lost += 1,
                         Answer::Error => t.errors += 1,
                     }
@@ -538,33 +524,28 @@ fn dns(a: &Args) -> Result<serde_json::Value, String> {
             Ok(t)
         }));
     }
-    let mut all = new_hist()?;
-    let (mut ok, mut lost, mut errors, mut late) = (0, 0, 0, 0);
-    for t in threads {
-        let t = t.join().map_err(|_| "a sender thread panicked")??;
-        all.add(&t.hist).map_err(|e| e.to_string())?;
-        ok += t.ok;
-        lost += t.lost;
-        errors += t.errors;
-        late += t.late;
-    }
+    Ok(rate_report("dns", a, &gather(threads)?))
+}
+
+/// The JSON result of an open-loop mode: rates, counts and latency quantiles.
+fn rate_report(mode: &str, a: &Args, t: &Tally) -> serde_json::Value {
     let secs = a.duration.as_secs_f64();
-    Ok(json!({
-        "mode": "dns",
+    json!({
+        "mode": mode,
         "target_rate": a.rate,
-        "achieved_rate": ok as f64 / secs,
+        "achieved_rate": t.ok as f64 / secs,
         "connections": a.connections,
         "duration_s": secs,
-        "sent": ok + lost + errors,
-        "ok": ok,
-        "lost": lost,
-        "errors": errors,
-        "late_sends": late,
-        "p50_us": all.value_at_quantile(0.50),
-        "p90_us": all.value_at_quantile(0.90),
-        "p99_us": all.value_at_quantile(0.99),
-        "p999_us": all.value_at_quantile(0.999),
-        "max_us": all.max(),
-        "mean_us": all.mean(),
-    }))
+        "sent": t.ok + t.lost + t.errors,
+        "ok": t.ok,
+        "lost": t.lost,
+        "errors": t.errors,
+        "late_sends": t.late,
+        "p50_us": t.hist.value_at_quantile(0.50),
+        "p90_us": t.hist.value_at_quantile(0.90),
+        "p99_us": t.hist.value_at_quantile(0.99),
+        "p999_us": t.hist.value_at_quantile(0.999),
+        "max_us": t.hist.max(),
+        "mean_us": t.hist.mean(),
+    })
 }
