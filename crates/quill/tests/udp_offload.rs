@@ -215,6 +215,54 @@ fn a_carried_flow_moves_off_a_drained_server() {
     });
 }
 
+/// At `conn_max`, the flow that makes room for a new client is the one silent longest,
+/// counting the datagrams the kernel carried: a carried flow that keeps talking stays.
+#[test]
+fn a_full_table_counts_what_the_kernel_carried_when_it_makes_room() {
+    // One event loop (each makes room among its own flows), and flow timers a minute
+    // apart: nothing reads the kernel's counters on its own before the table is full.
+    let a = DnsBackend::start(1);
+    let args = [
+        "-x",
+        "2",
+        "-t",
+        "60",
+        "-O",
+        "workers 1",
+        "{port}",
+        &a.spec(),
+    ];
+    let Some((q, cport)) = start(&args) else {
+        return;
+    };
+    let busy = q.client("127.0.0.2");
+    // Handed over after its second answer; no third query meanwhile (one sent while the
+    // entries go in would leave quill waiting for an answer only the kernel saw).
+    for _ in 0..2 {
+        assert_eq!(busy.ask(WAIT), Some(a.ip()));
+    }
+    wait_until(WAIT, "the flow handed over", || {
+        control(cport, "status json").is_ok_and(|s| s.contains("\"udp_carried\":1"))
+    });
+    let quiet = q.client("127.0.0.3");
+    assert_eq!(quiet.ask(WAIT), Some(a.ip()));
+    // Later than the quiet flow's last datagram, the busy one talks through the kernel.
+    std::thread::sleep(Duration::from_millis(20));
+    for _ in 0..3 {
+        assert_eq!(busy.ask(WAIT), Some(a.ip()));
+    }
+    let third = q.client("127.0.0.4");
+    assert_eq!(third.ask(WAIT), Some(a.ip()));
+    let listed = control(cport, "connections").expect("control socket");
+    assert!(
+        listed.contains("connection 1 client 127.0.0.2:")
+            && listed.contains("connection 3 client 127.0.0.4:")
+            && !listed.contains("connection 2 "),
+        "the quiet flow made room: {listed}"
+    );
+    assert_eq!(ask_while_stopped(&q, &busy), Some(a.ip()), "still carried");
+}
+
 /// With nowhere to move (its only server drained), a flow taken back stays in quill, and
 /// is carried again once its server is back in use.
 #[test]

@@ -1016,6 +1016,12 @@ impl Worker {
         }
         let mut quiet: Vec<(u64, SocketAddr)> = {
             let flows = self.flows.borrow();
+            // What the kernel carried is read back on each flow's timer only: brought up
+            // to date first, or a flow busy in the kernel would look the most silent (and
+            // one whose answer only the kernel saw, still waiting).
+            for e in flows.values() {
+                e.flow.sync_offloaded(now);
+            }
             flows
                 .iter()
                 .filter(|(_, e)| e.flow.awaiting_since.get() == 0)
