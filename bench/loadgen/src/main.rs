@@ -72,9 +72,12 @@ fn parse_args() -> Result<Args, String> {
         name: "www.example.".into(),
         timeout: Duration::from_secs(1),
     };
-    fn num<T: std::str::FromStr>(p: &mut lexopt::Parser, what: &str) -> Result<T, String> {
+    fn text(p: &mut lexopt::Parser) -> Result<String, String> {
         let v = p.value().map_err(|e| e.to_string())?;
-        let s = v.to_string_lossy().into_owned();
+        Ok(v.to_string_lossy().into_owned())
+    }
+    fn num<T: std::str::FromStr>(p: &mut lexopt::Parser, what: &str) -> Result<T, String> {
+        let s = text(p)?;
         s.parse().map_err(|_| format!("{what}: not a number: {s}"))
     }
     while let Some(arg) = p.next().map_err(|e| e.to_string())? {
@@ -87,25 +90,13 @@ fn parse_args() -> Result<Args, String> {
                         .map_err(|_| format!("--addr: not HOST:PORT: {s}"))?,
                 );
             }
-            Long("path") => {
-                a.path = p
-                    .value()
-                    .map_err(|e| e.to_string())?
-                    .to_string_lossy()
-                    .into()
-            }
+            Long("path") => a.path = text(&mut p)?,
             Long("rate") => a.rate = num(&mut p, "--rate")?,
             Long("connections") => connections = Some(num(&mut p, "--connections")?),
             Long("duration") => a.duration = Duration::from_secs_f64(num(&mut p, "--duration")?),
             Long("warmup") => a.warmup = Duration::from_secs_f64(num(&mut p, "--warmup")?),
             Long("requests") => a.requests = num(&mut p, "--requests")?,
-            Long("name") => {
-                a.name = p
-                    .value()
-                    .map_err(|e| e.to_string())?
-                    .to_string_lossy()
-                    .into()
-            }
+            Long("name") => a.name = text(&mut p)?,
             Long("timeout") => {
                 let s: f64 = num(&mut p, "--timeout")?;
                 if !(s > 0.0 && s < 3600.0) {
