@@ -186,8 +186,8 @@ impl Flow {
         if count == 0 {
             return;
         }
-        self.owed
-            .set(self.owed.get() + count as u64 * u64::from(self.responses));
+        let owed = (count as u64).saturating_mul(u64::from(self.responses));
+        self.owed.set(self.owed.get().saturating_add(owed));
         self.last_active.set(now);
         if self.awaiting_since.get() == 0 {
             self.awaiting_since.set(now);
