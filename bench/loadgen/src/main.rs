@@ -291,16 +291,42 @@ fn new_hist() -> Result<Histogram<u64>, String> {
     Histogram::new_with_bounds(1, 60_000_000, 3).map_err(|e| e.to_string())
 }
 
+/// The timetable of an open-loop mode: each of `a.connections` threads sends every
+/// `period`, the threads staggered evenly over one period; what is due before
+/// `measure_from` is the warm-up.
+struct Schedule {
+    period: Duration,
+    start: Instant,
+    measure_from: Instant,
+    end: Instant,
+    threads: usize,
+}
+
+impl Schedule {
+    fn new(a: &Args) -> Schedule {
+        let start = Instant::now() + Duration::from_millis(100);
+        Schedule {
+            period: Duration::from_secs_f64(a.connections as f64 / a.rate),
+            start,
+            measure_from: start + a.warmup,
+            end: start + a.warmup + a.duration,
+            threads: a.connections,
+        }
+    }
+
+    /// When thread `i` sends first.
+    fn first(&self, i: usize) -> Instant {
+        self.start + self.period.mul_f64(i as f64 / self.threads as f64)
+    }
+}
+
 fn latency(a: &Args) -> Result<serde_json::Value, String> {
-    let period = Duration::from_secs_f64(a.connections as f64 / a.rate);
-    let start = Instant::now() + Duration::from_millis(100);
-    let measure_from = start + a.warmup;
-    let end = measure_from + a.duration;
+    let sched = Schedule::new(a);
+    let (period, measure_from, end) = (sched.period, sched.measure_from, sched.end);
     let mut threads = Vec::with_capacity(a.connections);
     for i in 0..a.connections {
         let (addr, path) = (a.addr, a.path.clone());
-        // Stagger the connections evenly over one period.
-        let first = start + period.mul_f64(i as f64 / a.connections as f64);
+        let first = sched.first(i);
         threads.push(thread::spawn(move || -> Result<Tally, String> {
             let mut t = Tally::new()?;
             let mut client = Client::connect(addr, &path).map_err(|e| format!("connect: {e}"))?;
@@ -485,15 +511,12 @@ fn ask(addr: SocketAddr, query: &[u8], timeout: Duration) -> Answer {
 
 fn dns(a: &Args) -> Result<serde_json::Value, String> {
     dns_query(0, &a.name)?; // a bad --name fails here, before any thread starts
-    let period = Duration::from_secs_f64(a.connections as f64 / a.rate);
-    let start = Instant::now() + Duration::from_millis(100);
-    let measure_from = start + a.warmup;
-    let end = measure_from + a.duration;
+    let sched = Schedule::new(a);
+    let (period, measure_from, end) = (sched.period, sched.measure_from, sched.end);
     let mut threads = Vec::with_capacity(a.connections);
     for i in 0..a.connections {
         let (addr, name, timeout) = (a.addr, a.name.clone(), a.timeout);
-        // Stagger the senders evenly over one period.
-        let first = start + period.mul_f64(i as f64 / a.connections as f64);
+        let first = sched.first(i);
         threads.push(thread::spawn(move || -> Result<Tally, String> {
             let mut t = Tally::new()?;
             let mut due = first;
