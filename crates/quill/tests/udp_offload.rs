@@ -197,18 +197,40 @@ fn close_and_expiry_take_a_carried_flow_back() {
     );
 }
 
+/// Two servers, round robin, `-t 1`, and a client whose flow the kernel carries to the
+/// first.
+struct Carried {
+    a: DnsBackend,
+    b: DnsBackend,
+    q: UdpQuill,
+    cport: u16,
+    c: UdpClient,
+}
+
+fn carried_on_the_first_of_two() -> Option<Carried> {
+    let a = DnsBackend::start(1);
+    let b = DnsBackend::start(2);
+    let (q, cport) = start(&["-t", "1", "-r", "{port}", &a.spec(), &b.spec()])?;
+    let c = q.client("127.0.0.2");
+    hand_over(&q, &c, a.ip());
+    Some(Carried { a, b, q, cport, c })
+}
+
 /// A carried flow whose server leaves use (here drained) is taken back within the answer
 /// timeout, and its client's next datagram moves it to a server in use, as quill moves
 /// any flow.
 #[test]
 fn a_carried_flow_moves_off_a_drained_server() {
-    let a = DnsBackend::start(1);
-    let b = DnsBackend::start(2);
-    let Some((q, cport)) = start(&["-t", "1", "-r", "{port}", &a.spec(), &b.spec()]) else {
+    let Some(Carried {
+        a: _a,
+        b,
+        q: _q,
+        cport,
+        c,
+    }) = carried_on_the_first_of_two()
+    else {
         return;
     };
-    let c = q.client("127.0.0.2");
-    hand_over(&q, &c, a.ip());
     command(cport, "server 0 drain");
     wait_until(Duration::from_secs(5), "the flow moves to server 1", || {
         c.ask(SHORT) == Some(b.ip())
@@ -305,13 +327,16 @@ fn a_flow_taken_back_with_nowhere_to_move_is_carried_again_when_its_server_is_ba
 /// datagram goes to the other server.
 #[test]
 fn a_server_that_stops_answering_a_carried_flow_is_blacklisted() {
-    let a = DnsBackend::start(1);
-    let b = DnsBackend::start(2);
-    let Some((q, cport)) = start(&["-t", "1", "-r", "{port}", &a.spec(), &b.spec()]) else {
+    let Some(Carried {
+        a,
+        b,
+        q: _q,
+        cport,
+        c,
+    }) = carried_on_the_first_of_two()
+    else {
         return;
     };
-    let c = q.client("127.0.0.2");
-    hand_over(&q, &c, a.ip());
     a.set_silent(true);
     assert_eq!(c.ask(SHORT), None, "the silent server drops it");
     wait_until(
