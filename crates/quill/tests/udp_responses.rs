@@ -165,3 +165,54 @@ fn by_default_an_answered_flow_stays_open() {
     assert_eq!(listed.lines().count(), 1, "{listed}");
     assert!(listed.starts_with("connection 1 "), "{listed}");
 }
+
+/// Spare sockets are kept while flows keep taking them, and closed once none did for a
+/// few seconds: those of a server that left the configuration while its neighbour's are in
+/// use, and every one once the clients stop.
+#[test]
+fn spare_sockets_no_flow_takes_are_closed() {
+    if skip_on_pen("udp_responses is a quill extension") {
+        return;
+    }
+    const TRIMMED: Duration = Duration::from_secs(20);
+    let a = DnsBackend::start(1);
+    let b = DnsBackend::start(2);
+    let c = DnsBackend::start(3);
+    let Some((q, cport)) = quill(1, &["-r", "{port}", &a.spec(), &b.spec()]) else {
+        return;
+    };
+    let ask = |n: &mut u32| {
+        *n += 1;
+        let client = q.client(&format!("127.0.1.{}", *n % 200 + 1));
+        let answer = client.ask(WAIT).expect("an answer");
+        wait_until(WAIT, "the answered flow ends", || no_flows_open(cport));
+        answer
+    };
+    let mut n = 0;
+    let picks = [ask(&mut n), ask(&mut n)];
+    assert!(
+        picks.contains(&a.ip()) && picks.contains(&b.ip()),
+        "{picks:?}"
+    );
+    assert_eq!(
+        q.flows_to(a.addr()),
+        1,
+        "a's socket is kept for the next flow"
+    );
+
+    // Server 0 is now c: a's spare socket is never taken again, b's is, at each query.
+    let addr = c.addr();
+    let moved = format!("server 0 address {} port {}", addr.ip(), addr.port());
+    assert_eq!(control(cport, &moved).unwrap().trim(), "");
+    wait_until(TRIMMED, "a's spare socket closed", || {
+        ask(&mut n);
+        q.flows_to(a.addr()) == 0
+    });
+    assert_eq!(q.flows_to(b.addr()), 1, "b's socket serves b's flows");
+    assert_eq!(q.flows_to(c.addr()), 1, "c's socket serves c's flows");
+
+    // The clients stop: no socket stays open for them.
+    wait_until(TRIMMED, "every spare socket closed", || {
+        q.flows_to(b.addr()) + q.flows_to(c.addr()) == 0
+    });
+}

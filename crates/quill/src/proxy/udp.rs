@@ -440,6 +440,10 @@ struct Worker {
     offload: Option<(Arc<Offload>, SocketAddr)>,
     /// Sockets of flows that ended with every answer in, for the next flows.
     spares: Spares,
+    /// Whether a client's datagram came since [`Worker::tend`] last looked.
+    busy: Cell<bool>,
+    /// Wakes [`Worker::tend`] when it rests and a datagram comes.
+    rested: tokio::sync::Notify,
 }
 
 /// How long after finding no flow to end [`Worker::make_room`] looks again.
@@ -455,11 +459,21 @@ struct SpareKey {
 /// Sockets of flows that ended with every answer in (`udp_responses`), connected and
 /// registered, kept for the loop's next flows to the same server. At most [`SPARES_MAX`]
 /// per server: enough for the flows a loop has open at once at tens of thousands of
-/// one-query flows a second; more are closed.
+/// one-query flows a second; more are closed. Each [`Spares::trim`] (every
+/// [`SPARES_TRIM_TICKS`] seconds) closes those the seconds since the last did not need, so
+/// a burst's sockets, and those of a server a reload took away, do not stay open.
 struct Spares {
-    stock: RefCell<HashMap<SpareKey, Vec<Rc<AsyncFd<std::net::UdpSocket>>>>>,
+    stock: RefCell<HashMap<SpareKey, Stock>>,
     /// A waker that does nothing, to look at a spare socket's readiness.
     look: std::task::Waker,
+}
+
+/// The spare sockets to one server, the oldest first.
+#[derive(Default)]
+struct Stock {
+    socks: Vec<Rc<AsyncFd<std::net::UdpSocket>>>,
+    /// Sockets taken since the last [`Spares::trim`]: as many are kept at the next.
+    taken: usize,
 }
 
 /// Wakes nothing: a spare socket's readiness is looked at, never waited for.
@@ -483,8 +497,8 @@ impl Spares {
     fn put(&self, key: SpareKey, sock: Rc<AsyncFd<std::net::UdpSocket>>) {
         let mut spares = self.stock.borrow_mut();
         let stock = spares.entry(key).or_default();
-        if stock.len() < SPARES_MAX {
-            stock.push(sock);
+        if stock.socks.len() < SPARES_MAX {
+            stock.socks.push(sock);
         }
     }
 
@@ -493,12 +507,30 @@ impl Spares {
     fn take(&self, key: &SpareKey) -> Option<Rc<AsyncFd<std::net::UdpSocket>>> {
         let mut spares = self.stock.borrow_mut();
         let stock = spares.get_mut(key)?;
-        while let Some(sock) = stock.pop() {
+        while let Some(sock) = stock.socks.pop() {
             if Rc::strong_count(&sock) == 1 && untouched(&sock, &self.look) {
+                stock.taken += 1;
                 return Some(sock);
             }
         }
         None
+    }
+
+    /// Closes, for each server, the spare sockets beyond those taken since the last trim
+    /// (the oldest first), and forgets servers with none left: after a quiet second, or
+    /// once a server is out of the configuration, its spares are closed.
+    fn trim(&self) {
+        self.stock.borrow_mut().retain(|_, stock| {
+            let excess = stock.socks.len().saturating_sub(stock.taken);
+            stock.socks.drain(..excess);
+            let used = stock.taken > 0;
+            stock.taken = 0;
+            used || !stock.socks.is_empty()
+        });
+    }
+
+    fn is_empty(&self) -> bool {
+        self.stock.borrow().is_empty()
     }
 
     fn clear(&self) {
@@ -632,11 +664,13 @@ pub async fn serve(
         closes: Arc::default(),
         offload,
         spares: Spares::new(),
+        busy: Cell::new(false),
+        rested: tokio::sync::Notify::new(),
     });
     if state.registry.is_some() {
         tokio::task::spawn_local(Rc::clone(&worker).serve_closes());
     }
-    let pace = tokio::task::spawn_local(keep_a_timer_ahead());
+    let pace = tokio::task::spawn_local(Rc::clone(&worker).tend());
     let mut batch: Box<RecvBatch<LISTEN_BATCH>> = Box::new(RecvBatch::new(pktinfo));
     let mut load = Load::new(super::polling::UDP_SHARE);
     // Made once: a `changed()` made in each turn would register with the channel and leave
@@ -717,27 +751,55 @@ pub async fn serve(
     Ok(())
 }
 
-/// Keeps a timer of the event loop always due within [`AHEAD_MS`], before any flow's
-/// first look at itself (a flow's timer is at least 1 s away: `-t` and `udp_idle_timeout`
-/// are whole seconds). tokio's timer wakes its own event loop through its eventfd whenever
-/// a timer is set earlier than every pending one: without this, each flow that ends before
-/// the next starts (`udp_responses`: a query at a time) cost a `write` to the eventfd and
-/// a turn of the loop for nothing. One wake-up a second instead.
-async fn keep_a_timer_ahead() {
-    loop {
-        tokio::time::sleep(Duration::from_millis(AHEAD_MS)).await;
-    }
-}
-
-/// How far ahead [`keep_a_timer_ahead`] keeps its timer: no more than the shortest time a
+/// How far ahead [`Worker::tend`] keeps its timer: no more than the shortest time a
 /// flow's timer can be set for.
 const AHEAD_MS: u64 = 1_000;
 
+/// Every how many of [`Worker::tend`]'s ticks the spare sockets are trimmed: a spare not
+/// needed for about five seconds is closed.
+const SPARES_TRIM_TICKS: u32 = 5;
+
 impl Worker {
+    /// While the loop has flows or clients, keeps a timer of the event loop always due
+    /// within [`AHEAD_MS`], before any flow's first look at itself (a flow's timer is at
+    /// least 1 s away: `-t` and `udp_idle_timeout` are whole seconds). tokio's timer wakes
+    /// its own event loop through its eventfd whenever a timer is set earlier than every
+    /// pending one: without this, each flow that ends before the next starts
+    /// (`udp_responses`: a query at a time) cost a `write` to the eventfd and a turn of the
+    /// loop for nothing. It also trims the spare sockets. A second with no flow, no spare
+    /// socket and no client datagram rests it until the next datagram: an idle loop is not
+    /// woken for it.
+    async fn tend(self: Rc<Self>) {
+        let mut ticks: u32 = 0;
+        loop {
+            tokio::time::sleep(Duration::from_millis(AHEAD_MS)).await;
+            ticks = ticks.wrapping_add(1);
+            if ticks % SPARES_TRIM_TICKS == 0 {
+                self.spares.trim();
+            }
+            let quiet = !self.busy.replace(false);
+            if quiet && self.flows.borrow().is_empty() && self.spares.is_empty() {
+                self.rested.notified().await;
+            }
+        }
+    }
+
+    /// A client's datagram came: [`Worker::tend`] ticks on, or again. Called once a
+    /// batch, before any flow it starts sets its timer.
+    fn stir(&self) {
+        if !self.busy.replace(true) {
+            // At most once a tick; with no task waiting, a permit its next rest takes.
+            self.rested.notify_one();
+        }
+    }
+
     /// A batch of client datagrams: those of one flow go out together, in order, with one
     /// `sendmmsg` on the flow's socket.
     fn datagrams<const N: usize>(self: &Rc<Self>, batch: &RecvBatch<N>, now: u64) {
         let n = batch.len();
+        if n > 0 {
+            self.stir();
+        }
         let mut done = [false; N];
         let mut group: [&[u8]; N] = [&[]; N];
         for i in 0..n {
@@ -1062,7 +1124,17 @@ impl Worker {
             self.state.counters.udp_reused.fetch_add(1, Relaxed);
             return Ok((Connected::Spare(sock), key));
         }
-        sock::upstream(addr, settings, client).map(|s| (Connected::New(s), key))
+        let sock = match sock::upstream(addr, settings, client) {
+            // Spare sockets hold descriptors outside `conn_max`: out of descriptors, they
+            // go before a flow is refused.
+            Err(e) if is_local_shortage(&e) && !self.spares.is_empty() => {
+                tracing::debug!("{e}: the loop's spare udp sockets closed");
+                self.spares.clear();
+                sock::upstream(addr, settings, client)
+            }
+            other => other,
+        };
+        sock.map(|s| (Connected::New(s), key))
     }
 
     /// Selection with failover (servers whose socket cannot even be connected), then the
