@@ -242,30 +242,6 @@ fn blackholed_backend_times_out_fails_over_and_stalls_nobody() {
     }
 }
 
-/// The lowest descriptor number process `pid` has free.
-fn lowest_free_fd(pid: u32) -> usize {
-    let used: std::collections::HashSet<usize> = fs::read_dir(format!("/proc/{pid}/fd"))
-        .unwrap()
-        .flatten()
-        .filter_map(|e| e.file_name().to_str()?.parse().ok())
-        .collect();
-    (0..).find(|n| !used.contains(n)).unwrap()
-}
-
-/// Sets the soft limit on open files of process `pid` (the hard limit stays).
-fn set_fd_limit(pid: u32, soft: u64) {
-    let out = std::process::Command::new("prlimit")
-        .arg(format!("--pid={pid}"))
-        .arg(format!("--nofile={soft}:"))
-        .output()
-        .expect("run prlimit (util-linux)");
-    assert!(
-        out.status.success(),
-        "prlimit failed: {}",
-        String::from_utf8_lossy(&out.stderr)
-    );
-}
-
 #[test]
 fn running_out_of_descriptors_does_not_spin_and_recovers() {
     if skip_on_pen("Pen's accept loop under EMFILE is not what this test checks") {

@@ -216,3 +216,38 @@ fn spare_sockets_no_flow_takes_are_closed() {
         q.flows_to(b.addr()) + q.flows_to(c.addr()) == 0
     });
 }
+
+/// Spare sockets hold descriptors outside `conn_max`: a loop out of descriptors for a new
+/// flow's socket closes them and serves the flow.
+#[test]
+fn out_of_descriptors_a_new_flow_takes_those_of_the_spare_sockets() {
+    if skip_on_pen("udp_responses is a quill extension") {
+        return;
+    }
+    let a = DnsBackend::start(1);
+    let b = DnsBackend::start(2);
+    let c = DnsBackend::start(3);
+    let Some((q, cport)) = quill(1, &["-r", "{port}", &a.spec(), &b.spec()]) else {
+        return;
+    };
+    for n in 2..4 {
+        q.client(&format!("127.0.0.{n}"))
+            .ask(WAIT)
+            .expect("an answer");
+        wait_until(WAIT, "the answered flow ends", || no_flows_open(cport));
+    }
+    assert_eq!(q.flows_to(a.addr()) + q.flows_to(b.addr()), 2, "two spares");
+    let addr = c.addr();
+    let moved = format!("server 0 address {} port {}", addr.ip(), addr.port());
+    assert_eq!(control(cport, &moved).unwrap().trim(), "");
+
+    // No descriptor left: a flow to c needs a new socket.
+    support::set_fd_limit(q.pid(), support::lowest_free_fd(q.pid()) as u64);
+    let mut answers = Vec::new();
+    for n in 4..6 {
+        answers.push(q.client(&format!("127.0.0.{n}")).ask(WAIT));
+        wait_until(WAIT, "the answered flow ends", || no_flows_open(cport));
+    }
+    assert!(answers.contains(&Some(c.ip())), "{answers:?}");
+    assert_eq!(q.flows_to(a.addr()), 0, "a's spare socket closed");
+}
