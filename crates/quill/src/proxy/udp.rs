@@ -517,8 +517,8 @@ impl Spares {
     }
 
     /// Closes, for each server, the spare sockets beyond those taken since the last trim
-    /// (the oldest first), and forgets servers with none left: after a quiet second, or
-    /// once a server is out of the configuration, its spares are closed.
+    /// (the oldest first), and forgets servers with none left: after a trim period with no
+    /// flow to a server (it went quiet, or a reload took it away), its spares are closed.
     fn trim(&self) {
         self.stock.borrow_mut().retain(|_, stock| {
             let excess = stock.socks.len().saturating_sub(stock.taken);
