@@ -7,6 +7,7 @@
 
 mod support;
 
+use std::io::Write;
 use std::time::Duration;
 
 use support::*;
@@ -440,6 +441,148 @@ fn a_client_finding_its_servers_full_waits_for_room_within_queue_timeout() {
     expect_closed_without_data(&mut fourth, Duration::from_secs(5));
     assert_eq!(queue_counts(&ctl), (0, 1));
     drop(holder);
+}
+
+/// `status json`'s count of clients that left while they waited for room.
+fn queue_abandoned(ctl: &str) -> u64 {
+    let status = support::ctl::status_json(ctl);
+    status["connections"]["queue_abandoned"]
+        .as_u64()
+        .expect("queue_abandoned")
+}
+
+/// A server with `max 1` and a long `queue_timeout`, held by a first client (returned).
+fn full_server_with_queue(holder: &str) -> (IdentityBackend, Quill, String, std::net::TcpStream) {
+    let a = IdentityBackend::start("a");
+    let (q, ctl) = support::ctl::start_with_tcp_control(&[
+        "-O",
+        "queue_timeout 30",
+        "127.0.0.1:{port}",
+        &a.spec_with("1"),
+    ]);
+    let (name, first) = q.name_from(holder);
+    assert_eq!(name, "a");
+    (a, q, ctl, first)
+}
+
+#[test]
+fn a_queued_client_that_leaves_gives_up_its_place_at_once() {
+    if skip_on_pen("queue_timeout is a quill extension") {
+        return;
+    }
+    let (a, q, ctl, first) = full_server_with_queue("127.0.0.41");
+    let second = q.connect_from("127.0.0.42");
+    wait_until(Duration::from_secs(5), "the second client queued", || {
+        queue_counts(&ctl) == (1, 0)
+    });
+    // It closes without having sent a byte: seen at once, not when room comes or the
+    // 30 s run out.
+    drop(second);
+    wait_until(
+        Duration::from_secs(5),
+        "the second client left the queue",
+        || queue_counts(&ctl) == (0, 0),
+    );
+    assert_eq!(queue_abandoned(&ctl), 1);
+    // The place the first client leaves goes to no client that is gone: the next one
+    // gets it, and the server saw no connection in between.
+    drop(first);
+    let (name, _third) = q.name_from("127.0.0.43");
+    assert_eq!(name, "a");
+    assert_eq!(
+        a.accepted(),
+        2,
+        "a connection was made for a client that had left"
+    );
+    assert_eq!(queue_abandoned(&ctl), 1);
+}
+
+#[test]
+fn a_queued_client_that_sent_its_request_and_half_closed_is_still_served() {
+    if skip_on_pen("queue_timeout is a quill extension") {
+        return;
+    }
+    let (a, q, ctl, first) = full_server_with_queue("127.0.0.51");
+    // As `nc -N`: the request, then the write side shut, while it waits.
+    let mut second = q.connect_from("127.0.0.52");
+    wait_until(Duration::from_secs(5), "the second client queued", || {
+        queue_counts(&ctl) == (1, 0)
+    });
+    second.write_all(b"request\n").expect("write");
+    second
+        .shutdown(std::net::Shutdown::Write)
+        .expect("shutdown");
+    // A client that closes without a word, queued behind it, is taken as gone: by then
+    // the second client's end has come too, and it still waits.
+    let third = q.connect_from("127.0.0.53");
+    wait_until(Duration::from_secs(5), "the third client queued", || {
+        queue_counts(&ctl) == (2, 0)
+    });
+    drop(third);
+    wait_until(
+        Duration::from_secs(5),
+        "the third client left the queue",
+        || queue_abandoned(&ctl) == 1,
+    );
+    assert_eq!(
+        queue_counts(&ctl),
+        (1, 0),
+        "the half-closed client was dropped"
+    );
+    // Room comes: the second client gets its answer (the name, its request echoed).
+    drop(first);
+    assert_eq!(backend_name(&mut second).as_deref(), Some("a"));
+    let (echoed, _) = expect_closed(&mut second, Duration::from_secs(5));
+    assert_eq!(echoed, b"request\n");
+    assert_eq!(a.accepted(), 2);
+    assert_eq!(queue_counts(&ctl), (0, 0));
+}
+
+#[test]
+fn a_queued_client_that_is_reset_gives_up_its_place_at_once() {
+    if skip_on_pen("queue_timeout is a quill extension") {
+        return;
+    }
+    let (a, q, ctl, first) = full_server_with_queue("127.0.0.61");
+    // SO_LINGER 0: the close is a reset.
+    let reset = |s: std::net::TcpStream| {
+        socket2::SockRef::from(&s)
+            .set_linger(Some(Duration::ZERO))
+            .expect("SO_LINGER");
+        drop(s);
+    };
+    // One that had sent nothing, then one that had sent bytes (only an error gives it
+    // away: its bytes keep its socket readable).
+    let silent = q.connect_from("127.0.0.62");
+    wait_until(Duration::from_secs(5), "the silent client queued", || {
+        queue_counts(&ctl) == (1, 0)
+    });
+    reset(silent);
+    wait_until(
+        Duration::from_secs(5),
+        "the silent client left the queue",
+        || queue_counts(&ctl) == (0, 0) && queue_abandoned(&ctl) == 1,
+    );
+    let mut talker = q.connect_from("127.0.0.63");
+    talker.write_all(b"request\n").expect("write");
+    wait_until(Duration::from_secs(5), "the talking client queued", || {
+        queue_counts(&ctl) == (1, 0)
+    });
+    reset(talker);
+    wait_until(
+        Duration::from_secs(5),
+        "the talking client left the queue",
+        || queue_counts(&ctl) == (0, 0) && queue_abandoned(&ctl) == 2,
+    );
+    // The next client gets the place the first one leaves; none was made in between.
+    drop(first);
+    let (name, _next) = q.name_from("127.0.0.64");
+    assert_eq!(name, "a");
+    assert_eq!(
+        a.accepted(),
+        2,
+        "a connection was made for a client that had left"
+    );
 }
 
 /// Server `index`'s open connections and waiting clients, from `status json`.

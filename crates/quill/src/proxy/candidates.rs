@@ -116,7 +116,9 @@ impl<'a, 's: 'a> Candidates<'a, 's> {
     }
 
     /// The server to try now (after waiting for room, with `queue_timeout`), with its
-    /// place taken; `None` when none is left.
+    /// place taken; `None` when none is left. Pending only while the client waits for
+    /// room: a caller that watches its client then (`tcp`, `h1_pump`) drops this when the
+    /// client leaves, which gives back its place in the queue (`queue_abandoned`).
     pub(super) async fn next(&mut self) -> Option<(Candidate<'a, 's>, Place<'s>)> {
         loop {
             if let Some(c) = self.in_table() {

@@ -11,6 +11,7 @@
 //! session is parked ([`super::park`]) until a socket wakes, and a new task relays on.
 
 use std::cell::Cell;
+use std::future::Future;
 use std::io;
 use std::net::{IpAddr, Ipv4Addr, SocketAddr};
 use std::os::fd::{AsFd, BorrowedFd};
@@ -23,7 +24,7 @@ use std::sync::Arc;
 use std::task::{Context, Poll};
 use std::time::{Duration, Instant};
 
-use tokio::io::{AsyncRead, AsyncWrite, AsyncWriteExt};
+use tokio::io::{AsyncRead, AsyncWrite, AsyncWriteExt, Interest, Ready};
 use tokio::net::{TcpListener, TcpStream, UnixListener};
 use tokio::sync::{mpsc, watch};
 
@@ -310,6 +311,9 @@ trait ClientStream:
     fn into_std(self) -> io::Result<Self::Std>;
     /// Puts a socket back into this thread's reactor.
     fn from_std(socket: Self::Std) -> io::Result<Self>;
+    /// Waits until the event loop reports any of `interest` (tokio's `ready`): for
+    /// [`client_left`], which needs `Interest::ERROR`, which the relay's readiness lacks.
+    fn ready_for(&self, interest: Interest) -> impl Future<Output = io::Result<Ready>> + '_;
 }
 
 impl ClientStream for TcpStream {
@@ -333,6 +337,9 @@ impl ClientStream for TcpStream {
     fn from_std(socket: std::net::TcpStream) -> io::Result<TcpStream> {
         TcpStream::from_std(socket)
     }
+    fn ready_for(&self, interest: Interest) -> impl Future<Output = io::Result<Ready>> + '_ {
+        TcpStream::ready(self, interest)
+    }
 }
 
 impl ClientStream for tokio::net::UnixStream {
@@ -347,6 +354,9 @@ impl ClientStream for tokio::net::UnixStream {
     }
     fn from_std(socket: Self::Std) -> io::Result<Self> {
         tokio::net::UnixStream::from_std(socket)
+    }
+    fn ready_for(&self, interest: Interest) -> impl Future<Output = io::Result<Ready>> + '_ {
+        tokio::net::UnixStream::ready(self, interest)
     }
 }
 
@@ -977,30 +987,58 @@ async fn open<C: ClientStream>(
         }
         _ => Offer::Nothing,
     };
+    // Whether the client already sent bytes quill holds: its request head (`http`), or
+    // over TLS, records rustls took with the handshake (decrypted bytes, a close_notify).
+    // Such a client is taken as gone, while it waits, only on an error: the byte pump too
+    // passes a half-close after the head on to the server and relays its answer.
+    let (socket, sent) = match &client {
+        Client::Plain(c) => (c, http.is_some()),
+        Client::Tls(c) => {
+            let (c, tls) = c.get_ref();
+            (c, http.is_some() || !tls.wants_read())
+        }
+    };
     let upstream = Box::pin(choose_and_connect(
-        state, &settings, preamble, opts, permitted, offer,
+        state,
+        &settings,
+        preamble,
+        opts,
+        permitted,
+        offer,
+        client_left(socket, sent),
     ))
     .await;
     // The access log's lines of a connection relayed whole (request by request, the
     // requests went to `h1_pump` or hyper above).
     let access_log = http.as_ref().and_then(|_| state.access_log.load_full());
-    let Some((server, lease)) = upstream else {
-        if let Some(log) = &log {
-            log.record(ip, started_unix, None, b"");
-        }
-        if let Some(http) = &mut http {
-            // The client's request came whole: it is answered (a 503, as request by
-            // request does), not left with a connection closed in silence.
-            if let Some(log) = access_log {
-                http.lines = Some(pump::Lines {
-                    log,
-                    client: ip,
-                    server: None,
-                });
+    let (server, lease) = match upstream {
+        Ok(upstream) => upstream,
+        Err(unserved) => {
+            if let Some(log) = &log {
+                log.record(ip, started_unix, None, b"");
             }
-            Box::pin(answer_unserved(&mut client, http)).await;
+            if let Some(http) = &mut http {
+                if let Some(log) = access_log {
+                    http.lines = Some(pump::Lines {
+                        log,
+                        client: ip,
+                        server: None,
+                    });
+                }
+                match unserved {
+                    // The client's request came whole: it is answered (a 503, as request
+                    // by request does), not left with a connection closed in silence.
+                    Unserved::NoServer => Box::pin(answer_unserved(&mut client, http)).await,
+                    // Reset while it waited: nothing can reach it; its request is logged
+                    // 499, as one request by request that left the queue.
+                    Unserved::Left => {
+                        http.exchange.client_left();
+                        http.log_the_rest();
+                    }
+                }
+            }
+            return None;
         }
-        return None;
     };
     // Read before relaying (once the server has closed, its address is gone), and only
     // for a log.
@@ -1415,9 +1453,52 @@ fn timeout(settings: &Settings) -> Duration {
     Duration::from_secs(settings.timeout.max(1))
 }
 
+/// Why [`choose_and_connect`] brought no server.
+enum Unserved {
+    /// None was left (or this host failed to connect): counted as `no_server`.
+    NoServer,
+    /// The client left while it waited for room (`queue_timeout`): counted by the queue
+    /// as `queue_abandoned`.
+    Left,
+}
+
+/// Ready when a client waiting for a server (`queue_timeout`) is gone, seen on its socket
+/// without taking a byte of it (what it sent is the server's): an error (a reset), or an
+/// end with nothing before it (peeked: the client sent nothing and closed). A client that
+/// sent something (`sent`: quill already read some of it, its request head or, over TLS,
+/// bytes rustls holds; or a peek finds bytes) may have half-closed after its request and
+/// still want the answer, as Pen relays it (`nc -N`): from then on only an error counts.
+async fn client_left<C: ClientStream>(socket: &C, mut sent: bool) {
+    loop {
+        // Once bytes wait, readability stays set until they are read, which the relay
+        // does, not this: waiting for it again would return at once, forever. Errors only.
+        let interest = if sent {
+            Interest::ERROR
+        } else {
+            Interest::READABLE | Interest::ERROR
+        };
+        let Ok(ready) = socket.ready_for(interest).await else {
+            return; // the event loop is shutting down
+        };
+        if ready.is_error() {
+            return;
+        }
+        // A peek that finds nothing (a readiness gone stale) clears it in the event loop,
+        // so that the next wait is for a new event: no loop without one.
+        match socket.try_peek(&mut [0u8; 1], &mut |_| false) {
+            Ok(0) => return,
+            Ok(_) => sent = true,
+            Err(e) if e.kind() == io::ErrorKind::WouldBlock => {}
+            Err(e) if e.kind() == io::ErrorKind::Interrupted => {}
+            Err(_) => return,
+        }
+    }
+}
+
 /// Selection with transparent failover, then the emergency server as a last resort; for
 /// a client the ACL denies (`permitted` false), the abuse server. `offer`: what TLS to the
-/// server offers in ALPN.
+/// server offers in ALPN. `left`: [`client_left`], watched only while the client waits in
+/// the queue for room.
 async fn choose_and_connect<'s>(
     state: &'s State,
     settings: &Settings,
@@ -1425,13 +1506,31 @@ async fn choose_and_connect<'s>(
     opts: SocketOptions,
     permitted: bool,
     offer: Offer,
-) -> Option<(Server, Lease<'s>)> {
+    left: impl Future<Output = ()>,
+) -> Result<(Server, Lease<'s>), Unserved> {
     let peer = preamble.peer;
     // The accept loop keeps this near `pending_max`; a burst accepted before the limit
     // was seen may pass it briefly, which is better than closing those clients.
     let _pending = Connecting::start(state);
     let mut candidates = Candidates::new(state, settings, peer, permitted);
-    while let Some((c, place)) = candidates.next().await {
+    let mut left = std::pin::pin!(left);
+    loop {
+        // Only the choice races the client's leaving, not the connect: a choice that does
+        // not wait is ready at its first poll, and then `left` is never polled (no system
+        // call, no registration: a client pays for the watch only when it waits), and a
+        // connect is bounded by `timeout` anyway. Dropped while it waits, the choice gives
+        // back the client's place in the queue and counts it as `queue_abandoned`.
+        let next = tokio::select! {
+            biased;
+            next = candidates.next() => next,
+            () = &mut left => {
+                tracing::debug!(%peer, "client left while waiting for a server");
+                return Err(Unserved::Left);
+            }
+        };
+        let Some((c, place)) = next else {
+            break;
+        };
         let lease = Lease {
             place,
             index: c.index,
@@ -1445,12 +1544,12 @@ async fn choose_and_connect<'s>(
                 c.server.total.fetch_add(1, Relaxed);
                 candidates.served(&c);
                 tracing::debug!(%peer, "{c}");
-                return Some((stream, lease));
+                return Ok((stream, lease));
             }
             Err(e) if is_local_failure(&e) => {
                 tracing::warn!(%peer, "cannot connect to {c}: {e}");
                 state.counters.no_server.fetch_add(1, Relaxed);
-                return None;
+                return Err(Unserved::NoServer);
             }
             Err(e) => {
                 drop(lease);
@@ -1460,7 +1559,7 @@ async fn choose_and_connect<'s>(
     }
     state.counters.no_server.fetch_add(1, Relaxed);
     tracing::debug!(%peer, "no server available: closing the client");
-    None
+    Err(Unserved::NoServer)
 }
 
 #[cfg(test)]
