@@ -347,9 +347,9 @@ pub static FAMILIES: &[Family] = &[
     },
     Family {
         name: "queue_abandoned",
-        help: "Requests (http: HTTP/1.x clients' and HTTP/2 streams) whose client left \
-               while they waited in the queue for a server with room (queue_timeout): \
-               never sent to a server.",
+        help: "Client connections or requests (http: HTTP/1.x clients' and HTTP/2 \
+               streams) whose client left while they waited in the queue for a server \
+               with room (queue_timeout): never sent to a server.",
         unit: None,
         kind: Kind::Counter,
         source: Source::Global(|s| load(&s.counters.queue_abandoned)),
