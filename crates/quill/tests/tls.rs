@@ -1202,3 +1202,54 @@ fn http_health_checks_speak_tls_to_tls_servers() {
     let other = Ca::new(dir.path(), "other");
     settled(&other.cert, "down");
 }
+
+/// A TLS client queued for a full server (`queue_timeout`) that closes after its handshake
+/// is seen on its socket at once: its place goes to no one, no server connection is made.
+#[test]
+fn a_tls_client_that_leaves_the_queue_gives_up_its_place_at_once() {
+    if skip_on_pen("queue_timeout is a quill extension") {
+        return;
+    }
+    let (_dir, ca, leaf) = tls_fixture();
+    let config = client_config(&ca.cert, None);
+    let a = IdentityBackend::start("a");
+    let (q, ctl) = start_with_tcp_control(&[
+        "-E",
+        s(&leaf.cert),
+        "-K",
+        s(&leaf.key),
+        "-O",
+        "queue_timeout 30",
+        "127.0.0.1:{port}",
+        &a.spec_with("1"),
+    ]);
+    let queue = || {
+        let status = status_json(&ctl);
+        let c = &status["connections"];
+        (
+            c["queued"].as_u64().unwrap(),
+            c["queue_abandoned"].as_u64().unwrap(),
+        )
+    };
+    let mut first = tls_connect(q.addr(), "localhost", &config).unwrap();
+    assert_eq!(backend_over_tls(&mut first).unwrap(), "a");
+    let second = tls_connect(q.addr(), "localhost", &config).unwrap();
+    wait_until(Duration::from_secs(5), "the second client queued", || {
+        queue() == (1, 0)
+    });
+    // Gone without a word after its handshake (no close_notify: a FIN).
+    drop(second);
+    wait_until(
+        Duration::from_secs(5),
+        "the second client left the queue",
+        || queue() == (0, 1),
+    );
+    drop(first);
+    let mut third = tls_connect(q.addr(), "localhost", &config).unwrap();
+    assert_eq!(backend_over_tls(&mut third).unwrap(), "a");
+    assert_eq!(
+        a.accepted(),
+        2,
+        "a connection was made for a client that had left"
+    );
+}
