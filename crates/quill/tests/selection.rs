@@ -497,6 +497,41 @@ fn a_queued_client_that_leaves_gives_up_its_place_at_once() {
     assert_eq!(queue_abandoned(&ctl), 1);
 }
 
+/// `close N` on a client waiting in the queue ends it there: quill's doing, not a client
+/// that left (`queue_abandoned` stays 0).
+#[test]
+fn close_n_ends_a_queued_client_without_counting_it_abandoned() {
+    if skip_on_pen("queue_timeout is a quill extension") {
+        return;
+    }
+    let (a, q, ctl, first) = full_server_with_queue("127.0.0.71");
+    let mut second = q.connect_from("127.0.0.72");
+    wait_until(Duration::from_secs(5), "the second client queued", || {
+        queue_counts(&ctl) == (1, 0)
+    });
+    let listed = support::ctl::ctl_ok(&ctl, "connections");
+    let number = listed
+        .lines()
+        .find(|l| l.contains(&format!("client {} ", second.local_addr().unwrap())))
+        .and_then(|l| l.split_whitespace().nth(1))
+        .unwrap_or_else(|| panic!("the queued client is not listed: {listed}"))
+        .to_string();
+    assert_eq!(support::ctl::ctl_ok(&ctl, &format!("close {number}")), "");
+    expect_closed_without_data(&mut second, Duration::from_secs(5));
+    wait_until(Duration::from_secs(5), "the queue emptied", || {
+        queue_counts(&ctl) == (0, 0)
+    });
+    assert_eq!(
+        queue_abandoned(&ctl),
+        0,
+        "quill's close counted as the client's"
+    );
+    drop(first);
+    let (name, _next) = q.name_from("127.0.0.73");
+    assert_eq!(name, "a");
+    assert_eq!(a.accepted(), 2);
+}
+
 #[test]
 fn a_queued_client_that_sent_its_request_and_half_closed_is_still_served() {
     if skip_on_pen("queue_timeout is a quill extension") {

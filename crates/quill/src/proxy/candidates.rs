@@ -32,6 +32,7 @@ use super::pool::Target;
 use crate::balance::clock;
 use crate::balance::select::{Choice, Selector};
 use crate::balance::{Place, ServerState};
+use crate::proxy::registry::ConnInfo;
 use crate::settings::Settings;
 use crate::state::State;
 
@@ -75,6 +76,9 @@ pub(super) struct Candidates<'a, 's> {
     handed: Option<(usize, Place<'s>)>,
     /// The blacklisted server offered last, tried anyway ([`Candidates::despite_blacklist`]).
     despite: Option<usize>,
+    /// The client's connection in the registry (with a control socket): a wait it drops
+    /// after `close N` is quill's doing, not abandoned.
+    conn: Option<&'a ConnInfo>,
 }
 
 /// Looks again after a place came free between the selector's look and the claim (or the
@@ -83,12 +87,14 @@ pub(super) struct Candidates<'a, 's> {
 const MAX_LOOKS: u32 = 64;
 
 impl<'a, 's: 'a> Candidates<'a, 's> {
-    /// Starts the search for a client at `peer`; `permitted`: the client ACL let it in.
+    /// Starts the search for a client at `peer`; `permitted`: the client ACL let it in;
+    /// `conn`: its connection in the registry, if it is in one.
     pub(super) fn new(
         state: &'s State,
         settings: &'a Settings,
         peer: SocketAddr,
         permitted: bool,
+        conn: Option<&'a ConnInfo>,
     ) -> Self {
         let mut selector = permitted.then(|| {
             Selector::new(
@@ -112,6 +118,7 @@ impl<'a, 's: 'a> Candidates<'a, 's> {
             looks: 0,
             handed: None,
             despite: None,
+            conn,
         }
     }
 
@@ -252,7 +259,7 @@ impl<'a, 's: 'a> Candidates<'a, 's> {
             .map(|(_, s)| Box::pin(s.freed.notified()))
             .chain([Box::pin(self.state.servers.changed.notified())])
             .collect();
-        let mut waiting = Waiting::enter(self.state, full);
+        let mut waiting = Waiting::enter(self.state, full, self.conn);
         for r in &mut rung {
             r.as_mut().enable();
         }
@@ -360,12 +367,14 @@ impl<'a, 's: 'a> Candidates<'a, 's> {
 
 /// A client counted as waiting, in the process's gauge and in each full server's queue
 /// (their leases then hand their places over), until it takes a handed place or drops.
-struct Waiting<'s> {
+struct Waiting<'a, 's> {
     state: &'s State,
     /// The servers (index, state) it still waits for.
     servers: Vec<(usize, &'s ServerState)>,
-    /// The wait ended (a place, a ring, the time up); dropped before, the client left.
+    /// The wait ended (a place, a ring, the time up); dropped before, the client left,
+    /// unless `close N` ended its connection.
     over: bool,
+    conn: Option<&'a ConnInfo>,
 }
 
 /// Whether a client may join the queue: fewer than `max` wait (0: no limit). Checked
@@ -379,10 +388,14 @@ fn may_join(state: &State, max: u64) -> bool {
         .is_ok()
 }
 
-impl<'s> Waiting<'s> {
+impl<'a, 's> Waiting<'a, 's> {
     /// Counts the client as waiting for `servers` (its place in the process's count was
     /// taken by [`may_join`]).
-    fn enter(state: &'s State, servers: Vec<(usize, &'s ServerState)>) -> Waiting<'s> {
+    fn enter(
+        state: &'s State,
+        servers: Vec<(usize, &'s ServerState)>,
+        conn: Option<&'a ConnInfo>,
+    ) -> Waiting<'a, 's> {
         for (_, s) in &servers {
             s.start_waiting();
         }
@@ -390,6 +403,7 @@ impl<'s> Waiting<'s> {
             state,
             servers,
             over: false,
+            conn,
         }
     }
 
@@ -405,13 +419,13 @@ impl<'s> Waiting<'s> {
     }
 }
 
-impl Drop for Waiting<'_> {
+impl Drop for Waiting<'_, '_> {
     fn drop(&mut self) {
         for (_, s) in &self.servers {
             s.stop_waiting();
         }
         self.state.counters.queued.fetch_sub(1, Relaxed);
-        if !self.over {
+        if !self.over && !self.conn.is_some_and(ConnInfo::close_requested) {
             self.state.counters.queue_abandoned.fetch_add(1, Relaxed);
         }
     }

@@ -835,7 +835,13 @@ async fn route(
             let line = format!("{} {target} {version}", req.method());
             (log, line)
         });
-    let mut candidates = Candidates::new(state, &settings, peer.addr, peer.permitted);
+    let mut candidates = Candidates::new(
+        state,
+        &settings,
+        peer.addr,
+        peer.permitted,
+        peer.conn.as_deref(),
+    );
     while let Some((c, place)) = candidates.next().await {
         peer.going_to(c.target);
         awaiting.going_to(&c);

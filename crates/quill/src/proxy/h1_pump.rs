@@ -345,7 +345,13 @@ async fn choose_and_send<C: Parkable>(
     tell: impl Fn(&To<'_>),
 ) -> Served {
     let settings = state.settings();
-    let mut candidates = Candidates::new(state, &settings, peer.addr, peer.permitted);
+    let mut candidates = Candidates::new(
+        state,
+        &settings,
+        peer.addr,
+        peer.permitted,
+        peer.conn.as_deref(),
+    );
     loop {
         let next = tokio::select! {
             biased;

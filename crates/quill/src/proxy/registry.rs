@@ -176,6 +176,12 @@ impl ConnInfo {
         !closer.requested
     }
 
+    /// Whether `close N` asked for the connection to end: what ends with it then was not
+    /// given up by its client.
+    pub fn close_requested(&self) -> bool {
+        self.closer().requested
+    }
+
     /// Ends the connection, wherever it is.
     fn close(&self) {
         let mut closer = self.closer();

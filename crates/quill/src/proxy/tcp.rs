@@ -1006,6 +1006,7 @@ async fn open<C: ClientStream>(
         permitted,
         offer,
         client_left(socket, sent),
+        registered.as_ref().map(|r| &*r.info),
     ))
     .await;
     // The access log's lines of a connection relayed whole (request by request, the
@@ -1498,7 +1499,8 @@ async fn client_left<C: ClientStream>(socket: &C, mut sent: bool) {
 /// Selection with transparent failover, then the emergency server as a last resort; for
 /// a client the ACL denies (`permitted` false), the abuse server. `offer`: what TLS to the
 /// server offers in ALPN. `left`: [`client_left`], watched only while the client waits in
-/// the queue for room.
+/// the queue for room. `conn`: the connection in the registry, if it is in one.
+#[allow(clippy::too_many_arguments)]
 async fn choose_and_connect<'s>(
     state: &'s State,
     settings: &Settings,
@@ -1507,12 +1509,13 @@ async fn choose_and_connect<'s>(
     permitted: bool,
     offer: Offer,
     left: impl Future<Output = ()>,
+    conn: Option<&ConnInfo>,
 ) -> Result<(Server, Lease<'s>), Unserved> {
     let peer = preamble.peer;
     // The accept loop keeps this near `pending_max`; a burst accepted before the limit
     // was seen may pass it briefly, which is better than closing those clients.
     let _pending = Connecting::start(state);
-    let mut candidates = Candidates::new(state, settings, peer, permitted);
+    let mut candidates = Candidates::new(state, settings, peer, permitted, conn);
     let mut left = std::pin::pin!(left);
     loop {
         // Only the choice races the client's leaving, not the connect: a choice that does
