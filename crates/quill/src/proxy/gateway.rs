@@ -405,6 +405,21 @@ pub(super) struct Peer {
 }
 
 impl Peer {
+    /// The search for a server for one of its requests.
+    pub fn candidates<'a, 's: 'a>(
+        &'a self,
+        state: &'s State,
+        settings: &'a Settings,
+    ) -> Candidates<'a, 's> {
+        Candidates::new(
+            state,
+            settings,
+            self.addr,
+            self.permitted,
+            self.conn.as_deref(),
+        )
+    }
+
     /// A request goes to `target` (each server tried, in turn): `connection N` says so.
     pub fn going_to(&self, target: Target) {
         if let Some(conn) = &self.conn {
@@ -835,13 +850,7 @@ async fn route(
             let line = format!("{} {target} {version}", req.method());
             (log, line)
         });
-    let mut candidates = Candidates::new(
-        state,
-        &settings,
-        peer.addr,
-        peer.permitted,
-        peer.conn.as_deref(),
-    );
+    let mut candidates = peer.candidates(state, &settings);
     while let Some((c, place)) = candidates.next().await {
         peer.going_to(c.target);
         awaiting.going_to(&c);

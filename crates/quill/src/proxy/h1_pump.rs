@@ -28,7 +28,7 @@ use std::time::{Duration, Instant};
 
 use tokio::io::{AsyncRead, AsyncWriteExt, ReadBuf};
 
-use super::candidates::{self, Candidate, Candidates};
+use super::candidates::{self, Candidate};
 use super::gateway::{secs, Lease, Peer};
 use super::h1::Parkable;
 use super::http;
@@ -345,13 +345,7 @@ async fn choose_and_send<C: Parkable>(
     tell: impl Fn(&To<'_>),
 ) -> Served {
     let settings = state.settings();
-    let mut candidates = Candidates::new(
-        state,
-        &settings,
-        peer.addr,
-        peer.permitted,
-        peer.conn.as_deref(),
-    );
+    let mut candidates = peer.candidates(state, &settings);
     loop {
         let next = tokio::select! {
             biased;
