@@ -465,16 +465,23 @@ fn full_server_with_queue(holder: &str) -> (IdentityBackend, Quill, String, std:
     (a, q, ctl, first)
 }
 
+/// A client from `from` that connects and is seen waiting: `waiting` clients in the queue,
+/// none timed out.
+fn queued_from(q: &Quill, ctl: &str, from: &str, waiting: u64) -> std::net::TcpStream {
+    let client = q.connect_from(from);
+    wait_until(Duration::from_secs(5), format!("{from} queued"), || {
+        queue_counts(ctl) == (waiting, 0)
+    });
+    client
+}
+
 #[test]
 fn a_queued_client_that_leaves_gives_up_its_place_at_once() {
     if skip_on_pen("queue_timeout is a quill extension") {
         return;
     }
     let (a, q, ctl, first) = full_server_with_queue("127.0.0.41");
-    let second = q.connect_from("127.0.0.42");
-    wait_until(Duration::from_secs(5), "the second client queued", || {
-        queue_counts(&ctl) == (1, 0)
-    });
+    let second = queued_from(&q, &ctl, "127.0.0.42", 1);
     // It closes without having sent a byte: seen at once, not when room comes or the
     // 30 s run out.
     drop(second);
@@ -505,10 +512,7 @@ fn close_n_ends_a_queued_client_without_counting_it_abandoned() {
         return;
     }
     let (a, q, ctl, first) = full_server_with_queue("127.0.0.71");
-    let mut second = q.connect_from("127.0.0.72");
-    wait_until(Duration::from_secs(5), "the second client queued", || {
-        queue_counts(&ctl) == (1, 0)
-    });
+    let mut second = queued_from(&q, &ctl, "127.0.0.72", 1);
     let listed = support::ctl::ctl_ok(&ctl, "connections");
     let number = listed
         .lines()
@@ -539,20 +543,14 @@ fn a_queued_client_that_sent_its_request_and_half_closed_is_still_served() {
     }
     let (a, q, ctl, first) = full_server_with_queue("127.0.0.51");
     // As `nc -N`: the request, then the write side shut, while it waits.
-    let mut second = q.connect_from("127.0.0.52");
-    wait_until(Duration::from_secs(5), "the second client queued", || {
-        queue_counts(&ctl) == (1, 0)
-    });
+    let mut second = queued_from(&q, &ctl, "127.0.0.52", 1);
     second.write_all(b"request\n").expect("write");
     second
         .shutdown(std::net::Shutdown::Write)
         .expect("shutdown");
     // A client that closes without a word, queued behind it, is taken as gone: by then
     // the second client's end has come too, and it still waits.
-    let third = q.connect_from("127.0.0.53");
-    wait_until(Duration::from_secs(5), "the third client queued", || {
-        queue_counts(&ctl) == (2, 0)
-    });
+    let third = queued_from(&q, &ctl, "127.0.0.53", 2);
     drop(third);
     wait_until(
         Duration::from_secs(5),
@@ -588,10 +586,7 @@ fn a_queued_client_that_is_reset_gives_up_its_place_at_once() {
     };
     // One that had sent nothing, then one that had sent bytes (only an error gives it
     // away: its bytes keep its socket readable).
-    let silent = q.connect_from("127.0.0.62");
-    wait_until(Duration::from_secs(5), "the silent client queued", || {
-        queue_counts(&ctl) == (1, 0)
-    });
+    let silent = queued_from(&q, &ctl, "127.0.0.62", 1);
     reset(silent);
     wait_until(
         Duration::from_secs(5),
