@@ -257,6 +257,32 @@ pub fn run(inv: Invocation) -> Result<(), StartError> {
             }
         }
     };
+    // Removes what start-up created should it fail from here on, and all of it at exit.
+    let mut cleanup = Cleanup(Vec::new());
+    // The control socket too: whoever finds quill's port open (a script that runs
+    // quillctl right after starting it) must find the control socket as well.
+    let control_listener = match (&control_addr, takeover_control) {
+        (_, Some(l)) => Some(ControlListener::Unix(l)),
+        (None, None) => None,
+        (Some(addr), None) => {
+            let bound = addr.clone();
+            let l = control::bind(&bound).map_err(|e| StartError::Control {
+                addr: addr.to_string(),
+                reason: e.to_string(),
+            })?;
+            if let ControlAddr::Unix(p) = &bound {
+                cleanup.0.push(p.clone());
+                if let Some(a) = &account {
+                    // The socket belongs to the user quill runs as (and stays mode 0600).
+                    chown(p, a).map_err(|e| StartError::Control {
+                        addr: addr.to_string(),
+                        reason: e.to_string(),
+                    })?;
+                }
+            }
+            Some(l)
+        }
+    };
     let (listeners, udp_listeners) = match (inv.protocol, taken, activated) {
         _ if dsr.is_some() => (Vec::new(), Vec::new()),
         (Protocol::Udp, _, Some(_)) => {
@@ -289,25 +315,6 @@ pub fn run(inv: Invocation) -> Result<(), StartError> {
             Vec::new(),
         ),
     };
-    let control_listener = match (&control_addr, takeover_control) {
-        (_, Some(l)) => Some(ControlListener::Unix(l)),
-        (None, None) => None,
-        (Some(addr), None) => {
-            let bound = addr.clone();
-            let l = control::bind(&bound).map_err(|e| StartError::Control {
-                addr: addr.to_string(),
-                reason: e.to_string(),
-            })?;
-            if let (ControlAddr::Unix(p), Some(a)) = (&bound, &account) {
-                // The socket belongs to the user quill runs as (and stays mode 0600).
-                chown(p, a).map_err(|e| StartError::Control {
-                    addr: addr.to_string(),
-                    reason: e.to_string(),
-                })?;
-            }
-            Some(l)
-        }
-    };
     // Kept for a later binary upgrade to hand over.
     let control_fd = match &control_listener {
         Some(ControlListener::Unix(l)) => {
@@ -339,7 +346,6 @@ pub fn run(inv: Invocation) -> Result<(), StartError> {
     let mut signals = rt
         .block_on(async { Signals::install() })
         .map_err(StartError::Runtime)?;
-    let mut cleanup = Cleanup(Vec::new());
     if let Some(path) = &inv.pidfile {
         // With `-u`, written as root before the drop (so that it may be in a directory
         // only root writes to, such as /run) and left root's: a process that gave up root
@@ -386,7 +392,8 @@ pub fn run(inv: Invocation) -> Result<(), StartError> {
     if let ListenAddr::Unix(p) = &listen_addr {
         cleanup.0.push(p.clone());
     }
-    if let Some(ControlAddr::Unix(p)) = &control_addr {
+    if let (Some(ControlAddr::Unix(p)), true) = (&control_addr, inv.takeover) {
+        // Handed over by the process this one replaces: ours to remove at exit now.
         cleanup.0.push(p.clone());
     }
 

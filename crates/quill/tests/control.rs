@@ -1187,6 +1187,46 @@ fn unix_control_socket_is_private_and_removed_at_exit() {
     assert!(!exists(&sock), "the control socket is left behind");
 }
 
+#[test]
+fn the_control_socket_is_open_before_the_port_and_gone_when_start_up_fails() {
+    if skip_on_pen("quill's start-up order") {
+        return;
+    }
+    let a = IdentityBackend::start("a");
+    let spec = a.spec();
+    // Whoever finds the port open finds the control socket too: a script (or a test) may
+    // run quillctl as soon as quill serves. The control socket is bound first, so ...
+    let mut args = vec!["-C", "{dir}/ctl.sock"];
+    args.extend(run_as_args());
+    args.extend(["127.0.0.1:{port}", spec.as_str()]);
+    let q = Quill::start(&args);
+    let sock = q.dir().join("ctl.sock");
+    assert!(
+        exists(&sock),
+        "quill serves, but without its control socket yet"
+    );
+
+    // ... and when the port then cannot be had, quill removes the socket it made.
+    let dir = TempDir::new("ctl-start");
+    let sock = dir.path().join("ctl.sock");
+    let mut args = vec!["-f", "-C", sock.to_str().unwrap()];
+    args.extend(run_as_args());
+    let taken = q.addr().to_string();
+    args.extend([taken.as_str(), spec.as_str()]);
+    let exit = run(&args);
+    assert_ne!(
+        exit.code,
+        Some(0),
+        "a second quill on {taken} started: {exit:?}"
+    );
+    assert!(exit.stderr.contains("in use"), "{}", exit.stderr);
+    assert!(
+        !exists(&sock),
+        "a failed start left its control socket: {}",
+        exit.stderr
+    );
+}
+
 // ---------------------------------------------------------------------------
 // Errors
 // ---------------------------------------------------------------------------
