@@ -48,18 +48,22 @@ REPO_ROOT = BENCH_DIR.parent
 RESULTS_DIR = BENCH_DIR / "results"
 
 ALL = ("quill", "pen", "dnsdist", "backend", "quill-nopoll", "quill-pbs", "quill-base",
-       "quill-offload", "quill-responses", "nginx")
+       "quill-offload", "quill-responses", "quill-placed", "nginx")
 # Measured only when named in --only: quill with busy polling off (QUILL_BUSY_POLL=off),
 # quill polling 30 µs after each piece of work before it sleeps (`poll_before_sleep 30`),
 # another quill binary (`--base-bin`) for an A/B of two builds in one run, quill
 # handing answered flows to its kernel path (`udp_offload lo`; needs root), quill ending
-# a flow once it has one answer per query (`udp_responses 1`), and NGINX's stream module
+# a flow once it has one answer per query (`udp_responses 1`), both (`quill-placed`: the
+# kernel path then also places new flows itself), and NGINX's stream module
 # (`proxy_responses 1`), an anchor.
-OPTIONAL = ("quill-nopoll", "quill-pbs", "quill-base", "quill-offload", "quill-responses", "nginx")
-QUILLS = ("quill", "quill-nopoll", "quill-pbs", "quill-base", "quill-offload", "quill-responses")
-# The -O control command that makes each quill variant.
-QUILL_COMMANDS = {"quill-pbs": "poll_before_sleep 30", "quill-offload": "udp_offload lo",
-                  "quill-responses": "udp_responses 1"}
+OPTIONAL = ("quill-nopoll", "quill-pbs", "quill-base", "quill-offload", "quill-responses",
+            "quill-placed", "nginx")
+QUILLS = ("quill", "quill-nopoll", "quill-pbs", "quill-base", "quill-offload", "quill-responses",
+          "quill-placed")
+# The -O control commands that make each quill variant.
+QUILL_COMMANDS = {"quill-pbs": ["poll_before_sleep 30"], "quill-offload": ["udp_offload lo"],
+                  "quill-responses": ["udp_responses 1"],
+                  "quill-placed": ["udp_offload lo", "udp_responses 1"]}
 ANCHORS = ("pen", "dnsdist", "nginx")
 BALANCER_CORE = "0"
 LOAD_CORE = "1"  # dnsperf (or quill-loadgen) and nsd
@@ -417,7 +421,7 @@ zone:
             be = f"127.0.0.1:{backend_port}"
             if name in QUILLS:
                 env = ["env", "QUILL_BUSY_POLL=off"] if name == "quill-nopoll" else []
-                extra = ["-O", QUILL_COMMANDS[name]] if name in QUILL_COMMANDS else []
+                extra = [a for c in QUILL_COMMANDS.get(name, []) for a in ("-O", c)]
                 binary = args.base_bin if name == "quill-base" else str(quill_bin)
                 return [*env, *pin, binary, "-f", "-U", *extra, "-r", f"127.0.0.1:{port}", be]
             if name == "pen":
@@ -614,7 +618,7 @@ def report(results: list[dict[str, Any]], only: list[str]) -> dict[str, Any]:
                     f"{n} {machine[n] - base:.2f} us" for n in machine if n != "backend"))
                 for n in machine:
                     rows[n]["overhead_us_per_query"] = machine[n] - base
-                for quill in ("quill", "quill-offload", "quill-responses"):
+                for quill in ("quill", "quill-offload", "quill-responses", "quill-placed"):
                     q = rows.get(quill, {}).get("overhead_us_per_query")
                     for a in ANCHORS:
                         o = rows.get(a, {}).get("overhead_us_per_query")

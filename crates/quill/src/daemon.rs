@@ -486,6 +486,9 @@ pub fn run(inv: Invocation) -> Result<(), StartError> {
             .map_err(StartError::Runtime)?;
         threads.push(thread);
     }
+    let placer = offload
+        .as_ref()
+        .map(|o| crate::proxy::offload::placement::Placer::new(Arc::clone(&state), Arc::clone(o)));
     threads.extend(
         crate::proxy::udp::spawn_loops(&state, udp_listeners, &stop_rx, offload)
             .map_err(StartError::Runtime)?,
@@ -517,6 +520,9 @@ pub fn run(inv: Invocation) -> Result<(), StartError> {
                 decided_tx,
             )),
         ];
+        if let Some(placer) = placer {
+            tasks.push(tokio::spawn(placer.run()));
+        }
         if let Some(l) = control_listener {
             let ctx = Arc::clone(&ctx);
             tasks.push(tokio::spawn(async move {

@@ -92,6 +92,8 @@ pub struct Counters {
     /// UDP flows handed to the kernel path (`udp_offload`), and those it carries now.
     pub udp_offloaded: AtomicU64,
     pub udp_carried: AtomicU64,
+    /// New UDP flows the kernel path placed itself (`udp_offload` with `udp_responses`).
+    pub udp_placed: AtomicU64,
     /// HTTP/2 client connections served (`http` with ALPN `h2`, or `h2c`).
     pub h2_connections: AtomicU64,
     /// Requests of HTTP/2 clients, each sent to a server of its own choosing.
@@ -163,6 +165,9 @@ pub struct State {
     pub started: std::time::Instant,
     /// The DSR plane's counters, once it runs (`dsr_if`), for the metrics.
     pub dsr: std::sync::OnceLock<Arc<DsrCounters>>,
+    /// Who places new UDP flows with `udp_offload` as last decided (`proxy::offload::placement`):
+    /// `None` before the first decision or without `udp_offload`, else "kernel" or why quill.
+    pub udp_placement: ArcSwapOption<String>,
     /// Bumped each time new settings are published (the health checks re-plan on it).
     pub generation: tokio::sync::watch::Sender<u64>,
     /// Set once when quill stops: HTTP/2 connections send GOAWAY and finish their streams.
@@ -212,6 +217,7 @@ impl State {
             access_log: ArcSwapOption::empty(),
             started: std::time::Instant::now(),
             dsr: std::sync::OnceLock::new(),
+            udp_placement: ArcSwapOption::empty(),
             generation: tokio::sync::watch::Sender::new(0),
             stopping: tokio::sync::watch::Sender::new(false),
             recycled: tokio::sync::watch::Sender::new(0),

@@ -196,6 +196,14 @@ pub static FAMILIES: &[Family] = &[
         source: Source::Global(|s| load(&s.counters.udp_offloaded)),
     },
     Family {
+        name: "udp_flows_placed",
+        help: "New UDP flows the kernel path (udp_offload with udp_responses) placed on a \
+               server itself, without waking quill.",
+        unit: None,
+        kind: Kind::Counter,
+        source: Source::Global(|s| load(&s.counters.udp_placed)),
+    },
+    Family {
         name: "udp_flows_carried",
         help: "UDP flows the kernel path (udp_offload) carries now, without waking quill.",
         unit: None,

@@ -270,6 +270,8 @@ pub fn json(ctx: &Context) -> String {
             "udp_reused": state.counters.udp_reused.load(Relaxed),
             "udp_offloaded": state.counters.udp_offloaded.load(Relaxed),
             "udp_carried": state.counters.udp_carried.load(Relaxed),
+            "udp_placed": state.counters.udp_placed.load(Relaxed),
+            "udp_placement": state.udp_placement.load_full().as_deref(),
             "refused_acl": state.counters.refused_acl.load(Relaxed),
             "no_server": state.counters.no_server.load(Relaxed),
             "queued": state.counters.queued.load(Relaxed),

@@ -18,10 +18,12 @@ use std::net::{IpAddr, SocketAddr};
 use std::sync::Mutex;
 use std::time::{Duration, Instant};
 
-use aya::maps::{HashMap, MapData};
+use aya::maps::{Array, HashMap, MapData, PerCpuArray};
 use aya::programs::tc::{SchedClassifier, TcAttachOptions, TcAttachType};
 use aya::programs::LinkOrder;
 use aya::Ebpf;
+
+pub mod placement;
 
 /// The program, built by `build` in this directory from `udp.bpf.c`.
 static PROGRAM: &[u8] = aya::include_bytes_aligned!("udp.bpf.o");
@@ -29,16 +31,23 @@ static PROGRAM: &[u8] = aya::include_bytes_aligned!("udp.bpf.o");
 /// `struct addrs` in `udp.bpf.c`: source, destination (IPv6, or IPv4-mapped), their
 /// ports, in network order.
 type Addrs = [u8; 36];
-/// `struct forward`: the rewritten addresses, the way on, then the counters.
-type Forward = [u8; 96];
+/// `struct forward`: the rewritten addresses, the way on, the counters, then what a flow
+/// the program placed itself carries (`placed`, `server`, `owed`, `responses`).
+type Forward = [u8; 112];
 /// Where the counters start in [`Forward`].
 const COUNTERS: usize = 40;
+/// Where `placed` and `server` are in [`Forward`].
+const PLACED: usize = 96;
+const SERVER: usize = 100;
 /// `struct reverse`: the rewritten addresses, the forward entry's key, the way on.
 type Reverse = [u8; 76];
 
 /// `enum way` in `udp.bpf.c`: how a rewritten datagram goes on.
 const WAY_LOCAL: u32 = 1;
 const WAY_ROUTE: u32 = 2;
+
+/// `MAX_FLOWS` in `udp.bpf.c`: the most entries each way.
+const MAX_FLOWS: usize = 65_536;
 
 /// How long the host's addresses are taken as known before they are read again.
 const ADDRESSES_FOR: Duration = Duration::from_secs(1);
@@ -196,6 +205,12 @@ struct Maps {
     forwards: HashMap<MapData, Addrs, Forward>,
     reverses: HashMap<MapData, Addrs, Reverse>,
     addresses: Addresses,
+    // The kernel's own placement of new flows (`placement`).
+    placement: Array<MapData, [u8; 8]>,
+    slots: Array<MapData, u32>,
+    holds: Array<MapData, placement::HeldEntry>,
+    placed: PerCpuArray<MapData, [u64; 6]>,
+    listeners: HashMap<MapData, [u8; 20], u32>,
 }
 
 /// The attached program and its maps, shared by the UDP event loops (they write an entry
@@ -263,6 +278,11 @@ impl Offload {
             forwards: take(&mut ebpf, "forwards")?,
             reverses: take(&mut ebpf, "reverses")?,
             addresses: Addresses::default(),
+            placement: take(&mut ebpf, "placement")?,
+            slots: take(&mut ebpf, "slots")?,
+            holds: take(&mut ebpf, "holds")?,
+            placed: take(&mut ebpf, "placed")?,
+            listeners: take(&mut ebpf, "listeners")?,
         };
         Ok(Offload {
             maps: Mutex::new(maps),
@@ -280,12 +300,12 @@ impl Offload {
     pub fn install(&self, flow: &FlowAddrs) -> Result<(), OffloadError> {
         let mut maps = self.maps();
         let forward_key = flow.forward_key();
-        let mut reverse = [0u8; 76];
+        let mut reverse: Reverse = [0u8; 76];
         reverse[..36].copy_from_slice(&addrs(flow.quill, flow.client));
         reverse[36..72].copy_from_slice(&forward_key);
         let way = maps.addresses.way_to(flow.client.ip());
         reverse[72..76].copy_from_slice(&way.to_ne_bytes());
-        let mut forward = [0u8; 96];
+        let mut forward: Forward = [0u8; 112];
         forward[..36].copy_from_slice(&addrs(flow.socket, flow.server));
         let way = maps.addresses.way_to(flow.server.ip());
         forward[36..40].copy_from_slice(&way.to_ne_bytes());
@@ -315,6 +335,134 @@ impl Offload {
         let _ = maps.forwards.remove(&key);
         let _ = maps.reverses.remove(&flow.reverse_key());
         last.map(|v| Counters::from_forward(&v))
+    }
+}
+
+/// A flow the program placed itself that [`Offload::sweep`] ended.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Swept {
+    /// Its server's index.
+    pub server: usize,
+    /// When its first unanswered datagram came (`CLOCK_MONOTONIC` ns; 0: it had answers
+    /// and went idle).
+    pub awaiting_ns: u64,
+}
+
+impl Offload {
+    /// The way from the host to `ip` (`enum way`).
+    fn way_to(&self, ip: IpAddr) -> u32 {
+        self.maps().addresses.way_to(ip)
+    }
+
+    /// Makes the program place new flows among `slots` (server indexes, each once per
+    /// share), owing `responses` answers per datagram; none: it places nothing.
+    fn set_slots(&self, slots: &[u32], responses: u32) -> Result<(), OffloadError> {
+        let mut maps = self.maps();
+        let config = |n: u32| {
+            let mut v = [0u8; 8];
+            v[..4].copy_from_slice(&n.to_ne_bytes());
+            v[4..].copy_from_slice(&responses.to_ne_bytes());
+            v
+        };
+        // Off while the table changes: a datagram placed meanwhile goes to quill.
+        maps.placement
+            .set(0, config(0), 0)
+            .map_err(map_err("placement"))?;
+        for (i, server) in (0u32..).zip(slots) {
+            maps.slots.set(i, server, 0).map_err(map_err("slots"))?;
+        }
+        let n = u32::try_from(slots.len()).unwrap_or(0);
+        if n > 0 {
+            maps.placement
+                .set(0, config(n), 0)
+                .map_err(map_err("placement"))?;
+        }
+        Ok(())
+    }
+
+    /// Writes server `index`'s held ports (none: the program places nothing there).
+    fn set_held(&self, index: u32, entry: &placement::HeldEntry) -> Result<(), OffloadError> {
+        self.maps()
+            .holds
+            .set(index, entry, 0)
+            .map_err(map_err("holds"))
+    }
+
+    /// Makes `listeners` the addresses whose new clients the program may place.
+    fn set_listeners(&self, listeners: &[SocketAddr]) -> Result<(), OffloadError> {
+        let mut maps = self.maps();
+        let old: Vec<[u8; 20]> = maps.listeners.keys().filter_map(Result::ok).collect();
+        for key in &old {
+            let _ = maps.listeners.remove(key);
+        }
+        for l in listeners {
+            // A wildcard is written as `::` (IPv6, dual-stack) or `::ffff:0.0.0.0`.
+            let ip = match l.ip() {
+                IpAddr::V4(v4) => v4.to_ipv6_mapped().octets(),
+                IpAddr::V6(v6) => v6.octets(),
+            };
+            let mut key = [0u8; 20];
+            key[..16].copy_from_slice(&ip);
+            key[16..18].copy_from_slice(&l.port().to_be_bytes());
+            maps.listeners
+                .insert(key, 1, 0)
+                .map_err(map_err("listeners"))?;
+        }
+        Ok(())
+    }
+
+    /// What the program placed and carried of its own flows to server `index`, summed
+    /// over the CPUs.
+    fn placed_totals(&self, index: u32) -> placement::Totals {
+        let maps = self.maps();
+        let mut t = placement::Totals::default();
+        if let Ok(per_cpu) = maps.placed.get(&index, 0) {
+            for v in per_cpu.iter() {
+                t.add(v);
+            }
+        }
+        t
+    }
+
+    /// Ends the flows the program placed that `over` says are done (it is given each
+    /// one's counters and server), forward entry first; returns them.
+    fn sweep(&self, mut over: impl FnMut(&Counters, usize) -> bool) -> Vec<Swept> {
+        let mut maps = self.maps();
+        let mut done = Vec::new();
+        // Bounded: a walk restarts when the program removes the entry it stood on.
+        let walk = maps.forwards.iter().filter_map(Result::ok).take(MAX_FLOWS);
+        for entry in walk {
+            let (key, v) = entry;
+            let word = |at: usize| {
+                let mut b = [0u8; 4];
+                b.copy_from_slice(&v[at..at + 4]);
+                u32::from_ne_bytes(b)
+            };
+            if word(PLACED) == 0 {
+                continue;
+            }
+            let server = word(SERVER) as usize;
+            let c = Counters::from_forward(&v);
+            if over(&c, server) {
+                // The reverse entry's key: the server's answers to the claimed port.
+                let mut reverse = [0u8; 36];
+                reverse[0..16].copy_from_slice(&v[16..32]);
+                reverse[16..32].copy_from_slice(&v[0..16]);
+                reverse[32..34].copy_from_slice(&v[34..36]);
+                reverse[34..36].copy_from_slice(&v[32..34]);
+                done.push((key, reverse, server, c.awaiting_ns));
+            }
+        }
+        done.into_iter()
+            .map(|(key, reverse, server, awaiting_ns)| {
+                let _ = maps.forwards.remove(&key);
+                let _ = maps.reverses.remove(&reverse);
+                Swept {
+                    server,
+                    awaiting_ns,
+                }
+            })
+            .collect()
     }
 }
 

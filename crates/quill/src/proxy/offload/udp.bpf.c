@@ -20,6 +20,17 @@
  * The forward entry keeps the flow's counters; quill reads them on the flow's timer to
  * expire idle flows, notice unanswered datagrams and count bytes.
  *
+ * Placement (quill writes `placement` only where its rules allow it: round robin,
+ * `udp_responses N`, nothing that must see each flow): a datagram to one of quill's
+ * listeners from a client with no entry is placed here. A slot of `slots` (servers in use,
+ * each as often as its weight) names a server; one of the ports quill holds for it
+ * (sockets bound and connected to the server, never used otherwise) is claimed by
+ * inserting its reverse entry (BPF_NOEXIST: a port carries one flow at a time); then the
+ * forward entry follows and the datagram is carried. Each datagram owes N answers; the
+ * answer that pays the last removes both entries, and the port is free again. A flow that
+ * is not answered keeps its port until quill sweeps it. No free port after a few tries,
+ * or no slot: the datagram goes to quill, which places it itself.
+ *
  * Built by crates/quill/src/proxy/offload/build (clang -target bpf); the object is committed
  * beside this file and CI checks that it is what this source builds to.
  */
@@ -65,6 +76,51 @@ struct forward {
 	__u64 last_up_ns;          /* bpf_ktime_get_ns (CLOCK_MONOTONIC) */
 	__u64 last_down_ns;
 	__u64 awaiting_ns;         /* the first datagram since the last answer; 0: none */
+	/* A flow the program placed itself; 0 for the flows quill hands over. */
+	__u32 placed;
+	__u32 server;              /* its server's index in `holds` */
+	__s32 owed;                /* answers still owed; at 0 the flow ends */
+	__u32 responses;           /* answers owed per datagram */
+};
+
+/* What quill wrote for placement; slots 0: the program places nothing. */
+struct placement {
+	__u32 slots;               /* how many of `slots` are in use */
+	__u32 responses;           /* udp_responses */
+};
+
+#define MAX_SERVERS 256
+#define MAX_SLOTS 1024
+#define PORTS 64                  /* held ports per server; a power of two */
+#define CLAIM_TRIES 4
+/* `owed` of a placed flow being removed: negative whatever is added to it after. */
+#define ENDING (-0x40000000)
+
+/* A server and the ports quill holds for it. */
+struct held {
+	__u32 server[4];           /* its address, IPv4-mapped for IPv4 */
+	__u32 socket[4];           /* the held sockets' address */
+	__u16 server_port;         /* network order, as the ports below */
+	__u16 ports;               /* how many of `port` are held (at most PORTS) */
+	__u32 way;                 /* enum way to the server */
+	__u16 port[PORTS];
+};
+
+/* Per server, per CPU: what the program placed and carried of its own flows. */
+struct placed {
+	__u64 flows;
+	__u64 up_packets;
+	__u64 up_bytes;
+	__u64 down_packets;
+	__u64 down_bytes;
+	__u64 last_down_ns;
+};
+
+/* A listener: its address (all zero for a wildcard) and port, network order. */
+struct listener {
+	__u32 ip[4];
+	__u16 port;
+	__u16 pad;
 };
 
 struct reverse {
@@ -88,6 +144,41 @@ struct {
 	__type(key, struct addrs);
 	__type(value, struct reverse);
 } reverses SEC(".maps");
+
+struct {
+	__uint(type, BPF_MAP_TYPE_ARRAY);
+	__uint(max_entries, 1);
+	__type(key, __u32);
+	__type(value, struct placement);
+} placement SEC(".maps");
+
+struct {
+	__uint(type, BPF_MAP_TYPE_ARRAY);
+	__uint(max_entries, MAX_SLOTS);
+	__type(key, __u32);
+	__type(value, __u32);
+} slots SEC(".maps");
+
+struct {
+	__uint(type, BPF_MAP_TYPE_ARRAY);
+	__uint(max_entries, MAX_SERVERS);
+	__type(key, __u32);
+	__type(value, struct held);
+} holds SEC(".maps");
+
+struct {
+	__uint(type, BPF_MAP_TYPE_PERCPU_ARRAY);
+	__uint(max_entries, MAX_SERVERS);
+	__type(key, __u32);
+	__type(value, struct placed);
+} placed SEC(".maps");
+
+struct {
+	__uint(type, BPF_MAP_TYPE_HASH);
+	__uint(max_entries, 64);
+	__type(key, struct listener);
+	__type(value, __u32);
+} listeners SEC(".maps");
 
 #define IP_CSUM (ETH_HLEN + __builtin_offsetof(struct iphdr, check))
 #define IP_SRC (ETH_HLEN + __builtin_offsetof(struct iphdr, saddr))
@@ -220,6 +311,104 @@ static __always_inline bool parse(struct __sk_buff *skb, bool *v6, struct addrs 
 	return true;
 }
 
+/* Whether the datagram is addressed to one of quill's listeners. */
+static __always_inline bool to_listener(const struct addrs *key)
+{
+	struct listener l = {};
+	__builtin_memcpy(l.ip, key->dst, 16);
+	l.port = key->dport;
+	if (bpf_map_lookup_elem(&listeners, &l))
+		return true;
+	/* A wildcard: 0.0.0.0 (IPv4-mapped) for IPv4 clients, then :: for both. */
+	__builtin_memset(l.ip, 0, 16);
+	if (key->dst[2] == bpf_htonl(0xffff) && !key->dst[0] && !key->dst[1]) {
+		l.ip[2] = bpf_htonl(0xffff);
+		if (bpf_map_lookup_elem(&listeners, &l))
+			return true;
+		l.ip[2] = 0;
+	}
+	return bpf_map_lookup_elem(&listeners, &l) != NULL;
+}
+
+/* Places a new flow (see the top of this file): true when the datagram was carried
+ * (*verdict says how), false when it goes to quill. */
+static __always_inline bool place(struct __sk_buff *skb, bool v6, const struct addrs *key,
+				  __u64 payload, __u64 now, int *verdict)
+{
+	__u32 zero = 0;
+	struct placement *p = bpf_map_lookup_elem(&placement, &zero);
+	if (!p || !p->slots || p->slots > MAX_SLOTS || !to_listener(key))
+		return false;
+	__u32 slot = bpf_get_prandom_u32() % p->slots;
+	__u32 *server = bpf_map_lookup_elem(&slots, &slot);
+	if (!server)
+		return false;
+	__u32 index = *server;
+	struct held *h = bpf_map_lookup_elem(&holds, &index);
+	if (!h || !h->ports || h->ports > PORTS)
+		return false;
+	/* No translation between families: an IPv4 client, an IPv4 server. */
+	bool server_v4 = !h->server[0] && !h->server[1] && h->server[2] == bpf_htonl(0xffff);
+	if (server_v4 == v6)
+		return false;
+
+	struct reverse r = {};
+	__builtin_memcpy(r.to.src, key->dst, 16);
+	__builtin_memcpy(r.to.dst, key->src, 16);
+	r.to.sport = key->dport;
+	r.to.dport = key->sport;
+	r.flow = *key;
+	r.way = skb->ingress_ifindex == LOOPBACK ? WAY_LOCAL : WAY_ROUTE;
+	struct addrs claim = {};
+	__builtin_memcpy(claim.src, h->server, 16);
+	__builtin_memcpy(claim.dst, h->socket, 16);
+	claim.sport = h->server_port;
+	__u32 first = bpf_get_prandom_u32();
+	bool claimed = false;
+	for (int i = 0; i < CLAIM_TRIES; i++) {
+		__u32 at = ((first + i) % h->ports) & (PORTS - 1);
+		claim.dport = h->port[at];
+		if (!bpf_map_update_elem(&reverses, &claim, &r, BPF_NOEXIST)) {
+			claimed = true;
+			break;
+		}
+	}
+	if (!claimed)
+		return false;
+
+	struct forward f = {};
+	__builtin_memcpy(f.to.src, h->socket, 16);
+	__builtin_memcpy(f.to.dst, h->server, 16);
+	f.to.sport = claim.dport;
+	f.to.dport = h->server_port;
+	f.way = h->way;
+	f.up_packets = 1;
+	f.up_bytes = payload;
+	f.last_up_ns = now;
+	f.awaiting_ns = now;
+	f.placed = 1;
+	f.server = index;
+	f.owed = p->responses;
+	f.responses = p->responses;
+	if (bpf_map_update_elem(&forwards, key, &f, BPF_NOEXIST)) {
+		bpf_map_delete_elem(&reverses, &claim);
+		return false;
+	}
+	struct addrs to = f.to;
+	if (!rewrite(skb, v6, key, &to, f.way, verdict)) {
+		bpf_map_delete_elem(&forwards, key);
+		bpf_map_delete_elem(&reverses, &claim);
+		return false;
+	}
+	struct placed *c = bpf_map_lookup_elem(&placed, &index);
+	if (c) {
+		c->flows++;
+		c->up_packets++;
+		c->up_bytes += payload;
+	}
+	return true;
+}
+
 /* Datagrams that are not the program's go on as they came (TC_ACT_UNSPEC: with TCX, to
  * the next program attached, if any, then to the stack). */
 SEC("classifier")
@@ -236,6 +425,10 @@ int quill_udp(struct __sk_buff *skb)
 	if (f) {
 		struct addrs to = f->to;
 		int verdict;
+		/* A placed flow owes this datagram's answers from now; one its last answer
+		 * is ending goes to quill instead (its way back is being removed). */
+		if (f->placed && __sync_fetch_and_add(&f->owed, f->responses) < 0)
+			return TC_ACT_UNSPEC;
 		if (!rewrite(skb, v6, &key, &to, f->way, &verdict))
 			return TC_ACT_UNSPEC;
 		__sync_fetch_and_add(&f->up_packets, 1);
@@ -243,11 +436,23 @@ int quill_udp(struct __sk_buff *skb)
 		f->last_up_ns = now;
 		if (!f->awaiting_ns)
 			f->awaiting_ns = now;
+		if (f->placed) {
+			__u32 index = f->server;
+			struct placed *c = bpf_map_lookup_elem(&placed, &index);
+			if (c) {
+				c->up_packets++;
+				c->up_bytes += payload;
+			}
+		}
 		return verdict;
 	}
 	struct reverse *r = bpf_map_lookup_elem(&reverses, &key);
-	if (!r)
+	if (!r) {
+		int verdict;
+		if (place(skb, v6, &key, payload, now, &verdict))
+			return verdict;
 		return TC_ACT_UNSPEC;
+	}
 	struct addrs flow = r->flow;
 	f = bpf_map_lookup_elem(&forwards, &flow);
 	if (!f)
@@ -260,6 +465,22 @@ int quill_udp(struct __sk_buff *skb)
 	__sync_fetch_and_add(&f->down_bytes, payload);
 	f->last_down_ns = now;
 	f->awaiting_ns = 0;
+	if (f->placed) {
+		__u32 index = f->server;
+		struct placed *c = bpf_map_lookup_elem(&placed, &index);
+		if (c) {
+			c->down_packets++;
+			c->down_bytes += payload;
+			c->last_down_ns = now;
+		}
+		/* The answer that pays the last one owed ends the flow (forward entry first),
+		 * unless a datagram came meanwhile: `owed` is marked ENDING only while 0. */
+		if (__sync_fetch_and_add(&f->owed, -1) == 1 &&
+		    __sync_val_compare_and_swap(&f->owed, 0, ENDING) == 0) {
+			bpf_map_delete_elem(&forwards, &flow);
+			bpf_map_delete_elem(&reverses, &key);
+		}
+	}
 	return verdict;
 }
 
