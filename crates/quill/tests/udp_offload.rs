@@ -451,3 +451,186 @@ fn a_flow_between_other_hosts_is_carried_out_of_the_balancers_interfaces() {
         "carried by the kernel"
     );
 }
+
+// ---------------------------------------------------------------------------
+// New flows placed by the kernel (round robin with `udp_responses`)
+// ---------------------------------------------------------------------------
+
+/// Two servers, round robin, one answer per query, `-t 1`; returns once the kernel places
+/// new clients (a client that is new to quill is answered while quill is stopped).
+fn placing(extra: &[&str]) -> Option<(DnsBackend, DnsBackend, UdpQuill, u16)> {
+    let a = DnsBackend::start(1);
+    let b = DnsBackend::start(2);
+    let mut args = vec!["-t", "1", "-r", "-O", "udp_responses 1"];
+    args.extend_from_slice(extra);
+    let (a_spec, b_spec) = (a.spec(), b.spec());
+    args.extend(["{port}", &a_spec, &b_spec]);
+    let (q, cport) = start(&args)?;
+    let placement = placement_when_decided(cport);
+    assert_eq!(placement, "kernel");
+    Some((a, b, q, cport))
+}
+
+fn connections(cport: u16) -> serde_json::Value {
+    let status = control(cport, "status json").expect("control socket");
+    let v: serde_json::Value = serde_json::from_str(&status).expect("status json");
+    v["connections"].clone()
+}
+
+/// `status json`'s `udp_placed`.
+fn placed(cport: u16) -> u64 {
+    connections(cport)["udp_placed"]
+        .as_u64()
+        .expect("udp_placed")
+}
+
+/// Who places new flows, once quill has decided and written the kernel's tables:
+/// "kernel", or "quill: " and why.
+fn placement_when_decided(cport: u16) -> String {
+    let mut word = String::new();
+    wait_until(Duration::from_secs(5), "the placement decided", || {
+        word = connections(cport)["udp_placement"]
+            .as_str()
+            .unwrap_or_default()
+            .to_string();
+        !word.is_empty()
+    });
+    word
+}
+
+/// A client that takes a new port for every query (a DNS resolver) is a new flow each
+/// time: the kernel places it on a server in use and carries the answer back, with quill
+/// stopped. Both servers get queries; the ports quill holds for a server are freed by the
+/// answers (far more queries than ports are answered); what the kernel placed is counted.
+#[test]
+fn a_client_with_a_port_per_query_is_placed_by_the_kernel_while_quill_is_stopped() {
+    let Some((a, b, q, cport)) = placing(&[]) else {
+        return;
+    };
+    let before = placed(cport);
+    kill(q.pid(), "STOP");
+    wait_until(Duration::from_secs(5), "quill stopped", || stopped(q.pid()));
+    let mut by = std::collections::HashMap::new();
+    let asked = 3 * 64;
+    for _ in 0..asked {
+        let answer = q.client("127.0.0.2").ask(WAIT);
+        *by.entry(answer).or_insert(0) += 1;
+        if answer.is_none() {
+            break;
+        }
+    }
+    kill(q.pid(), "CONT");
+    assert_eq!(by.get(&None), None, "unanswered queries: {by:?}");
+    assert!(
+        by.contains_key(&Some(a.ip())) && by.contains_key(&Some(b.ip())),
+        "both servers take new clients: {by:?}"
+    );
+    wait_until(Duration::from_secs(5), "the placed flows counted", || {
+        placed(cport) >= before + asked
+    });
+    // Each server's total includes the flows placed on it.
+    let servers = control(cport, "servers").expect("control socket");
+    assert!(!servers.contains(" total 0 "), "{servers}");
+}
+
+/// A server out of use (drained here) gets no new flow from the kernel.
+#[test]
+fn a_drained_server_gets_no_placed_flow() {
+    let Some((_a, b, q, cport)) = placing(&[]) else {
+        return;
+    };
+    command(cport, "server 0 drain");
+    // The tables follow within a tick: then every new client goes to server 1.
+    wait_until(
+        Duration::from_secs(5),
+        "only server 1 takes new clients",
+        || (0..8).all(|_| q.client("127.0.0.2").ask(WAIT) == Some(b.ip())),
+    );
+    kill(q.pid(), "STOP");
+    wait_until(Duration::from_secs(5), "quill stopped", || stopped(q.pid()));
+    let answers: Vec<_> = (0..20)
+        .map_while(|_| q.client("127.0.0.2").ask(WAIT))
+        .collect();
+    kill(q.pid(), "CONT");
+    assert_eq!(
+        answers.len(),
+        20,
+        "answered while quill was stopped: {answers:?}"
+    );
+    assert!(answers.iter().all(|a| *a == b.ip()), "{answers:?}");
+}
+
+/// A placed query its server does not answer is ended after the answer timeout (`-t 1`)
+/// and, as the server answered nothing since, the server is blacklisted: new clients go
+/// to the other.
+#[test]
+fn a_server_that_does_not_answer_placed_flows_is_blacklisted() {
+    let Some((a, b, q, cport)) = placing(&[]) else {
+        return;
+    };
+    a.set_silent(true);
+    // Some of these land on the silent server and wait for the timeout.
+    for _ in 0..8 {
+        let _ = q.client("127.0.0.2").ask(SHORT);
+    }
+    wait_until(Duration::from_secs(6), "server 0 blacklisted", || {
+        control(cport, "servers")
+            .is_ok_and(|s| s.lines().next().unwrap_or("").contains("blacklisted"))
+    });
+    let answers: Vec<_> = (0..10).map(|_| q.client("127.0.0.2").ask(WAIT)).collect();
+    assert!(answers.iter().all(|x| *x == Some(b.ip())), "{answers:?}");
+}
+
+/// A server whose port is closed refuses the queries placed on it (ICMP port
+/// unreachable reaches the socket quill holds): blacklisted at once.
+#[test]
+fn a_server_that_refuses_placed_flows_is_blacklisted() {
+    let Some((a, b, q, cport)) = placing(&[]) else {
+        return;
+    };
+    a.stop();
+    wait_until(Duration::from_secs(5), "server 0 blacklisted", || {
+        let _ = q.client("127.0.0.2").ask(SHORT);
+        control(cport, "servers")
+            .is_ok_and(|s| s.lines().next().unwrap_or("").contains("blacklisted"))
+    });
+    let answers: Vec<_> = (0..10).map(|_| q.client("127.0.0.2").ask(WAIT)).collect();
+    assert!(answers.iter().all(|x| *x == Some(b.ip())), "{answers:?}");
+}
+
+/// Where quill's rules need to see every new client (client tracking, Pen's default; an
+/// access list), the kernel places nothing: a new client waits for quill.
+#[test]
+fn the_kernel_places_nothing_where_quill_must_see_each_client() {
+    for args in [
+        vec!["-O", "udp_responses 1"],
+        vec![
+            "-r",
+            "-O",
+            "udp_responses 1",
+            "-O",
+            "acl 1 deny 10.0.0.0 255.0.0.0",
+            "-O",
+            "client_acl 1",
+        ],
+        vec!["-r"],
+    ] {
+        let a = DnsBackend::start(1);
+        let mut all = args.clone();
+        let spec = a.spec();
+        all.extend(["{port}", &spec]);
+        let Some((q, cport)) = start(&all) else {
+            return;
+        };
+        let placement = placement_when_decided(cport);
+        assert!(placement.starts_with("quill: "), "{args:?}: {placement}");
+        // quill serves new clients itself, and not while stopped.
+        assert_eq!(q.client("127.0.0.2").ask(WAIT), Some(a.ip()), "{args:?}");
+        assert_eq!(
+            ask_while_stopped(&q, &q.client("127.0.0.2")),
+            None,
+            "{args:?}"
+        );
+        assert_eq!(placed(cport), 0, "{args:?}");
+    }
+}
