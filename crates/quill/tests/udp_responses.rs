@@ -241,12 +241,12 @@ fn out_of_descriptors_a_new_flow_takes_those_of_the_spare_sockets() {
     let moved = format!("server 0 address {} port {}", addr.ip(), addr.port());
     assert_eq!(control(cport, &moved).unwrap().trim(), "");
 
-    // No descriptor left: a flow to c needs a new socket.
+    // No descriptor left: a flow to c needs a new socket. (Nor is one left for a control
+    // connection, so the answers alone tell what happened.)
     support::set_fd_limit(q.pid(), support::lowest_free_fd(q.pid()) as u64);
     let mut answers = Vec::new();
     for n in 4..6 {
         answers.push(q.client(&format!("127.0.0.{n}")).ask(WAIT));
-        wait_until(WAIT, "the answered flow ends", || no_flows_open(cport));
     }
     assert!(answers.contains(&Some(c.ip())), "{answers:?}");
     assert_eq!(q.flows_to(a.addr()), 0, "a's spare socket closed");

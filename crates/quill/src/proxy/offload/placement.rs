@@ -20,6 +20,7 @@ use std::sync::atomic::Ordering::Relaxed;
 use std::sync::Arc;
 use std::time::Duration;
 
+use tokio::sync::Notify;
 use tokio::task::JoinHandle;
 
 use super::{monotonic_ns, Counters, Offload, OffloadError};
@@ -147,7 +148,13 @@ impl Drop for Held {
 }
 
 /// Opens [`PORTS`] sockets connected to server `index` at `server`, and their readers.
-fn hold(state: &Arc<State>, index: usize, server: SocketAddr, way: u32) -> std::io::Result<Held> {
+fn hold(
+    state: &Arc<State>,
+    index: usize,
+    server: SocketAddr,
+    way: u32,
+    failed: &Arc<Notify>,
+) -> std::io::Result<Held> {
     let any: SocketAddr = match server {
         SocketAddr::V4(_) => (std::net::Ipv4Addr::UNSPECIFIED, 0).into(),
         SocketAddr::V6(_) => (std::net::Ipv6Addr::UNSPECIFIED, 0).into(),
@@ -173,7 +180,12 @@ fn hold(state: &Arc<State>, index: usize, server: SocketAddr, way: u32) -> std::
         entry[40 + 2 * n..42 + 2 * n].copy_from_slice(&addr.port().to_be_bytes());
         sock.set_nonblocking(true)?;
         let sock = tokio::net::UdpSocket::from_std(sock)?;
-        readers.push(tokio::spawn(read_held(Arc::clone(state), index, sock)));
+        readers.push(tokio::spawn(read_held(
+            Arc::clone(state),
+            index,
+            sock,
+            Arc::clone(failed),
+        )));
     }
     if let Some(ip) = local {
         entry[16..32].copy_from_slice(&mapped(ip));
@@ -189,7 +201,12 @@ fn hold(state: &Arc<State>, index: usize, server: SocketAddr, way: u32) -> std::
 
 /// Reads what reaches a held socket: an answer after its flow was swept (dropped, as quill
 /// drops a late answer), or the server's refusal (ICMP port unreachable): its failure.
-async fn read_held(state: Arc<State>, index: usize, sock: tokio::net::UdpSocket) {
+async fn read_held(
+    state: Arc<State>,
+    index: usize,
+    sock: tokio::net::UdpSocket,
+    failed: Arc<Notify>,
+) {
     let mut buf = [0u8; 1];
     loop {
         match sock.recv(&mut buf).await {
@@ -205,6 +222,8 @@ async fn read_held(state: Arc<State>, index: usize, sock: tokio::net::UdpSocket)
                         peer.as_deref().unwrap_or("")
                     ),
                 );
+                // The tables follow at once rather than at the next tick.
+                failed.notify_one();
             }
             Err(e) => {
                 tracing::debug!("udp_offload: held socket of server {index}: {e}");
@@ -226,6 +245,8 @@ pub struct Placer {
     seen: HashMap<usize, Totals>,
     /// The reason placement is off, as last said in the log.
     said: Option<Option<&'static str>>,
+    /// Rung by a held socket's reader when its server refused a flow.
+    failed: Arc<Notify>,
 }
 
 impl Placer {
@@ -239,6 +260,7 @@ impl Placer {
             listeners: Vec::new(),
             seen: HashMap::new(),
             said: None,
+            failed: Arc::new(Notify::new()),
         }
     }
 
@@ -247,7 +269,11 @@ impl Placer {
         let mut tick = tokio::time::interval(TICK);
         tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
         loop {
-            tick.tick().await;
+            let failed = Arc::clone(&self.failed);
+            tokio::select! {
+                _ = tick.tick() => {}
+                () = failed.notified() => {}
+            }
             if let Err(e) = self.tick() {
                 tracing::warn!("{e}");
             }
@@ -270,16 +296,17 @@ impl Placer {
                 Some(_) => {}
             }
         }
-        let slots = if why.is_none() {
-            slots(&self.state, &settings, now)
-        } else {
-            Vec::new()
-        };
         self.listen(&settings)?;
         if !self.held.is_empty() {
             // Only placed flows are swept, and they exist only on held ports.
             self.sweep(&settings, now);
         }
+        // After the sweep: a server it blacklisted gets no new flow from now.
+        let slots = if why.is_none() {
+            slots(&self.state, &settings, now)
+        } else {
+            Vec::new()
+        };
         self.hold_servers(&settings, &slots)?;
         if slots != self.slots || settings.udp_responses != self.responses {
             self.offload.set_slots(&slots, settings.udp_responses)?;
@@ -340,7 +367,7 @@ impl Placer {
                 continue;
             }
             let way = self.offload.way_to(addr.ip());
-            match hold(&self.state, i, addr, way) {
+            match hold(&self.state, i, addr, way, &self.failed) {
                 Ok(held) => {
                     let index = u32::try_from(i).unwrap_or(u32::MAX);
                     self.offload.set_held(index, &held.entry)?;
