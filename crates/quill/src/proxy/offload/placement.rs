@@ -167,7 +167,12 @@ fn hold(
     entry[0..16].copy_from_slice(&mapped(server.ip()));
     entry[32..34].copy_from_slice(&server.port().to_be_bytes());
     entry[36..40].copy_from_slice(&way.to_ne_bytes());
-    let mut readers = Vec::with_capacity(PORTS);
+    // Built as it goes, so that a failure half-way closes the sockets opened so far.
+    let mut held = Held {
+        server,
+        entry,
+        readers: Vec::with_capacity(PORTS),
+    };
     let mut local = None;
     for n in 0..PORTS {
         let sock = UdpSocket::bind(any)?;
@@ -177,10 +182,10 @@ fn hold(
             // The route changed between two sockets: hold them all again next time.
             return Err(std::io::Error::other("the route to the server changed"));
         }
-        entry[40 + 2 * n..42 + 2 * n].copy_from_slice(&addr.port().to_be_bytes());
+        held.entry[40 + 2 * n..42 + 2 * n].copy_from_slice(&addr.port().to_be_bytes());
         sock.set_nonblocking(true)?;
         let sock = tokio::net::UdpSocket::from_std(sock)?;
-        readers.push(tokio::spawn(read_held(
+        held.readers.push(tokio::spawn(read_held(
             Arc::clone(state),
             index,
             sock,
@@ -188,15 +193,11 @@ fn hold(
         )));
     }
     if let Some(ip) = local {
-        entry[16..32].copy_from_slice(&mapped(ip));
+        held.entry[16..32].copy_from_slice(&mapped(ip));
     }
     let ports = u16::try_from(PORTS).unwrap_or(u16::MAX);
-    entry[34..36].copy_from_slice(&ports.to_ne_bytes());
-    Ok(Held {
-        server,
-        entry,
-        readers,
-    })
+    held.entry[34..36].copy_from_slice(&ports.to_ne_bytes());
+    Ok(held)
 }
 
 /// Reads what reaches a held socket: an answer after its flow was swept (dropped, as quill
@@ -297,6 +298,8 @@ impl Placer {
             }
         }
         self.listen(&settings)?;
+        // Answers first: the sweep asks whether a server answered since a flow's datagram.
+        self.fold(now);
         if !self.held.is_empty() {
             // Only placed flows are swept, and they exist only on held ports.
             self.sweep(&settings, now);
@@ -313,7 +316,6 @@ impl Placer {
             self.slots = slots;
             self.responses = settings.udp_responses;
         }
-        self.fold(now);
         if self.said != Some(why) {
             // Said once the tables are written: whoever reads "kernel" finds it so.
             self.said = Some(why);
