@@ -637,3 +637,103 @@ fn the_kernel_places_nothing_where_quill_must_see_each_client() {
         assert_eq!(placed(cport), 0, "{args:?}");
     }
 }
+
+/// IPv6 clients are placed as IPv4 ones are, and so are IPv4 clients of a dual-stack
+/// listener; a client of one family whose server is of the other is left to quill, which
+/// translates.
+#[test]
+fn ipv6_clients_are_placed_and_a_change_of_family_is_not() {
+    if !offload_possible() {
+        return;
+    }
+    if !ipv6_available() {
+        eprintln!("SKIPPED: no IPv6 loopback");
+        return;
+    }
+    let v4 = DnsBackend::start_on(4, "127.0.0.1:0");
+    let v6 = DnsBackend::start_on(6, "[::1]:0");
+    for (listen, backend, client, placed_by_kernel) in [
+        ("[::1]:{port}", &v6, "::1", true),
+        (":::{port}", &v6, "::1", true),
+        (":::{port}", &v4, "127.0.0.1", true),
+        ("[::1]:{port}", &v4, "::1", false),
+    ] {
+        let spec = backend.spec();
+        let args = ["-t", "1", "-r", "-O", "udp_responses 1", listen, &spec];
+        let (q, cport) = start(&args).expect("started");
+        assert_eq!(placement_when_decided(cport), "kernel");
+        let to = match client.contains(':') {
+            true => SocketAddr::from((Ipv6Addr::LOCALHOST, q.port)),
+            false => SocketAddr::from(([127, 0, 0, 1], q.port)),
+        };
+        assert_eq!(
+            UdpClient::new(client, to).ask(WAIT),
+            Some(backend.ip()),
+            "{listen} {client}"
+        );
+        let expected = placed_by_kernel.then(|| backend.ip());
+        assert_eq!(
+            ask_while_stopped(&q, &UdpClient::new(client, to)),
+            expected,
+            "listen {listen}, server {spec}, client {client}"
+        );
+    }
+}
+
+/// Client and server on other hosts (as above): the kernel places a new client whose
+/// answers come back through the balancer's interfaces. A client on the balancer itself
+/// whose server is on another host is left to quill (its answers would come in on the
+/// wire, where the program could not send them up to a local client): answered, but only
+/// while quill runs.
+#[test]
+fn clients_of_other_hosts_are_placed_and_a_local_client_of_a_remote_server_is_not() {
+    if !offload_possible() || netns::skip() {
+        return;
+    }
+    let cli = Netns::new("pcli");
+    let lb = Netns::new("plb");
+    let be = Netns::new("pbe");
+    veth(&cli, "c1", &lb, "l1");
+    veth(&lb, "l2", &be, "b1");
+    cli.ip(&["addr", "add", "10.79.1.2/24", "dev", "c1"]);
+    lb.ip(&["addr", "add", "10.79.1.1/24", "dev", "l1"]);
+    lb.ip(&["addr", "add", "10.79.2.1/24", "dev", "l2"]);
+    be.ip(&["addr", "add", "10.79.2.2/24", "dev", "b1"]);
+    lb.sysctl(&["net.ipv4.ip_forward=1"]);
+    let backend = be.run(|| DnsBackend::start_on(1, "10.79.2.2:5300"));
+    let mut q = NsQuill::start(
+        &lb,
+        &[
+            "-U",
+            "-r",
+            "-O",
+            "udp_responses 1",
+            "-O",
+            "udp_offload l1,l2,lo",
+            "-t",
+            "1",
+            "10.79.1.1:5300",
+            "10.79.2.2:5300",
+        ],
+    );
+    let vip: SocketAddr = "10.79.1.1:5300".parse().unwrap();
+    let remote = move || UdpClient::new("10.79.1.2", vip);
+    // The first answer once quill listens and has written its tables (a new client each
+    // time, placed by the kernel while quill is stopped).
+    wait_until(Duration::from_secs(10), "a remote client placed", || {
+        if let Some(status) = q.exited() {
+            panic!("quill exited ({status}): {}", q.stderr());
+        }
+        cli.run(move || remote().ask(SHORT)) == Some(backend.ip())
+            && ask_while_pid_stopped(q.pid(), &cli.run(remote)) == Some(backend.ip())
+    });
+    for _ in 0..5 {
+        let c = cli.run(remote);
+        assert_eq!(ask_while_pid_stopped(q.pid(), &c), Some(backend.ip()));
+    }
+
+    let local = move || UdpClient::new("10.79.1.1", vip);
+    assert_eq!(lb.run(move || local().ask(WAIT)), Some(backend.ip()));
+    assert_eq!(ask_while_pid_stopped(q.pid(), &lb.run(local)), None);
+    assert_eq!(lb.run(move || local().ask(WAIT)), Some(backend.ip()));
+}

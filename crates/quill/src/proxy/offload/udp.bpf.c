@@ -200,6 +200,28 @@ struct {
  * our addresses as its source would be dropped as a martian. Another destination leaves
  * through the interface the FIB names, its neighbour resolved by the kernel; the lookup
  * needs forwarding enabled on the interface the datagram came in on. */
+/* Asks the FIB how a datagram with the addresses and ports of `to` that came in on
+ * interface `from_if` leaves; fills *fib (its ifindex: the way out). */
+static __always_inline bool route(struct __sk_buff *skb, bool v6, const struct addrs *to,
+				  __u32 from_if, struct bpf_fib_lookup *fib)
+{
+	fib->l4_protocol = IPPROTO_UDP;
+	fib->sport = to->sport;
+	fib->dport = to->dport;
+	fib->ifindex = from_if;
+	fib->tot_len = skb->len - ETH_HLEN;
+	if (v6) {
+		fib->family = AF_INET6;
+		__builtin_memcpy(fib->ipv6_src, to->src, 16);
+		__builtin_memcpy(fib->ipv6_dst, to->dst, 16);
+	} else {
+		fib->family = AF_INET;
+		fib->ipv4_src = to->src[3];
+		fib->ipv4_dst = to->dst[3];
+	}
+	return bpf_fib_lookup(skb, fib, sizeof(*fib), 0) == BPF_FIB_LKUP_RET_SUCCESS;
+}
+
 static __always_inline bool rewrite(struct __sk_buff *skb, bool v6, const struct addrs *from,
 				    const struct addrs *to, __u32 way, int *verdict)
 {
@@ -207,23 +229,8 @@ static __always_inline bool rewrite(struct __sk_buff *skb, bool v6, const struct
 	if (way == WAY_LOCAL) {
 		if (skb->ingress_ifindex != LOOPBACK)
 			return false;
-	} else {
-		fib.l4_protocol = IPPROTO_UDP;
-		fib.sport = to->sport;
-		fib.dport = to->dport;
-		fib.ifindex = skb->ingress_ifindex;
-		fib.tot_len = skb->len - ETH_HLEN;
-		if (v6) {
-			fib.family = AF_INET6;
-			__builtin_memcpy(fib.ipv6_src, to->src, 16);
-			__builtin_memcpy(fib.ipv6_dst, to->dst, 16);
-		} else {
-			fib.family = AF_INET;
-			fib.ipv4_src = to->src[3];
-			fib.ipv4_dst = to->dst[3];
-		}
-		if (bpf_fib_lookup(skb, &fib, sizeof(fib), 0) != BPF_FIB_LKUP_RET_SUCCESS)
-			return false;
+	} else if (!route(skb, v6, to, skb->ingress_ifindex, &fib)) {
+		return false;
 	}
 
 	const __u32 udp = v6 ? UDP6 : UDP4;
@@ -359,6 +366,27 @@ static __always_inline bool place(struct __sk_buff *skb, bool v6, const struct a
 	r.to.dport = key->sport;
 	r.flow = *key;
 	r.way = skb->ingress_ifindex == LOOPBACK ? WAY_LOCAL : WAY_ROUTE;
+	/* The answers must find their way back here too, or they would reach a held socket
+	 * and be lost (quill relays what it places itself whatever the route). They come in
+	 * on loopback from a local server: a local client only. From a remote server they
+	 * come in where the queries leave: a remote client, routable from there. */
+	if (h->way == WAY_LOCAL) {
+		if (r.way != WAY_LOCAL)
+			return false;
+	} else {
+		struct bpf_fib_lookup fib = {};
+		struct addrs out = {};
+		__builtin_memcpy(out.src, h->socket, 16);
+		__builtin_memcpy(out.dst, h->server, 16);
+		out.sport = h->port[0];
+		out.dport = h->server_port;
+		if (r.way != WAY_ROUTE || !route(skb, v6, &out, skb->ingress_ifindex, &fib))
+			return false;
+		__u32 answers_in = fib.ifindex;
+		struct bpf_fib_lookup back = {};
+		if (!route(skb, v6, &r.to, answers_in, &back))
+			return false;
+	}
 	struct addrs claim = {};
 	__builtin_memcpy(claim.src, h->server, 16);
 	__builtin_memcpy(claim.dst, h->socket, 16);
