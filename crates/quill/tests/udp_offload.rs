@@ -737,3 +737,28 @@ fn clients_of_other_hosts_are_placed_and_a_local_client_of_a_remote_server_is_no
     assert_eq!(ask_while_pid_stopped(q.pid(), &lb.run(local)), None);
     assert_eq!(lb.run(move || local().ask(WAIT)), Some(backend.ip()));
 }
+
+/// Placement follows the settings at run time: turning round robin on lets the kernel
+/// place new clients, turning it off gives them back to quill.
+#[test]
+fn round_robin_turned_on_and_off_at_run_time_moves_placement() {
+    let a = DnsBackend::start(1);
+    let spec = a.spec();
+    let Some((q, cport)) = start(&["-t", "1", "-O", "udp_responses 1", "{port}", &spec]) else {
+        return;
+    };
+    assert!(placement_when_decided(cport).starts_with("quill: "));
+    command(cport, "roundrobin");
+    wait_until(Duration::from_secs(5), "the kernel places", || {
+        connections(cport)["udp_placement"] == "kernel"
+    });
+    assert_eq!(ask_while_stopped(&q, &q.client("127.0.0.2")), Some(a.ip()));
+    command(cport, "no roundrobin");
+    wait_until(Duration::from_secs(5), "quill places", || {
+        connections(cport)["udp_placement"]
+            .as_str()
+            .is_some_and(|p| p.starts_with("quill: "))
+    });
+    assert_eq!(ask_while_stopped(&q, &q.client("127.0.0.2")), None);
+    assert_eq!(q.client("127.0.0.2").ask(WAIT), Some(a.ip()));
+}

@@ -38,6 +38,9 @@ const MAX_SERVERS: usize = 256;
 /// How often the tables are brought up to date and unanswered flows swept: a server taken
 /// out of use gets no new flow from the program after at most this long.
 pub const TICK: Duration = Duration::from_millis(250);
+/// The tick while no client sends (after [`QUIET_AFTER`] ticks without a datagram).
+const QUIET_TICK: Duration = Duration::from_secs(1);
+const QUIET_AFTER: u32 = 4;
 
 /// `struct held` in `udp.bpf.c`: the server's address, the held sockets' address, the
 /// server's port, the number of ports, the way to the server, the ports.
@@ -248,6 +251,8 @@ pub struct Placer {
     said: Option<Option<&'static str>>,
     /// Rung by a held socket's reader when its server refused a flow.
     failed: Arc<Notify>,
+    /// Ticks in a row that found no datagram placed or carried.
+    quiet: u32,
 }
 
 impl Placer {
@@ -262,21 +267,38 @@ impl Placer {
             seen: HashMap::new(),
             said: None,
             failed: Arc::new(Notify::new()),
+            quiet: 0,
         }
     }
 
     /// Brings the tables up to date every [`TICK`], for as long as quill runs.
+    /// While the program places nothing and no port is held, only a change of settings
+    /// can give the placer work: it sleeps until one (an idle quill is never woken).
+    /// While no client sends, it ticks every [`QUIET_TICK`]: a server's change then
+    /// reaches the tables up to that late, with no query to misplace meanwhile.
     pub async fn run(mut self) {
-        let mut tick = tokio::time::interval(TICK);
-        tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
+        let mut settings = self.state.generation.subscribe();
         loop {
-            let failed = Arc::clone(&self.failed);
-            tokio::select! {
-                _ = tick.tick() => {}
-                () = failed.notified() => {}
-            }
             if let Err(e) = self.tick() {
                 tracing::warn!("{e}");
+            }
+            let failed = Arc::clone(&self.failed);
+            if self.slots.is_empty() && self.held.is_empty() && self.said.flatten().is_some() {
+                tokio::select! {
+                    _ = settings.changed() => {}
+                    () = failed.notified() => {}
+                }
+            } else {
+                let period = if self.quiet > QUIET_AFTER {
+                    QUIET_TICK
+                } else {
+                    TICK
+                };
+                tokio::select! {
+                    () = tokio::time::sleep(period) => {}
+                    _ = settings.changed() => {}
+                    () = failed.notified() => {}
+                }
             }
         }
     }
@@ -421,6 +443,7 @@ impl Placer {
     /// Adds what the program counted since the last tick to the servers' totals.
     fn fold(&mut self, now: u64) {
         let mono = monotonic_ns();
+        self.quiet = self.quiet.saturating_add(1);
         for &i in self.held.keys() {
             let Some(server) = self.state.servers.get(i) else {
                 continue;
@@ -429,6 +452,9 @@ impl Placer {
             let t = self.offload.placed_totals(index);
             let seen = self.seen.insert(i, t).unwrap_or_default();
             let flows = t.flows.saturating_sub(seen.flows);
+            if t.up_packets > seen.up_packets {
+                self.quiet = 0;
+            }
             server.total.fetch_add(flows, Relaxed);
             self.state.counters.udp_placed.fetch_add(flows, Relaxed);
             server
