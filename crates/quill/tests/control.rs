@@ -1154,18 +1154,24 @@ fn control_acl_refuses_other_addresses_and_admits_the_permitted_one() {
     echo_through(&q, "127.0.0.2", b"clients are not affected");
 }
 
+/// quill in front of `server` with a Unix control socket in its directory (`-u root` when
+/// root), started once it serves; the socket's path.
+fn start_with_unix_control(server: &str) -> (Quill, std::path::PathBuf) {
+    let mut args = vec!["-C", "{dir}/ctl.sock"];
+    args.extend(run_as_args());
+    args.extend(["127.0.0.1:{port}", server]);
+    let q = Quill::start(&args);
+    let sock = q.dir().join("ctl.sock");
+    (q, sock)
+}
+
 #[test]
 fn unix_control_socket_is_private_and_removed_at_exit() {
     if skip_on_pen("quill's control socket rules") {
         return;
     }
     let a = IdentityBackend::start("a");
-    let spec = a.spec();
-    let mut args = vec!["-C", "{dir}/ctl.sock"];
-    args.extend(run_as_args());
-    args.extend(["127.0.0.1:{port}", spec.as_str()]);
-    let mut q = Quill::start(&args);
-    let sock = q.dir().join("ctl.sock");
+    let (mut q, sock) = start_with_unix_control(&a.spec());
     let path = sock.to_str().unwrap().to_string();
     let meta = fs::metadata(&sock).unwrap();
     assert!(meta.file_type().is_socket());
@@ -1196,11 +1202,7 @@ fn the_control_socket_is_open_before_the_port_and_gone_when_start_up_fails() {
     let spec = a.spec();
     // Whoever finds the port open finds the control socket too: a script (or a test) may
     // run quillctl as soon as quill serves. The control socket is bound first, so ...
-    let mut args = vec!["-C", "{dir}/ctl.sock"];
-    args.extend(run_as_args());
-    args.extend(["127.0.0.1:{port}", spec.as_str()]);
-    let q = Quill::start(&args);
-    let sock = q.dir().join("ctl.sock");
+    let (q, sock) = start_with_unix_control(&spec);
     assert!(
         exists(&sock),
         "quill serves, but without its control socket yet"

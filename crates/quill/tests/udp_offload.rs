@@ -403,6 +403,40 @@ fn an_interface_that_does_not_exist_is_refused_at_start() {
     assert!(e.contains("udp_offload") && e.contains("nosuchif0"), "{e}");
 }
 
+/// Three hosts in namespaces named `tag`cli, `tag`lb and `tag`be: the client
+/// 10.`net`.1.2 --- l1 10.`net`.1.1, the balancer, l2 10.`net`.2.1 --- the server
+/// 10.`net`.2.2, forwarding on in the balancer (the program's route lookup needs it where
+/// the datagrams come in), and a DNS server at 10.`net`.2.2:5300.
+struct ThreeHosts {
+    cli: Netns,
+    lb: Netns,
+    _be: Netns,
+    backend: DnsBackend,
+}
+
+impl ThreeHosts {
+    fn new(tag: &str, net: u8) -> ThreeHosts {
+        let cli = Netns::new(&format!("{tag}cli"));
+        let lb = Netns::new(&format!("{tag}lb"));
+        let be = Netns::new(&format!("{tag}be"));
+        veth(&cli, "c1", &lb, "l1");
+        veth(&lb, "l2", &be, "b1");
+        cli.ip(&["addr", "add", &format!("10.{net}.1.2/24"), "dev", "c1"]);
+        lb.ip(&["addr", "add", &format!("10.{net}.1.1/24"), "dev", "l1"]);
+        lb.ip(&["addr", "add", &format!("10.{net}.2.1/24"), "dev", "l2"]);
+        be.ip(&["addr", "add", &format!("10.{net}.2.2/24"), "dev", "b1"]);
+        lb.sysctl(&["net.ipv4.ip_forward=1"]);
+        let at = format!("10.{net}.2.2:5300");
+        let backend = be.run(move || DnsBackend::start_on(1, &at));
+        ThreeHosts {
+            cli,
+            lb,
+            _be: be,
+            backend,
+        }
+    }
+}
+
 /// Client and server on other hosts (cli 10.78.1.2 --- l1 10.78.1.1, balancer, l2
 /// 10.78.2.1 --- be 10.78.2.2): a carried flow's datagrams leave through the interface
 /// the FIB names, its neighbour resolved by the kernel, and the answers come back the
@@ -412,18 +446,12 @@ fn a_flow_between_other_hosts_is_carried_out_of_the_balancers_interfaces() {
     if !offload_possible() || netns::skip() {
         return;
     }
-    let cli = Netns::new("ocli");
-    let lb = Netns::new("olb");
-    let be = Netns::new("obe");
-    veth(&cli, "c1", &lb, "l1");
-    veth(&lb, "l2", &be, "b1");
-    cli.ip(&["addr", "add", "10.78.1.2/24", "dev", "c1"]);
-    lb.ip(&["addr", "add", "10.78.1.1/24", "dev", "l1"]);
-    lb.ip(&["addr", "add", "10.78.2.1/24", "dev", "l2"]);
-    be.ip(&["addr", "add", "10.78.2.2/24", "dev", "b1"]);
-    // The program's route lookup needs forwarding where the datagrams come in.
-    lb.sysctl(&["net.ipv4.ip_forward=1"]);
-    let backend = be.run(|| DnsBackend::start_on(1, "10.78.2.2:5300"));
+    let ThreeHosts {
+        cli,
+        lb,
+        _be,
+        backend,
+    } = ThreeHosts::new("o", 78);
     let mut q = NsQuill::start(
         &lb,
         &[
@@ -690,17 +718,12 @@ fn clients_of_other_hosts_are_placed_and_a_local_client_of_a_remote_server_is_no
     if !offload_possible() || netns::skip() {
         return;
     }
-    let cli = Netns::new("pcli");
-    let lb = Netns::new("plb");
-    let be = Netns::new("pbe");
-    veth(&cli, "c1", &lb, "l1");
-    veth(&lb, "l2", &be, "b1");
-    cli.ip(&["addr", "add", "10.79.1.2/24", "dev", "c1"]);
-    lb.ip(&["addr", "add", "10.79.1.1/24", "dev", "l1"]);
-    lb.ip(&["addr", "add", "10.79.2.1/24", "dev", "l2"]);
-    be.ip(&["addr", "add", "10.79.2.2/24", "dev", "b1"]);
-    lb.sysctl(&["net.ipv4.ip_forward=1"]);
-    let backend = be.run(|| DnsBackend::start_on(1, "10.79.2.2:5300"));
+    let ThreeHosts {
+        cli,
+        lb,
+        _be,
+        backend,
+    } = ThreeHosts::new("p", 79);
     let mut q = NsQuill::start(
         &lb,
         &[
